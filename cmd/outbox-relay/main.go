@@ -1,0 +1,82 @@
+// Command outbox-relay delivers transactional-outbox rows from PostgreSQL to
+// NATS JetStream. This file and its siblings only parse flags and wire parts
+// together; the work is done in internal/ and the public packages.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+type command struct {
+	name    string
+	summary string
+	run     func(ctx context.Context, args []string, stdout, stderr io.Writer) error
+}
+
+func commands() []command {
+	return []command{
+		{"migrate", "create or upgrade the outbox table, its indexes and the insert-only publication", runMigrate},
+		{"run", "stream outbox rows from the replication slot to JetStream", runRun},
+		{"status", "print slot lag, rows by state, oldest eligible age and failures", runStatus},
+		{"demo", "start throwaway PostgreSQL and NATS (unless URLs are given) and show rows flowing", runDemo},
+		{"version", "print the version", runVersion},
+	}
+}
+
+func usage(w io.Writer) {
+	fmt.Fprintln(w, "usage: outbox-relay <command> [flags]\n\ncommands:")
+	for _, c := range commands() {
+		fmt.Fprintf(w, "  %-8s %s\n", c.name, c.summary)
+	}
+	fmt.Fprintln(w, "\nRun `outbox-relay <command> --help` for a command's flags. Every flag also reads OUTBOX_RELAY_<FLAG>.")
+}
+
+func main() {
+	os.Exit(mainErr(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+func mainErr(args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
+		usage(stdout)
+		if len(args) == 0 {
+			return 2
+		}
+		return 0
+	}
+	for _, c := range commands() {
+		if c.name != args[0] {
+			continue
+		}
+		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+		defer stop()
+		go func() {
+			// A second signal exits at once.
+			<-ctx.Done()
+			stop()
+			sig := make(chan os.Signal, 1)
+			signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
+			<-sig
+			fmt.Fprintln(stderr, "outbox-relay: second signal, exiting now")
+			os.Exit(130)
+		}()
+		err := c.run(ctx, args[1:], stdout, stderr)
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		if err != nil {
+			fmt.Fprintf(stderr, "outbox-relay %s: %v\n", c.name, err)
+			return 1
+		}
+		return 0
+	}
+	fmt.Fprintf(stderr, "outbox-relay: unknown command %q\n\n", args[0])
+	usage(stderr)
+	return 2
+}

@@ -1,0 +1,55 @@
+package main
+
+import (
+	"context"
+	"io"
+	"time"
+
+	"github.com/outbox-relay/outbox-relay/internal/app"
+)
+
+func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
+	var c common
+	fs := newFlagSet("run", "Streams committed outbox INSERTs from the replication slot to JetStream and confirms the slot only after the broker acked.", stderr)
+	c.register(fs, true)
+	var (
+		dupWindow, ackTimeout, statusInterval, drainTimeout time.Duration
+		maxInFlight, maxInFlightBytes, replicas             int
+		httpAddr, appName                                   string
+		auth                                                app.NATSAuth
+	)
+	fs.DurationVar(&dupWindow, "duplicate-window", 2*time.Minute, "duplicate window of the stream when the relay creates it")
+	fs.IntVar(&replicas, "stream-replicas", 1, "replicas of the stream when the relay creates it (3 on a JetStream cluster)")
+	fs.DurationVar(&ackTimeout, "ack-timeout", 10*time.Second, "how long a publish waits for the broker's ack before the session restarts")
+	fs.IntVar(&maxInFlight, "max-in-flight", 1024, "messages published and not yet acked")
+	fs.IntVar(&maxInFlightBytes, "max-in-flight-bytes", 4<<20, "bytes published and not yet acked")
+	fs.DurationVar(&statusInterval, "status-interval", 2*time.Second, "standby status updates to PostgreSQL (keep well under wal_sender_timeout/2)")
+	fs.DurationVar(&drainTimeout, "drain-timeout", 10*time.Second, "on SIGTERM, how long to wait for in-flight acks")
+	fs.StringVar(&httpAddr, "http-addr", "", "serve /metrics, /healthz and /readyz here, e.g. :8080 (empty: off)")
+	fs.StringVar(&appName, "application-name", "outbox-relay", "application_name of the relay's PostgreSQL sessions")
+	fs.StringVar(&auth.Name, "nats-name", "outbox-relay", "NATS connection name")
+	fs.StringVar(&auth.User, "nats-user", "", "NATS user")
+	fs.StringVar(&auth.Password, "nats-password", "", "NATS password")
+	fs.StringVar(&auth.Token, "nats-token", "", "NATS token")
+	fs.StringVar(&auth.CredsFile, "nats-creds", "", "NATS credentials file (JWT + NKey)")
+	fs.StringVar(&auth.NKeyFile, "nats-nkey", "", "NATS NKey seed file")
+	fs.StringVar(&auth.CAFile, "nats-tls-ca", "", "CA certificate for the broker's TLS")
+	fs.StringVar(&auth.CertFile, "nats-tls-cert", "", "client certificate for TLS")
+	fs.StringVar(&auth.KeyFile, "nats-tls-key", "", "client key for TLS")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	log, err := c.log.Logger(stderr)
+	if err != nil {
+		return err
+	}
+	o, err := c.options()
+	if err != nil {
+		return err
+	}
+	o.DuplicateWindow, o.StreamReplicas, o.AckTimeout = dupWindow, replicas, ackTimeout
+	o.MaxInFlight, o.MaxInFlightBytes = maxInFlight, maxInFlightBytes
+	o.StatusInterval, o.DrainTimeout = statusInterval, drainTimeout
+	o.HTTPAddr, o.AppName, o.NATS = httpAddr, appName, auth
+	return app.Run(ctx, o, log)
+}

@@ -1,0 +1,306 @@
+// Package app wires the relay's parts into the running daemon: PostgreSQL
+// pool, NATS connection, stream, CDC path, HTTP endpoints. cmd/outbox-relay
+// parses flags into Options and calls Run; the demo and the end-to-end tests
+// call it the same way.
+package app
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/rs/zerolog"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/outbox-relay/outbox-relay/internal/metrics"
+	"github.com/outbox-relay/outbox-relay/internal/relay"
+	"github.com/outbox-relay/outbox-relay/internal/store"
+	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
+)
+
+// Options is everything `outbox-relay run` can be told.
+type Options struct {
+	DatabaseURL   string
+	NATSURL       string // comma-separated server URLs
+	Table         store.Table
+	Slot          string
+	Publication   string
+	Stream        string
+	SubjectPrefix string
+	Policy        store.Policy
+
+	DuplicateWindow  time.Duration
+	StreamReplicas   int
+	AckTimeout       time.Duration
+	MaxInFlight      int
+	MaxInFlightBytes int
+	StatusInterval   time.Duration
+	DrainTimeout     time.Duration
+	HTTPAddr         string
+	AppName          string
+
+	NATS NATSAuth
+
+	// Listening, when set, receives the HTTP server's address once it listens.
+	Listening func(addr string)
+	// Started, when set, receives the relay once it is built (tests read its role).
+	Started func(r *relay.Relay)
+}
+
+// NATSAuth holds the broker's credentials and TLS files; empty fields are
+// unused.
+type NATSAuth struct {
+	User, Password, Token string
+	CredsFile, NKeyFile   string
+	CAFile                string
+	CertFile, KeyFile     string
+	Name                  string
+}
+
+func (o *Options) natsOptions(log zerolog.Logger) []nats.Option {
+	name := o.NATS.Name
+	if name == "" {
+		name = "outbox-relay"
+	}
+	opts := []nats.Option{
+		nats.Name(name),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(500 * time.Millisecond),
+		nats.ReconnectJitter(250*time.Millisecond, time.Second),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			log.Warn().Err(err).Msg("disconnected from NATS")
+		}),
+		nats.ReconnectHandler(func(nc *nats.Conn) {
+			log.Info().Str("server", nc.ConnectedUrlRedacted()).Msg("reconnected to NATS")
+		}),
+	}
+	a := o.NATS
+	if a.User != "" || a.Password != "" {
+		opts = append(opts, nats.UserInfo(a.User, a.Password))
+	}
+	if a.Token != "" {
+		opts = append(opts, nats.Token(a.Token))
+	}
+	if a.CredsFile != "" {
+		opts = append(opts, nats.UserCredentials(a.CredsFile))
+	}
+	if a.NKeyFile != "" {
+		if opt, err := nats.NkeyOptionFromSeed(a.NKeyFile); err == nil {
+			opts = append(opts, opt)
+		}
+	}
+	if a.CAFile != "" {
+		opts = append(opts, nats.RootCAs(a.CAFile))
+	}
+	if a.CertFile != "" {
+		opts = append(opts, nats.ClientCert(a.CertFile, a.KeyFile))
+	}
+	return opts
+}
+
+// Validate rejects invalid combinations before anything connects.
+func (o *Options) Validate() error {
+	if o.NATSURL == "" {
+		return errors.New("--nats-url is empty: give the broker's URL, e.g. nats://127.0.0.1:4222")
+	}
+	if o.Stream == "" || strings.ContainsAny(o.Stream, " .*>\t") {
+		return fmt.Errorf("--stream %q: a JetStream stream name may not be empty or hold spaces, '.', '*' or '>'", o.Stream)
+	}
+	if !strings.HasSuffix(o.SubjectPrefix, ".") || natssink.ValidateSubject(strings.TrimSuffix(o.SubjectPrefix, ".")) != nil {
+		return fmt.Errorf("--subject-prefix %q: want dot-separated tokens ending in '.', e.g. outbox.", o.SubjectPrefix)
+	}
+	if (o.NATS.CertFile == "") != (o.NATS.KeyFile == "") {
+		return errors.New("--nats-tls-cert and --nats-tls-key go together: give both or neither")
+	}
+	if o.NATS.Token != "" && (o.NATS.User != "" || o.NATS.CredsFile != "") {
+		return errors.New("--nats-token cannot be combined with --nats-user or --nats-creds: choose one way to authenticate")
+	}
+	if o.AckTimeout <= 0 {
+		return fmt.Errorf("--ack-timeout %s: must be positive (without it a publish can wait forever across a broker loss)", o.AckTimeout)
+	}
+	if o.DuplicateWindow < time.Second {
+		return fmt.Errorf("--duplicate-window %s: must be at least 1s", o.DuplicateWindow)
+	}
+	if o.MaxInFlight < 1 {
+		return fmt.Errorf("--max-in-flight %d: must be at least 1", o.MaxInFlight)
+	}
+	return nil
+}
+
+// Connect opens the PostgreSQL pool and the NATS connection, failing fast
+// with messages that name the server (never the password).
+func Connect(ctx context.Context, o *Options, log zerolog.Logger) (*pgxpool.Pool, *nats.Conn, error) {
+	pcfg, err := pgxpool.ParseConfig(o.DatabaseURL)
+	if err != nil {
+		return nil, nil, fmt.Errorf("parse --database-url: %w", redactErr(err, o.DatabaseURL))
+	}
+	app := o.AppName
+	if app == "" {
+		app = "outbox-relay"
+	}
+	pcfg.ConnConfig.RuntimeParams["application_name"] = app
+	pcfg.MaxConns = 8
+	target := fmt.Sprintf("%s:%d/%s", pcfg.ConnConfig.Host, pcfg.ConnConfig.Port, pcfg.ConnConfig.Database)
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		return nil, nil, fmt.Errorf("connect to PostgreSQL at %s: %w", target, err)
+	}
+	pctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	defer cancel()
+	if err := pool.Ping(pctx); err != nil {
+		pool.Close()
+		return nil, nil, fmt.Errorf("connect to PostgreSQL at %s: %w", target, err)
+	}
+	nc, err := nats.Connect(o.NATSURL, o.natsOptions(log)...)
+	if err != nil {
+		pool.Close()
+		return nil, nil, fmt.Errorf("connect to NATS at %s: %w", redactURL(o.NATSURL), err)
+	}
+	return pool, nc, nil
+}
+
+// Run runs the daemon until ctx is cancelled.
+func Run(ctx context.Context, o Options, log zerolog.Logger) error {
+	if err := o.Validate(); err != nil {
+		return err
+	}
+	pool, nc, err := Connect(ctx, &o, log)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	defer func() { _ = nc.Drain() }()
+
+	m := metrics.New()
+	js, err := jetstream.New(nc,
+		jetstream.WithPublishAsyncTimeout(o.AckTimeout),
+		jetstream.WithPublishAsyncMaxPending(o.MaxInFlight*2+16))
+	if err != nil {
+		return fmt.Errorf("open JetStream: %w", err)
+	}
+	streamCfg := natssink.StreamConfig{Name: o.Stream, SubjectPrefix: o.SubjectPrefix, DuplicateWindow: o.DuplicateWindow, Replicas: o.StreamReplicas}
+	ensureStream := func(ctx context.Context) error {
+		sctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		info, created, err := natssink.EnsureStream(sctx, js, streamCfg)
+		if err != nil {
+			return err
+		}
+		if created {
+			log.Info().Str("stream", o.Stream).Str("subjects", o.SubjectPrefix+">").Dur("duplicate_window", info.Config.Duplicates).Msg("created stream")
+		}
+		return nil
+	}
+	r := relay.New(relay.Config{
+		DatabaseURL:      o.DatabaseURL,
+		Table:            o.Table,
+		Slot:             o.Slot,
+		Publication:      o.Publication,
+		SubjectPrefix:    o.SubjectPrefix,
+		Policy:           o.Policy,
+		AppName:          o.AppName,
+		MaxInFlight:      o.MaxInFlight,
+		MaxInFlightBytes: o.MaxInFlightBytes,
+		StatusInterval:   o.StatusInterval,
+		DrainTimeout:     o.DrainTimeout,
+		BeforeSession:    ensureStream,
+	}, pool, natssink.New(js), log, m)
+	if o.Started != nil {
+		o.Started(r)
+	}
+
+	g, gctx := errgroup.WithContext(ctx)
+	if o.HTTPAddr != "" {
+		srv, ln, err := listenHTTP(o.HTTPAddr, m, r, pool, nc)
+		if err != nil {
+			return err
+		}
+		if o.Listening != nil {
+			o.Listening(ln.Addr().String())
+		}
+		g.Go(func() error {
+			if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+				return fmt.Errorf("serve http on %s: %w", o.HTTPAddr, err)
+			}
+			return nil
+		})
+		g.Go(func() error {
+			<-gctx.Done()
+			sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			return srv.Shutdown(sctx)
+		})
+	}
+	g.Go(func() error {
+		for {
+			select {
+			case <-gctx.Done():
+				return nil
+			case <-time.After(time.Second):
+				st := r.Stats()
+				end, conf := st.ServerWALEnd.Load(), st.Confirmed.Load()
+				m.ServerWALEnd.Set(float64(end))
+				if end > conf {
+					m.SlotLagBytes.Set(float64(end - conf))
+				} else {
+					m.SlotLagBytes.Set(0)
+				}
+			}
+		}
+	})
+	g.Go(func() error {
+		err := r.Run(gctx)
+		if err != nil {
+			return err
+		}
+		// The CDC path returned because ctx ended; stop the rest too.
+		return context.Canceled
+	})
+	err = g.Wait()
+	if errors.Is(err, context.Canceled) && ctx.Err() != nil {
+		return nil
+	}
+	return err
+}
+
+func listenHTTP(addr string, m *metrics.Metrics, r *relay.Relay, pool *pgxpool.Pool, nc *nats.Conn) (*http.Server, net.Listener, error) {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+		fmt.Fprintln(w, "ok")
+	})
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, req *http.Request) {
+		role := r.Role()
+		var problems []string
+		if role != relay.RoleActive && role != relay.RoleStandby {
+			problems = append(problems, "cdc: "+role.String())
+		}
+		if !nc.IsConnected() {
+			problems = append(problems, "nats: "+nc.Status().String())
+		}
+		ctx, cancel := context.WithTimeout(req.Context(), 2*time.Second)
+		defer cancel()
+		if err := pool.Ping(ctx); err != nil {
+			problems = append(problems, "postgres: unreachable")
+		}
+		if len(problems) > 0 {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			fmt.Fprintln(w, strings.Join(problems, "; "))
+			return
+		}
+		fmt.Fprintln(w, role.String())
+	})
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, nil, fmt.Errorf("listen on --http-addr %s: %w", addr, err)
+	}
+	return &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}, ln, nil
+}

@@ -1,0 +1,393 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/outbox-relay/outbox-relay/internal/checkpoint"
+	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/replication"
+	"github.com/outbox-relay/outbox-relay/sinks"
+)
+
+// item is one ready row on its way through the session: published, acked
+// (or refused), settled in the table, then counted off its transaction.
+type item struct {
+	txn        *checkpoint.Txn
+	workID     string
+	commitTime time.Time
+	msg        *sinks.Message
+	size       int
+	fut        sinks.Future
+	ack        sinks.Ack
+	err        error
+	settle     store.Settle
+	tries      int       // settle attempts that found the row not visible yet
+	retryAt    time.Time // next settle attempt
+}
+
+type settleResult struct {
+	batch   []*item
+	settled []bool
+	err     error
+}
+
+// loop is one session's state. Everything here belongs to the goroutine in
+// run; the collector and settler goroutines only touch the items handed to
+// them through channels.
+type loop struct {
+	r  *Relay
+	cp *checkpoint.Checkpoint
+
+	cur           *checkpoint.Txn
+	curCommitTime time.Time
+	curCommitLSN  replication.LSN
+
+	inflight      int
+	inflightBytes int
+	blocked       *item // a row waiting for in-flight capacity
+
+	pending  []*item // acked or handed off, waiting for the settler
+	retry    []*item // settled too early (not visible yet)
+	settling bool
+
+	queue      chan *item // to the collector, in publish order
+	results    chan *item
+	settleReq  chan []*item
+	settleResp chan settleResult
+	wg         sync.WaitGroup
+}
+
+func newLoop(r *Relay, confirmed replication.LSN) *loop {
+	return &loop{
+		r:          r,
+		cp:         checkpoint.New(confirmed),
+		queue:      make(chan *item, r.cfg.MaxInFlight+1),
+		results:    make(chan *item, r.cfg.MaxInFlight+1),
+		settleReq:  make(chan []*item),
+		settleResp: make(chan settleResult, 1),
+	}
+}
+
+// wait returns once the helper goroutines have exited (after sessCtx ends).
+func (l *loop) wait() { l.wg.Wait() }
+
+func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event, confirms chan replication.LSN, stop chan struct{}, streamDone <-chan error) error {
+	l.wg.Add(2)
+	go l.collect(sessCtx)
+	go l.settler(sessCtx)
+	defer close(l.queue)
+	defer close(l.settleReq)
+
+	retryTimer := time.NewTimer(time.Hour)
+	retryTimer.Stop()
+	var drainDeadline <-chan time.Time
+	stopping := false
+	shutdown := ctx.Done()
+
+	for {
+		if l.blocked != nil && !stopping && l.hasRoom(l.blocked.size) {
+			b := l.blocked
+			l.blocked = nil
+			if err := l.publish(sessCtx, b); err != nil {
+				return err
+			}
+		}
+		if !l.settling && len(l.pending) > 0 {
+			n := min(len(l.pending), l.r.cfg.SettleBatch)
+			batch := make([]*item, n)
+			copy(batch, l.pending)
+			l.pending = append(l.pending[:0], l.pending[n:]...)
+			l.settling = true
+			l.settleReq <- batch
+		}
+		if stopping && l.inflight == 0 && !l.settling && len(l.pending) == 0 && len(l.retry) == 0 {
+			return l.finish(confirms, streamDone)
+		}
+
+		var evCh <-chan replication.Event
+		if l.blocked == nil && !stopping {
+			evCh = events
+		}
+		select {
+		case ev := <-evCh:
+			if err := l.handleEvent(sessCtx, ev, confirms); err != nil {
+				return err
+			}
+		case it := <-l.results:
+			if err := l.handleResult(it); err != nil {
+				return err
+			}
+		case res := <-l.settleResp:
+			l.settling = false
+			if res.err != nil {
+				return res.err
+			}
+			l.handleSettled(res, confirms)
+			l.armRetry(retryTimer)
+		case <-retryTimer.C:
+			l.dueRetries()
+			l.armRetry(retryTimer)
+		case err := <-streamDone:
+			if err == nil {
+				err = errors.New("replication stream ended")
+			}
+			return err
+		case <-shutdown:
+			shutdown = nil
+			stopping = true
+			close(stop)
+			drainDeadline = time.After(l.r.cfg.DrainTimeout)
+			l.r.log.Info().Int("in_flight", l.inflight).Msg("shutting down: draining in-flight messages")
+		case <-drainDeadline:
+			l.r.log.Warn().Int("in_flight", l.inflight).Int("unsettled", len(l.pending)+len(l.retry)).
+				Msg("drain timeout: leaving the rest to the next start (the broker drops the repeats)")
+			return l.finish(confirms, streamDone)
+		}
+	}
+}
+
+// finish sends the final confirmation and lets the stream send its last
+// status update and return.
+func (l *loop) finish(confirms chan replication.LSN, streamDone <-chan error) error {
+	sendConfirm(confirms, l.cp.Confirmed())
+	close(confirms)
+	select {
+	case err := <-streamDone:
+		if err != nil {
+			return fmt.Errorf("final confirmation: %w", err)
+		}
+	case <-time.After(10 * time.Second):
+		return errors.New("final confirmation: stream did not finish")
+	}
+	l.r.log.Info().Str("lsn", l.cp.Confirmed().String()).Msg("stopped; slot confirmed")
+	return nil
+}
+
+func (l *loop) hasRoom(size int) bool {
+	if l.inflight == 0 {
+		return true // one message always fits, however large
+	}
+	return l.inflight < l.r.cfg.MaxInFlight && l.inflightBytes+size <= l.r.cfg.MaxInFlightBytes
+}
+
+func (l *loop) handleEvent(ctx context.Context, ev replication.Event, confirms chan replication.LSN) error {
+	switch ev.Type {
+	case replication.EventBegin:
+		l.cur = l.cp.Begin(ev.Xid, ev.CommitLSN)
+		l.curCommitTime = ev.CommitTime
+		l.curCommitLSN = ev.CommitLSN
+	case replication.EventRow:
+		if l.cur == nil {
+			return errors.New("row outside a transaction")
+		}
+		return l.handleRow(ctx, ev.Row)
+	case replication.EventCommit:
+		if l.cur == nil {
+			return errors.New("commit outside a transaction")
+		}
+		l.cp.Commit(l.cur, ev.EndLSN)
+		l.cur = nil
+		l.advance(confirms)
+	}
+	return nil
+}
+
+func (l *loop) handleRow(ctx context.Context, row *replication.Row) error {
+	// A row inserted in another state belongs to the poller.
+	if row.State != "ready" {
+		return nil
+	}
+	it := &item{txn: l.cur, workID: row.WorkID, commitTime: l.curCommitTime}
+	it.settle = store.Settle{WorkID: row.WorkID, Xid: l.cur.Xid}
+	l.cp.Add(l.cur)
+	// Decided from the commit time in the WAL, never the relay's clock, so
+	// a replay decides the same way.
+	if row.AvailableAt.After(l.curCommitTime) {
+		it.settle.Outcome = store.Delayed
+		l.r.metrics.Handoffs.WithLabelValues("delayed").Inc()
+		l.pending = append(l.pending, it)
+		return nil
+	}
+	msg, err := BuildMessage(MessageFields{
+		WorkID: row.WorkID, Kind: row.Kind, Subject: row.Subject, Payload: row.Payload, Headers: row.Headers,
+	}, l.r.cfg.SubjectPrefix, CDCHeaders(l.curCommitLSN, l.curCommitTime))
+	if err != nil {
+		l.reject(it, &sinks.RejectedError{Reason: "invalid_header", Err: err})
+		return nil
+	}
+	it.msg = msg
+	it.size = msg.Size()
+	if !l.hasRoom(it.size) {
+		l.blocked = it
+		return nil
+	}
+	return l.publish(ctx, it)
+}
+
+func (l *loop) publish(ctx context.Context, it *item) error {
+	fut, err := l.r.sink.Publish(ctx, it.msg)
+	if err != nil {
+		if re, ok := sinks.IsRejected(err); ok {
+			l.reject(it, re)
+			return nil
+		}
+		l.r.metrics.Published.WithLabelValues("cdc", "error").Inc()
+		return fmt.Errorf("%w: %w", errOutage, err)
+	}
+	it.fut = fut
+	l.inflight++
+	l.inflightBytes += it.size
+	l.r.metrics.InFlight.Set(float64(l.inflight))
+	l.r.metrics.InFlightBytes.Set(float64(l.inflightBytes))
+	l.queue <- it // never blocks: its capacity exceeds MaxInFlight
+	return nil
+}
+
+// reject hands a row the broker will never take to the poller (G7): the
+// stream goes on, and the row is retried later and dead-lettered after max
+// attempts, with the reason kept in last_error.
+func (l *loop) reject(it *item, re *sinks.RejectedError) {
+	l.r.log.Warn().Str("work_id", it.workID).Str("reason", re.Reason).Err(re.Err).Msg("broker rejected row; handing it to the poller")
+	l.r.metrics.Published.WithLabelValues("cdc", "rejected").Inc()
+	l.r.metrics.Failures.WithLabelValues("rejected", re.Reason).Inc()
+	l.r.metrics.Handoffs.WithLabelValues("rejected").Inc()
+	it.settle.Outcome = store.Rejected
+	it.settle.Error = "rejected: " + re.Reason + ": " + re.Err.Error()
+	it.settle.RetryMs = l.r.cfg.RejectRetry.Milliseconds()
+	l.pending = append(l.pending, it)
+}
+
+// collect waits for every future in publish order. Waiting in order costs
+// little (acks mostly arrive in order) and checks every single one: a
+// completed batch can hold failures.
+func (l *loop) collect(ctx context.Context) {
+	defer l.wg.Done()
+	for it := range l.queue {
+		it.ack, it.err = it.fut.Wait(ctx)
+		select {
+		case l.results <- it:
+		case <-ctx.Done():
+			return
+		}
+	}
+}
+
+func (l *loop) handleResult(it *item) error {
+	l.inflight--
+	l.inflightBytes -= it.size
+	l.r.metrics.InFlight.Set(float64(l.inflight))
+	l.r.metrics.InFlightBytes.Set(float64(l.inflightBytes))
+	if it.err != nil {
+		if re, ok := sinks.IsRejected(it.err); ok {
+			l.reject(it, re)
+			return nil
+		}
+		l.r.metrics.Published.WithLabelValues("cdc", "error").Inc()
+		// An outage: no per-row writes. End the session; the next one
+		// resumes from the slot and republishes under the same IDs.
+		return fmt.Errorf("%w: %w", errOutage, it.err)
+	}
+	result := "ok"
+	if it.ack.Duplicate {
+		result = "duplicate"
+		l.r.metrics.Duplicates.Inc()
+	}
+	l.r.metrics.Published.WithLabelValues("cdc", result).Inc()
+	l.r.metrics.CommitToAck.Observe(time.Since(it.commitTime).Seconds())
+	it.settle.Outcome = store.Published
+	it.settle.Seq = it.ack.Sequence
+	it.msg = nil
+	l.pending = append(l.pending, it)
+	return nil
+}
+
+func (l *loop) settler(ctx context.Context) {
+	defer l.wg.Done()
+	for batch := range l.settleReq {
+		items := make([]store.Settle, len(batch))
+		for i, it := range batch {
+			items[i] = it.settle
+		}
+		settled, err := l.r.store.SettleRows(ctx, items)
+		select {
+		case l.settleResp <- settleResult{batch: batch, settled: settled, err: err}:
+		case <-ctx.Done():
+			return
+		}
+	}
+}
+
+func (l *loop) handleSettled(res settleResult, confirms chan replication.LSN) {
+	now := time.Now()
+	for i, it := range res.batch {
+		if res.settled[i] {
+			l.cp.Settle(it.txn)
+			continue
+		}
+		// Streamed before visible: the commit is flushed but the backend
+		// has not left the proc array yet (a synchronous standby can hold
+		// it there). Never confirm on a silent zero: try again.
+		it.tries++
+		l.r.metrics.SettleRetries.Inc()
+		if it.tries == 50 || it.tries%500 == 0 {
+			l.r.log.Warn().Str("work_id", it.workID).Uint32("xid", it.settle.Xid).Int("tries", it.tries).
+				Msg("row streamed but its transaction is not visible yet (a commit waiting for a synchronous standby?); holding the checkpoint")
+		}
+		it.retryAt = now.Add(min(time.Millisecond<<min(it.tries, 10), time.Second))
+		l.retry = append(l.retry, it)
+	}
+	l.advance(confirms)
+}
+
+func (l *loop) armRetry(t *time.Timer) {
+	if len(l.retry) == 0 {
+		return
+	}
+	next := l.retry[0].retryAt
+	for _, it := range l.retry[1:] {
+		if it.retryAt.Before(next) {
+			next = it.retryAt
+		}
+	}
+	t.Reset(time.Until(next))
+}
+
+func (l *loop) dueRetries() {
+	now := time.Now()
+	keep := l.retry[:0]
+	for _, it := range l.retry {
+		if !it.retryAt.After(now) {
+			l.pending = append(l.pending, it)
+		} else {
+			keep = append(keep, it)
+		}
+	}
+	clear(l.retry[len(keep):])
+	l.retry = keep
+}
+
+func (l *loop) advance(confirms chan replication.LSN) {
+	if lsn, moved := l.cp.Advance(); moved {
+		l.r.metrics.ConfirmedLSN.Set(float64(lsn))
+		sendConfirm(confirms, lsn)
+	}
+}
+
+// sendConfirm offers the newest position; an older one still waiting in the
+// channel is replaced, since the newer one covers it.
+func sendConfirm(ch chan replication.LSN, lsn replication.LSN) {
+	select {
+	case ch <- lsn:
+		return
+	default:
+	}
+	select {
+	case <-ch:
+	default:
+	}
+	ch <- lsn
+}

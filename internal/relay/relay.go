@@ -1,0 +1,309 @@
+// Package relay is the CDC path: it streams committed outbox INSERTs from the
+// replication slot, publishes them through a sink, settles each row (marks it
+// published, or hands it to the poller) and confirms the slot only past the
+// contiguous prefix of settled transactions (G3). Any failure it cannot
+// settle row by row (broker outage, database loss) ends the session; the next
+// session resumes from the slot and the broker drops the repeats by
+// Nats-Msg-Id, so nothing is skipped and nothing is confirmed early.
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/rs/zerolog"
+
+	"github.com/outbox-relay/outbox-relay/internal/metrics"
+	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/replication"
+	"github.com/outbox-relay/outbox-relay/sinks"
+)
+
+// Config is the CDC path's configuration.
+type Config struct {
+	DatabaseURL   string // for the replication connection; the pool is passed in
+	Table         store.Table
+	Slot          string
+	Publication   string
+	SubjectPrefix string
+	Policy        store.Policy
+	AppName       string
+
+	MaxInFlight      int           // messages published and not yet acked
+	MaxInFlightBytes int           // their bytes; keep below the client's reconnect buffer
+	SettleBatch      int           // rows per settle statement
+	StatusInterval   time.Duration // standby status updates
+	DrainTimeout     time.Duration // how long shutdown waits for in-flight acks
+	RejectRetry      time.Duration // delay before the poller retries a row the broker rejected
+	BackoffMin       time.Duration // reconnect backoff after a failed session
+	BackoffMax       time.Duration
+	StandbyRetry     time.Duration // START_REPLICATION retry while another instance holds the slot
+
+	// BeforeSession runs before each session, e.g. to create the stream when
+	// missing. An error fails the session (and is retried with backoff).
+	BeforeSession func(ctx context.Context) error
+	// OnSlotCreated runs after this instance created the slot and before
+	// streaming starts, while the slot's exported snapshot is still valid.
+	OnSlotCreated func(ctx context.Context, slot replication.CreatedSlot) error
+}
+
+func (c *Config) setDefaults() {
+	def := func(d *time.Duration, v time.Duration) {
+		if *d <= 0 {
+			*d = v
+		}
+	}
+	if c.MaxInFlight <= 0 {
+		c.MaxInFlight = 1024
+	}
+	if c.MaxInFlightBytes <= 0 {
+		c.MaxInFlightBytes = 4 << 20
+	}
+	if c.SettleBatch <= 0 {
+		c.SettleBatch = 2000
+	}
+	if c.Policy == "" {
+		c.Policy = store.PolicyMark
+	}
+	def(&c.StatusInterval, 2*time.Second)
+	def(&c.DrainTimeout, 10*time.Second)
+	def(&c.RejectRetry, 5*time.Second)
+	def(&c.BackoffMin, 200*time.Millisecond)
+	def(&c.BackoffMax, 30*time.Second)
+	def(&c.StandbyRetry, time.Second)
+}
+
+// Role is what the CDC path is doing, for /readyz and status.
+type Role int32
+
+const (
+	RoleStarting Role = iota
+	RoleActive
+	RoleStandby
+	RoleReconnecting
+)
+
+func (r Role) String() string {
+	return [...]string{"starting", "active", "standby", "reconnecting"}[r]
+}
+
+// Relay runs the CDC path.
+type Relay struct {
+	cfg     Config
+	pool    *pgxpool.Pool
+	store   *store.Store
+	sink    sinks.Sink
+	log     zerolog.Logger
+	metrics *metrics.Metrics
+	stats   replication.Stats
+	role    atomic.Int32
+
+	// sleep waits between sessions; tests replace it.
+	sleep func(ctx context.Context, d time.Duration) error
+}
+
+// New returns a relay. The pool is for the table's statements and catalog
+// checks; the replication connection is opened per session from
+// cfg.DatabaseURL.
+func New(cfg Config, pool *pgxpool.Pool, sink sinks.Sink, log zerolog.Logger, m *metrics.Metrics) *Relay {
+	cfg.setDefaults()
+	return &Relay{
+		cfg: cfg, pool: pool, sink: sink, metrics: m,
+		store: store.New(pool, cfg.Table, cfg.Policy),
+		log:   log.With().Str("component", "cdc").Str("slot", cfg.Slot).Logger(),
+		sleep: sleepCtx,
+	}
+}
+
+// Role reports what the CDC path is doing now.
+func (r *Relay) Role() Role { return Role(r.role.Load()) }
+
+// Stats exposes the stream's positions.
+func (r *Relay) Stats() *replication.Stats { return &r.stats }
+
+func (r *Relay) setRole(role Role) {
+	r.role.Store(int32(role))
+	if role == RoleActive {
+		r.metrics.SlotOwner.Set(1)
+	} else {
+		r.metrics.SlotOwner.Set(0)
+	}
+}
+
+// Preflight checks what no retry can fix, so a misconfiguration fails at
+// start with a message that says what to do: names, wal_level, privileges,
+// the table.
+func (r *Relay) Preflight(ctx context.Context) error {
+	if err := replication.ValidateName("slot", r.cfg.Slot); err != nil {
+		return err
+	}
+	if err := replication.ValidateName("publication", r.cfg.Publication); err != nil {
+		return err
+	}
+	if err := r.pool.Ping(ctx); err != nil {
+		return fmt.Errorf("connect to PostgreSQL: %w", err)
+	}
+	if err := replication.CheckServer(ctx, r.pool); err != nil {
+		return err
+	}
+	return r.store.Check(ctx)
+}
+
+// Run streams until ctx is cancelled, then shuts down gracefully: stop
+// reading WAL, wait (bounded) for in-flight acks, settle, confirm, close.
+// It returns nil after a graceful shutdown and an error only when Preflight
+// fails; every later failure is logged and retried with capped backoff.
+func (r *Relay) Run(ctx context.Context) error {
+	if err := r.Preflight(ctx); err != nil {
+		return err
+	}
+	attempt := 0
+	for {
+		started := time.Now()
+		err := r.session(ctx)
+		if ctx.Err() != nil {
+			r.setRole(RoleStarting)
+			return nil
+		}
+		var wait time.Duration
+		switch {
+		case replication.IsSlotActive(err):
+			if r.Role() != RoleStandby {
+				r.log.Info().Msg("slot is streamed by another instance; standing by")
+			}
+			r.setRole(RoleStandby)
+			wait = r.cfg.StandbyRetry
+			attempt = 0
+		default:
+			r.setRole(RoleReconnecting)
+			r.metrics.Sessions.WithLabelValues("error").Inc()
+			if time.Since(started) > time.Minute {
+				attempt = 0
+			}
+			wait = backoff(attempt, r.cfg.BackoffMin, r.cfg.BackoffMax)
+			attempt++
+			r.log.Error().Err(err).Dur("retry_in", wait).Int("attempt", attempt).Msg("replication session ended")
+		}
+		if err := r.sleep(ctx, wait); err != nil {
+			r.setRole(RoleStarting)
+			return nil
+		}
+	}
+}
+
+// backoff is capped exponential backoff with full jitter.
+func backoff(attempt int, min, max time.Duration) time.Duration {
+	d := max
+	if attempt < 30 {
+		d = min << attempt
+		if d > max || d <= 0 {
+			d = max
+		}
+	}
+	return min/2 + rand.N(d-min/2+1)
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// session runs one replication connection from connect to close.
+func (r *Relay) session(ctx context.Context) error {
+	if r.cfg.BeforeSession != nil {
+		if err := r.cfg.BeforeSession(ctx); err != nil {
+			return err
+		}
+	}
+	conn, err := replication.Connect(ctx, r.cfg.DatabaseURL, r.cfg.AppName)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = conn.Close(cctx)
+	}()
+
+	if err := replication.EnsurePublication(ctx, r.pool, r.cfg.Publication, r.cfg.Table.Schema, r.cfg.Table.Name); err != nil {
+		return err
+	}
+	slot, err := r.ensureSlot(ctx, conn)
+	if err != nil {
+		return err
+	}
+	stream, err := replication.Start(ctx, conn, replication.StreamConfig{
+		Slot:           r.cfg.Slot,
+		Publication:    r.cfg.Publication,
+		Table:          replication.Table{Schema: r.cfg.Table.Schema, Name: r.cfg.Table.Name},
+		StatusInterval: r.cfg.StatusInterval,
+		Logger:         r.log,
+	}, slot.ConfirmedFlush, &r.stats)
+	if err != nil {
+		return err
+	}
+	if r.Role() != RoleActive {
+		r.log.Info().Str("lsn", slot.ConfirmedFlush.String()).Msg("streaming slot")
+	}
+	r.setRole(RoleActive)
+	r.metrics.Sessions.WithLabelValues("started").Inc()
+
+	// The session's goroutines outlive ctx on purpose: a graceful shutdown
+	// still needs them to drain acks and send the last confirmation.
+	sessCtx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	l := newLoop(r, slot.ConfirmedFlush)
+	events := make(chan replication.Event, 1024)
+	confirms := make(chan replication.LSN, 1)
+	stop := make(chan struct{})
+	streamDone := make(chan error, 1)
+	go func() { streamDone <- stream.Run(sessCtx, events, confirms, stop) }()
+	err = l.run(ctx, sessCtx, events, confirms, stop, streamDone)
+	cancel()
+	l.wait()
+	return err
+}
+
+func (r *Relay) ensureSlot(ctx context.Context, conn replication.PgConn) (replication.SlotInfo, error) {
+	slot, err := replication.LookupSlot(ctx, r.pool, r.cfg.Slot)
+	if err != nil {
+		return slot, err
+	}
+	if slot.Exists {
+		if slot.Plugin != "pgoutput" {
+			return slot, fmt.Errorf("slot %s uses plugin %q, not pgoutput: drop it (SELECT pg_drop_replication_slot('%s')) or choose another --slot", r.cfg.Slot, slot.Plugin, r.cfg.Slot)
+		}
+		if slot.WALStatus == "lost" {
+			return slot, fmt.Errorf("slot %s was invalidated (wal_status lost: it fell behind max_slot_wal_keep_size); rows committed since its last confirmation are not in the WAL any more: drop the slot so the relay re-creates it and hands every ready row to the poller", r.cfg.Slot)
+		}
+		return slot, nil
+	}
+	created, err := replication.CreateSlot(ctx, conn, r.cfg.Slot)
+	if replication.IsDuplicateObject(err) {
+		// Another instance created it first.
+		return replication.LookupSlot(ctx, r.pool, r.cfg.Slot)
+	}
+	if err != nil {
+		return slot, err
+	}
+	r.log.Info().Str("lsn", created.ConsistentPoint.String()).Msg("created replication slot")
+	if r.cfg.OnSlotCreated != nil {
+		if err := r.cfg.OnSlotCreated(ctx, created); err != nil {
+			return slot, fmt.Errorf("after creating slot %s: %w", r.cfg.Slot, err)
+		}
+	}
+	return replication.SlotInfo{Exists: true, Plugin: "pgoutput", Active: true, ConfirmedFlush: created.ConsistentPoint}, nil
+}
+
+var errOutage = errors.New("broker outage")

@@ -1,0 +1,66 @@
+package store
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+)
+
+// Snapshot is a parsed pg_snapshot ("xmin:xmax:xip,..."). The relay uses it
+// to tell a committed transaction that other sessions cannot see yet from one
+// whose rows are visible: PostgreSQL flushes a commit record, so logical
+// decoding streams the transaction, before the backend leaves the proc array
+// (with a synchronous standby it stays invisible as long as the commit waits).
+// An UPDATE that runs in that gap matches zero rows; only a snapshot taken by
+// the same statement says whether zero means "not visible yet" or "already
+// settled".
+type Snapshot struct {
+	xmin, xmax uint64
+	xip        map[uint64]struct{}
+}
+
+// ParseSnapshot parses pg_current_snapshot()::text.
+func ParseSnapshot(s string) (Snapshot, error) {
+	parts := strings.SplitN(s, ":", 3)
+	if len(parts) != 3 {
+		return Snapshot{}, fmt.Errorf("parse snapshot %q: want xmin:xmax:xip", s)
+	}
+	xmin, err1 := strconv.ParseUint(parts[0], 10, 64)
+	xmax, err2 := strconv.ParseUint(parts[1], 10, 64)
+	if err1 != nil || err2 != nil {
+		return Snapshot{}, fmt.Errorf("parse snapshot %q: bad xmin or xmax", s)
+	}
+	snap := Snapshot{xmin: xmin, xmax: xmax}
+	if parts[2] != "" {
+		snap.xip = make(map[uint64]struct{})
+		for _, x := range strings.Split(parts[2], ",") {
+			v, err := strconv.ParseUint(x, 10, 64)
+			if err != nil {
+				return Snapshot{}, fmt.Errorf("parse snapshot %q: bad xip %q", s, x)
+			}
+			snap.xip[v] = struct{}{}
+		}
+	}
+	return snap, nil
+}
+
+// Visible reports whether the transaction with 32-bit id xid (as pgoutput's
+// BEGIN carries it), known to have committed, had ended when the snapshot was
+// taken, so its rows are visible to that snapshot's statement.
+func (s Snapshot) Visible(xid uint32) bool {
+	// pgoutput sends the 32-bit xid; place it in the epoch that puts it
+	// nearest to xmax. The transaction is recent, so it is within 2^31.
+	full := int64(s.xmax) + int64(int32(xid-uint32(s.xmax)))
+	if full < 0 {
+		return true
+	}
+	f := uint64(full)
+	if f < s.xmin {
+		return true
+	}
+	if f >= s.xmax {
+		return false
+	}
+	_, running := s.xip[f]
+	return !running
+}

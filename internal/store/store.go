@@ -1,0 +1,228 @@
+// Package store holds every SQL statement that touches the outbox table. Each
+// is a named method whose guard lives in its WHERE clause; nothing else in the
+// relay builds SQL against the table. Identifiers come from Table (quoted),
+// values are always parameters.
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// Policy is what happens to a row once the broker acknowledged it.
+type Policy string
+
+const (
+	// PolicyMark sets state='published', published_at and stream_seq, keeping
+	// the row as evidence until `outbox-relay prune`.
+	PolicyMark Policy = "mark"
+	// PolicyDelete deletes the row: the smallest table, no evidence kept.
+	PolicyDelete Policy = "delete"
+)
+
+// ParsePolicy reads the --on-publish flag.
+func ParsePolicy(s string) (Policy, error) {
+	switch p := Policy(s); p {
+	case PolicyMark, PolicyDelete:
+		return p, nil
+	}
+	return "", fmt.Errorf("--on-publish %q: want mark or delete", s)
+}
+
+// RequiredColumns are the columns the relay reads or writes.
+var RequiredColumns = []string{
+	"work_id", "kind", "subject", "payload", "headers", "state", "created_at", "available_at",
+	"attempts", "claim_generation", "claimed_by", "lease_until", "published_at", "stream_seq",
+	"last_error", "redriven_at", "redriven_by", "redrive_reason",
+}
+
+// Store runs the outbox table's statements on a pool.
+type Store struct {
+	pool   *pgxpool.Pool
+	table  Table
+	policy Policy
+
+	settleSQL string
+}
+
+// New returns a Store for table t.
+func New(pool *pgxpool.Pool, t Table, policy Policy) *Store {
+	s := &Store{pool: pool, table: t, policy: policy}
+	s.settleSQL = buildSettleSQL(t, policy)
+	return s
+}
+
+// Table is the table this store works on.
+func (s *Store) Table() Table { return s.table }
+
+// ErrTableMissing says the outbox table does not exist.
+var ErrTableMissing = errors.New("outbox table does not exist")
+
+// Check verifies, before the relay starts, that the table exists with every
+// column the relay needs and that this role may update and delete its rows,
+// so a misconfiguration fails at once with a message that says what to do.
+func (s *Store) Check(ctx context.Context) error {
+	var exists bool
+	err := s.pool.QueryRow(ctx,
+		`SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+		 WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('r', 'p'))`,
+		s.table.Schema, s.table.Name).Scan(&exists)
+	if err != nil {
+		return fmt.Errorf("check outbox table %s: %w", s.table.Qualified(), err)
+	}
+	if !exists {
+		return fmt.Errorf("%w: %s: run `outbox-relay migrate` with the same --database-url and --table first", ErrTableMissing, s.table.Qualified())
+	}
+	rows, err := s.pool.Query(ctx,
+		`SELECT attname FROM pg_catalog.pg_attribute WHERE attrelid = $1::regclass AND attnum > 0 AND NOT attisdropped`,
+		s.table.String())
+	if err != nil {
+		return fmt.Errorf("check outbox table %s columns: %w", s.table.Qualified(), err)
+	}
+	cols, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return fmt.Errorf("check outbox table %s columns: %w", s.table.Qualified(), err)
+	}
+	have := map[string]bool{}
+	for _, c := range cols {
+		have[c] = true
+	}
+	var missing []string
+	for _, c := range RequiredColumns {
+		if !have[c] {
+			missing = append(missing, c)
+		}
+	}
+	if len(missing) > 0 {
+		return fmt.Errorf("outbox table %s lacks column(s) %s: restore them or run `outbox-relay migrate` (a table made by hand needs every column of the design)",
+			s.table.Qualified(), strings.Join(missing, ", "))
+	}
+	var canUpdate, canDelete bool
+	err = s.pool.QueryRow(ctx,
+		`SELECT has_table_privilege($1::regclass, 'UPDATE'), has_table_privilege($1::regclass, 'DELETE')`,
+		s.table.String()).Scan(&canUpdate, &canDelete)
+	if err != nil {
+		return fmt.Errorf("check privileges on %s: %w", s.table.Qualified(), err)
+	}
+	if !canUpdate || (s.policy == PolicyDelete && !canDelete) {
+		return fmt.Errorf("role %s may not update%s rows of %s: GRANT SELECT, UPDATE, DELETE ON %s TO the relay's role (see sql/roles.sql)",
+			"current_user", map[bool]string{true: " or delete", false: ""}[s.policy == PolicyDelete], s.table.Qualified(), s.table.String())
+	}
+	return nil
+}
+
+// Outcome is what the CDC path learned about one row it streamed.
+type Outcome uint8
+
+const (
+	// Published: the broker acked it; apply the on-publish policy.
+	Published Outcome = iota + 1
+	// Delayed: its available_at is later than its transaction's commit
+	// time; the poller publishes it when due.
+	Delayed
+	// Rejected: the broker refused it for good; the poller retries it later
+	// and dead-letters it after max attempts.
+	Rejected
+)
+
+// Settle is one row the CDC path wants to move out of 'ready'.
+type Settle struct {
+	WorkID  string
+	Xid     uint32 // the inserting transaction, to tell "not visible yet" from "already moved on"
+	Outcome Outcome
+	Seq     uint64 // Published: the stream sequence
+	Error   string // Rejected: the broker's reason, stored in last_error
+	RetryMs int64  // Rejected: delay before the poller's next attempt
+}
+
+// SettleRows applies each outcome with a guard on state = 'ready', in one
+// statement. settled[i] is true when items[i] is done with: its row changed
+// now, or its transaction is visible and the row is already in another state
+// or gone (a replay after a crash, an operator, the poller). false means the
+// inserting transaction is not visible yet: try again later, and do not let
+// the checkpoint pass it.
+func (s *Store) SettleRows(ctx context.Context, items []Settle) (settled []bool, err error) {
+	var pubIDs, delayIDs, rejIDs, rejErrs []string
+	var pubSeqs, rejDelay []int64
+	for _, it := range items {
+		switch it.Outcome {
+		case Published:
+			pubIDs = append(pubIDs, it.WorkID)
+			pubSeqs = append(pubSeqs, int64(it.Seq))
+		case Delayed:
+			delayIDs = append(delayIDs, it.WorkID)
+		case Rejected:
+			rejIDs = append(rejIDs, it.WorkID)
+			rejErrs = append(rejErrs, it.Error)
+			rejDelay = append(rejDelay, it.RetryMs)
+		default:
+			return nil, fmt.Errorf("settle %s: unknown outcome %d", it.WorkID, it.Outcome)
+		}
+	}
+	var changed []string
+	var snapText string
+	args := []any{pubIDs, pubSeqs, delayIDs, rejIDs, rejErrs, rejDelay}
+	if s.policy == PolicyDelete {
+		args = []any{pubIDs, delayIDs, rejIDs, rejErrs, rejDelay}
+	}
+	if err := s.pool.QueryRow(ctx, s.settleSQL, args...).Scan(&changed, &snapText); err != nil {
+		return nil, fmt.Errorf("settle %d rows in %s: %w", len(items), s.table.Qualified(), err)
+	}
+	snap, err := ParseSnapshot(snapText)
+	if err != nil {
+		return nil, err
+	}
+	done := make(map[string]struct{}, len(changed))
+	for _, id := range changed {
+		done[id] = struct{}{}
+	}
+	settled = make([]bool, len(items))
+	for i, it := range items {
+		_, ok := done[it.WorkID]
+		settled[i] = ok || snap.Visible(it.Xid)
+	}
+	return settled, nil
+}
+
+// buildSettleSQL writes the settle statement once per table and policy. The
+// snapshot is read in the same statement as the updates, so it is the one
+// they ran under. Each UPDATE also filters with work_id = ANY so the planner
+// uses the primary key whatever it guesses about unnest.
+func buildSettleSQL(t Table, policy Policy) string {
+	tbl := t.String()
+	pub := `UPDATE ` + tbl + ` AS o SET state = 'published', published_at = clock_timestamp(), stream_seq = u.seq
+		FROM unnest($1::text[], $2::bigint[]) AS u(work_id, seq)
+		WHERE o.work_id = u.work_id AND o.work_id = ANY($1::text[]) AND o.state = 'ready'
+		RETURNING o.work_id`
+	n := 2
+	if policy == PolicyDelete {
+		pub = `DELETE FROM ` + tbl + ` AS o WHERE o.work_id = ANY($1::text[]) AND o.state = 'ready' RETURNING o.work_id`
+		n = 1
+	}
+	p := func(i int) string { return fmt.Sprintf("$%d", n+i) }
+	return `WITH pub AS (` + pub + `),
+	delayed AS (
+		UPDATE ` + tbl + ` AS o SET state = 'scheduled'
+		WHERE o.work_id = ANY(` + p(1) + `::text[]) AND o.state = 'ready'
+		RETURNING o.work_id),
+	rejected AS (
+		UPDATE ` + tbl + ` AS o SET state = 'scheduled', attempts = 1, last_error = u.err,
+			available_at = clock_timestamp() + u.delay_ms * interval '1 millisecond'
+		FROM unnest(` + p(2) + `::text[], ` + p(3) + `::text[], ` + p(4) + `::bigint[]) AS u(work_id, err, delay_ms)
+		WHERE o.work_id = u.work_id AND o.work_id = ANY(` + p(2) + `::text[]) AND o.state = 'ready'
+		RETURNING o.work_id)
+	SELECT ARRAY(SELECT work_id FROM pub UNION ALL SELECT work_id FROM delayed UNION ALL SELECT work_id FROM rejected),
+		pg_current_snapshot()::text`
+}
+
+// IsUndefinedTable reports a 42P01 error.
+func IsUndefinedTable(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "42P01"
+}

@@ -1,0 +1,796 @@
+package replication
+
+import (
+	"bufio"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+)
+
+// A pgoutput proto_version 1 encoder, written from
+// https://www.postgresql.org/docs/15/protocol-logicalrep-message-formats.html
+// so that tests state their input message by message.
+
+var pgEpoch = time.Date(2000, 1, 1, 0, 0, 0, 0, time.UTC)
+
+type pgmsg []byte
+
+func (m pgmsg) u8(v uint8) pgmsg     { return append(m, v) }
+func (m pgmsg) u16(v uint16) pgmsg   { return binary.BigEndian.AppendUint16(m, v) }
+func (m pgmsg) u32(v uint32) pgmsg   { return binary.BigEndian.AppendUint32(m, v) }
+func (m pgmsg) u64(v uint64) pgmsg   { return binary.BigEndian.AppendUint64(m, v) }
+func (m pgmsg) str(s string) pgmsg   { return append(append(m, s...), 0) }
+func (m pgmsg) ts(t time.Time) pgmsg { return m.u64(uint64(t.Sub(pgEpoch).Microseconds())) }
+
+func encBegin(finalLSN pglogrepl.LSN, commitTime time.Time, xid uint32) []byte {
+	return pgmsg{'B'}.u64(uint64(finalLSN)).ts(commitTime).u32(xid)
+}
+
+func encCommit(commitLSN, endLSN pglogrepl.LSN, commitTime time.Time) []byte {
+	return pgmsg{'C'}.u8(0).u64(uint64(commitLSN)).u64(uint64(endLSN)).ts(commitTime)
+}
+
+// typeOID gives columns the types the outbox schema has, so that encoded
+// Relation messages look like a server's.
+func typeOID(col string) uint32 {
+	switch {
+	case col == "payload" || col == "headers":
+		return 3802 // jsonb
+	case strings.HasSuffix(col, "_at") || col == "lease_until":
+		return 1184 // timestamptz
+	case col == "attempts":
+		return 23 // int4
+	case col == "claim_generation" || col == "stream_seq" || col == "id":
+		return 20 // int8
+	}
+	return 25 // text
+}
+
+func encRelation(id uint32, ns, name string, cols ...string) []byte {
+	m := pgmsg{'R'}.u32(id).str(ns).str(name).u8('d').u16(uint16(len(cols)))
+	for _, c := range cols {
+		var flags uint8
+		if c == "work_id" || c == "id" {
+			flags = 1 // part of the replica identity key
+		}
+		m = m.u8(flags).str(c).u32(typeOID(c)).u32(0xffffffff)
+	}
+	return m
+}
+
+// val is one TupleData column: kind 'n' (NULL), 'u' (unchanged TOAST), 't'
+// (text) or 'b' (binary).
+type val struct {
+	kind byte
+	data string
+}
+
+func txt(s string) val { return val{kind: 't', data: s} }
+
+var (
+	null      = val{kind: 'n'}
+	unchanged = val{kind: 'u'}
+)
+
+func (m pgmsg) tuple(vals []val) pgmsg {
+	m = m.u16(uint16(len(vals)))
+	for _, v := range vals {
+		m = m.u8(v.kind)
+		if v.kind == 't' || v.kind == 'b' {
+			m = append(m.u32(uint32(len(v.data))), v.data...)
+		}
+	}
+	return m
+}
+
+func encInsert(id uint32, vals ...val) []byte { return pgmsg{'I'}.u32(id).u8('N').tuple(vals) }
+func encUpdate(id uint32, vals ...val) []byte { return pgmsg{'U'}.u32(id).u8('N').tuple(vals) }
+func encDelete(id uint32, key ...val) []byte  { return pgmsg{'D'}.u32(id).u8('K').tuple(key) }
+
+func encTruncate(ids ...uint32) []byte {
+	m := pgmsg{'T'}.u32(uint32(len(ids))).u8(0)
+	for _, id := range ids {
+		m = m.u32(id)
+	}
+	return m
+}
+
+func encType(oid uint32, ns, name string) []byte { return pgmsg{'Y'}.u32(oid).str(ns).str(name) }
+
+func encOrigin(lsn pglogrepl.LSN, name string) []byte { return pgmsg{'O'}.u64(uint64(lsn)).str(name) }
+
+func encMessage(transactional bool, lsn pglogrepl.LSN, prefix, content string) []byte {
+	var flags uint8
+	if transactional {
+		flags = 1
+	}
+	return append(pgmsg{'M'}.u8(flags).u64(uint64(lsn)).str(prefix).u32(uint32(len(content))), content...)
+}
+
+// The outbox table as the relay's migrations create it.
+var outboxCols = []string{
+	"work_id", "kind", "subject", "payload", "headers", "state", "created_at", "available_at",
+	"attempts", "claim_generation", "claimed_by", "lease_until", "published_at", "stream_seq",
+	"last_error", "redriven_at", "redriven_by", "redrive_reason",
+}
+
+const outboxID = 16384
+
+var outboxTable = Table{Schema: "public", Name: "outbox"}
+
+// encRow encodes an insert of vals (by column name, NULL where absent) into a
+// relation whose columns are cols.
+func encRow(id uint32, cols []string, vals map[string]val) []byte {
+	tuple := make([]val, len(cols))
+	for i, c := range cols {
+		v, ok := vals[c]
+		if !ok {
+			v = null
+		}
+		tuple[i] = v
+	}
+	return encInsert(id, tuple...)
+}
+
+func sampleRow(workID string) map[string]val {
+	return map[string]val{
+		"work_id":          txt(workID),
+		"kind":             txt("order.created"),
+		"subject":          txt("orders.103"),
+		"payload":          txt(`{"total": "42.50", "order_id": 103}`),
+		"headers":          txt(`{"traceparent": "00-abc-def-01"}`),
+		"state":            txt("pending"),
+		"created_at":       txt("2026-11-30 05:04:40.5+00"),
+		"available_at":     txt("2026-11-30 05:04:42.123456+00"),
+		"attempts":         txt("0"),
+		"claim_generation": txt("0"),
+	}
+}
+
+func with(vals map[string]val, col string, v val) map[string]val {
+	vals[col] = v
+	return vals
+}
+
+func sampleWant(workID string) *Row {
+	return &Row{
+		WorkID:      workID,
+		Kind:        "order.created",
+		Subject:     "orders.103",
+		Payload:     []byte(`{"total": "42.50", "order_id": 103}`),
+		Headers:     []byte(`{"traceparent": "00-abc-def-01"}`),
+		State:       "pending",
+		AvailableAt: time.Date(2026, 11, 30, 5, 4, 42, 123456000, time.UTC),
+	}
+}
+
+var (
+	commit1 = time.Date(2026, 11, 30, 5, 11, 50, 9037000, time.UTC)
+	commit2 = time.Date(2026, 11, 30, 5, 11, 50, 11247000, time.UTC)
+)
+
+// eventString renders an event with every field, times with their location,
+// and nil apart from empty, so that comparisons and failures show everything.
+func eventString(e Event) string {
+	s := fmt.Sprintf("%s xid=%d commit_lsn=%s end_lsn=%s commit_time=%s", e.Type, e.Xid, e.CommitLSN, e.EndLSN, timeString(e.CommitTime))
+	if r := e.Row; r != nil {
+		s += fmt.Sprintf(" row={work_id=%q kind=%q subject=%q payload=%s headers=%s state=%q available_at=%s}",
+			r.WorkID, r.Kind, r.Subject, bytesString(r.Payload), bytesString(r.Headers), r.State, timeString(r.AvailableAt))
+	}
+	return s
+}
+
+func timeString(t time.Time) string { return t.Format(time.RFC3339Nano) + "@" + t.Location().String() }
+
+func bytesString(b []byte) string {
+	if b == nil {
+		return "nil"
+	}
+	return strconv.Quote(string(b))
+}
+
+func begin(xid uint32, lsn pglogrepl.LSN, at time.Time) string {
+	return eventString(Event{Type: EventBegin, Xid: xid, CommitLSN: lsn, CommitTime: at})
+}
+
+func row(xid uint32, lsn pglogrepl.LSN, at time.Time, r *Row) string {
+	return eventString(Event{Type: EventRow, Xid: xid, CommitLSN: lsn, CommitTime: at, Row: r})
+}
+
+func commit(xid uint32, lsn, end pglogrepl.LSN, at time.Time) string {
+	return eventString(Event{Type: EventCommit, Xid: xid, CommitLSN: lsn, EndLSN: end, CommitTime: at})
+}
+
+// decodeAll decodes msgs in order and renders each event, and each error as
+// "error: ...", so a test can state the whole stream it expects.
+func decodeAll(d *Decoder, msgs [][]byte) []string {
+	var got []string
+	for _, m := range msgs {
+		ev, ok, err := d.Decode(m)
+		switch {
+		case err != nil:
+			if ok {
+				got = append(got, "ok=true with error")
+			}
+			got = append(got, "error: "+err.Error())
+		case ok:
+			got = append(got, eventString(ev))
+		}
+	}
+	return got
+}
+
+func compareEvents(t *testing.T, got, want []string) {
+	t.Helper()
+	for i := range max(len(got), len(want)) {
+		var g, w string
+		if i < len(got) {
+			g = got[i]
+		}
+		if i < len(want) {
+			w = want[i]
+		}
+		if g != w {
+			t.Errorf("event %d:\n got %s\nwant %s", i, g, w)
+		}
+	}
+}
+
+// readHexFixture reads one pgoutput message per line, in hex, skipping
+// '#' comments and blank lines.
+func readHexFixture(t testing.TB, name string) [][]byte {
+	t.Helper()
+	f, err := os.Open(filepath.Join("testdata", name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var msgs [][]byte
+	sc := bufio.NewScanner(f)
+	sc.Buffer(nil, 1<<20)
+	for n := 1; sc.Scan(); n++ {
+		line := strings.TrimSpace(sc.Text())
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		m, err := hex.DecodeString(line)
+		if err != nil {
+			t.Fatalf("%s:%d: %v", name, n, err)
+		}
+		msgs = append(msgs, m)
+	}
+	if err := sc.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return msgs
+}
+
+const missingPayload = `outbox table "public"."outbox" has no column "payload" (the relay reads work_id, kind, subject, payload, headers, state, available_at): restore it or run outbox-relay migrate`
+
+// TestDecodeFixtures replays streams captured from PostgreSQL 15 (see the
+// comments in each file for the SQL that produced them).
+func TestDecodeFixtures(t *testing.T) {
+	commit3 := time.Date(2026, 11, 30, 5, 11, 57, 668938000, time.UTC)
+	commit4 := time.Date(2026, 11, 30, 5, 11, 57, 672558000, time.UTC)
+	commit5 := time.Date(2026, 11, 30, 5, 11, 57, 872022000, time.UTC)
+	tests := []struct {
+		file string
+		want []string
+	}{
+		{
+			file: "order103.hex",
+			want: []string{
+				begin(728, 0x15451B0, commit1),
+				row(728, 0x15451B0, commit1, &Row{
+					WorkID:      "order-103-created",
+					Kind:        "order.created",
+					Subject:     "orders.103",
+					Payload:     []byte(`{"note": "café \"x\"", "total": "42.50", "order_id": 103}`),
+					Headers:     []byte(`{"traceparent": "00-abc-def-01"}`),
+					State:       "pending",
+					AvailableAt: time.Date(2026, 11, 30, 5, 4, 42, 123456000, time.UTC),
+				}),
+				row(728, 0x15451B0, commit1, &Row{
+					WorkID:      "order-103-audit",
+					Kind:        "audit",
+					Payload:     []byte(`[1, 2, {"a": true, "b": null}]`),
+					State:       "pending",
+					AvailableAt: time.Date(2026, 11, 30, 5, 4, 42, 0, time.UTC),
+				}),
+				commit(728, 0x15451B0, 0x15451E0, commit1),
+				begin(729, 0x1545428, commit2),
+				row(729, 0x1545428, commit2, &Row{
+					WorkID:      "order-103-later",
+					Kind:        "order.reminder",
+					Payload:     []byte(`{}`),
+					State:       "pending",
+					AvailableAt: time.Date(9999, 12, 31, 23, 59, 59, 0, time.UTC),
+				}),
+				commit(729, 0x1545428, 0x1545458, commit2),
+			},
+		},
+		{
+			file: "schema_change.hex",
+			want: []string{
+				begin(730, 0x1545558, commit3),
+				row(730, 0x1545558, commit3, &Row{
+					WorkID:  "order-104-created",
+					Kind:    "order.created",
+					Subject: "orders.104",
+					Payload: []byte(`{"order_id": 104}`),
+					State:   "pending",
+				}),
+				commit(730, 0x1545558, 0x1545588, commit3),
+				begin(734, 0x1546170, commit4),
+				row(734, 0x1546170, commit4, &Row{
+					WorkID:      "order-105-paid",
+					Kind:        "order.paid",
+					Subject:     "orders.105",
+					Payload:     []byte(`{"order_id": 105}`),
+					Headers:     []byte(`{"k": ["v"]}`),
+					State:       "pending",
+					AvailableAt: time.Date(2026, 12, 1, 0, 0, 0, 500000000, time.UTC),
+				}),
+				commit(734, 0x1546170, 0x15461A0, commit4),
+			},
+		},
+		{
+			file: "dropped_payload.hex",
+			want: []string{
+				begin(736, 0x1546550, commit5),
+				"error: " + missingPayload,
+				"error: decode insert in xid 736: " + missingPayload,
+				commit(736, 0x1546550, 0x1546580, commit5),
+			},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.file, func(t *testing.T) {
+			d := NewDecoder(outboxTable)
+			got := decodeAll(d, readHexFixture(t, tt.file))
+			compareEvents(t, got, tt.want)
+			if d.InTransaction() {
+				t.Errorf("InTransaction() = true after the last commit")
+			}
+		})
+	}
+}
+
+func TestDecodeColumnsByName(t *testing.T) {
+	cols := []string{"trace_id", "available_at", "headers", "tenant", "state", "payload", "subject", "kind", "work_id", "priority"}
+	vals := with(with(sampleRow("w-1"), "trace_id", txt("t-1")), "tenant", txt("acme"))
+	vals["priority"] = txt("7")
+	d := NewDecoder(outboxTable)
+	got := decodeAll(d, [][]byte{
+		encBegin(0x100, commit1, 7),
+		encRelation(outboxID, "public", "outbox", cols...),
+		encRow(outboxID, cols, vals),
+		encCommit(0x100, 0x130, commit1),
+	})
+	want := []string{
+		begin(7, 0x100, commit1),
+		row(7, 0x100, commit1, sampleWant("w-1")),
+		commit(7, 0x100, 0x130, commit1),
+	}
+	compareEvents(t, got, want)
+}
+
+func TestDecodeNullSubjectAndHeaders(t *testing.T) {
+	vals := with(with(sampleRow("w-1"), "subject", null), "headers", null)
+	d := NewDecoder(outboxTable)
+	got := decodeAll(d, [][]byte{
+		encBegin(0x100, commit1, 7),
+		encRelation(outboxID, "public", "outbox", outboxCols...),
+		encRow(outboxID, outboxCols, vals),
+	})
+	want := sampleWant("w-1")
+	want.Subject = ""
+	want.Headers = nil
+	compareEvents(t, got, []string{begin(7, 0x100, commit1), row(7, 0x100, commit1, want)})
+}
+
+func TestDecodeRelationChange(t *testing.T) {
+	added := append([]string{"priority"}, outboxCols...)
+	reordered := []string{"payload", "work_id", "priority", "state", "available_at", "kind", "headers", "subject"}
+	d := NewDecoder(outboxTable)
+	got := decodeAll(d, [][]byte{
+		encBegin(0x100, commit1, 7),
+		encRelation(outboxID, "public", "outbox", outboxCols...),
+		encRow(outboxID, outboxCols, sampleRow("w-1")),
+		encCommit(0x100, 0x130, commit1),
+		// ALTER TABLE ... ADD COLUMN: the new column comes first here so that
+		// every position shifts.
+		encBegin(0x200, commit2, 8),
+		encRelation(outboxID, "public", "outbox", added...),
+		encRow(outboxID, added, with(sampleRow("w-2"), "priority", txt("1"))),
+		encCommit(0x200, 0x230, commit2),
+		// Columns dropped and re-added in another order, described mid-transaction
+		// as pgoutput does before the first change that needs it.
+		encBegin(0x300, commit2, 9),
+		encRow(outboxID, added, with(sampleRow("w-3"), "priority", txt("1"))),
+		encRelation(outboxID, "public", "outbox", reordered...),
+		encRow(outboxID, reordered, with(sampleRow("w-4"), "priority", txt("1"))),
+		encCommit(0x300, 0x330, commit2),
+	})
+	want := []string{
+		begin(7, 0x100, commit1),
+		row(7, 0x100, commit1, sampleWant("w-1")),
+		commit(7, 0x100, 0x130, commit1),
+		begin(8, 0x200, commit2),
+		row(8, 0x200, commit2, sampleWant("w-2")),
+		commit(8, 0x200, 0x230, commit2),
+		begin(9, 0x300, commit2),
+		row(9, 0x300, commit2, sampleWant("w-3")),
+		row(9, 0x300, commit2, sampleWant("w-4")),
+		commit(9, 0x300, 0x330, commit2),
+	}
+	compareEvents(t, got, want)
+}
+
+func TestDecodeMissingColumn(t *testing.T) {
+	for _, missing := range fieldNames {
+		t.Run(missing, func(t *testing.T) {
+			var cols []string
+			for _, c := range outboxCols {
+				if c != missing {
+					cols = append(cols, c)
+				}
+			}
+			d := NewDecoder(outboxTable)
+			if _, _, err := d.Decode(encBegin(0x100, commit1, 7)); err != nil {
+				t.Fatal(err)
+			}
+			ev, ok, err := d.Decode(encRelation(outboxID, "public", "outbox", cols...))
+			want := `outbox table "public"."outbox" has no column "` + missing + `" (the relay reads work_id, kind, subject, payload, headers, state, available_at): restore it or run outbox-relay migrate`
+			if err == nil || err.Error() != want || ok || ev.Type != 0 {
+				t.Fatalf("Decode(relation) = %v, %v, %v; want error %q", ev, ok, err, want)
+			}
+			// A caller that goes on must not get rows decoded with a broken mapping.
+			_, ok, err = d.Decode(encRow(outboxID, cols, sampleRow("w-1")))
+			if err == nil || !strings.Contains(err.Error(), want) || ok {
+				t.Fatalf("Decode(insert) = %v, %v; want error containing %q", ok, err, want)
+			}
+			// Once the table is fixed (migrate), the next Relation message heals it.
+			ev, ok, err = d.Decode(encRelation(outboxID, "public", "outbox", outboxCols...))
+			if err != nil || ok {
+				t.Fatalf("Decode(fixed relation) = %v, %v, %v", ev, ok, err)
+			}
+			ev, ok, err = d.Decode(encRow(outboxID, outboxCols, sampleRow("w-1")))
+			if err != nil || !ok {
+				t.Fatalf("Decode(insert after fix) = %v, %v, %v", ev, ok, err)
+			}
+		})
+	}
+
+	t.Run("several", func(t *testing.T) {
+		d := NewDecoder(outboxTable)
+		_, _, err := d.Decode(encRelation(outboxID, "public", "outbox", "work_id", "kind", "subject", "state", "available_at"))
+		want := `outbox table "public"."outbox" has no columns "payload", "headers" (the relay reads work_id, kind, subject, payload, headers, state, available_at): restore it or run outbox-relay migrate`
+		if err == nil || err.Error() != want {
+			t.Fatalf("got %v, want %q", err, want)
+		}
+	})
+
+	t.Run("other table", func(t *testing.T) {
+		d := NewDecoder(outboxTable)
+		if _, _, err := d.Decode(encRelation(2, "public", "orders", "id", "status")); err != nil {
+			t.Fatalf("a table that is not the outbox needs no outbox columns, got %v", err)
+		}
+	})
+}
+
+func TestDecodeOtherTablesIgnored(t *testing.T) {
+	d := NewDecoder(outboxTable)
+	got := decodeAll(d, [][]byte{
+		encBegin(0x100, commit1, 7),
+		encRelation(2, "public", "orders", "id", "status"),
+		encRelation(3, "audit", "outbox", outboxCols...),
+		encRelation(4, "public", "Outbox", outboxCols...),
+		encRelation(5, "public", "outbox_archive", outboxCols...),
+		encInsert(2, txt("103"), txt("new")),
+		encRow(3, outboxCols, sampleRow("audit-1")),
+		encRow(4, outboxCols, sampleRow("upper-1")),
+		// Not even a well-formed outbox row: other relations are not looked at.
+		encInsert(5, null),
+		encRelation(outboxID, "public", "outbox", outboxCols...),
+		encRow(outboxID, outboxCols, sampleRow("w-1")),
+		encInsert(2, txt("104"), txt("new")),
+		encCommit(0x100, 0x130, commit1),
+	})
+	want := []string{
+		begin(7, 0x100, commit1),
+		row(7, 0x100, commit1, sampleWant("w-1")),
+		commit(7, 0x100, 0x130, commit1),
+	}
+	compareEvents(t, got, want)
+
+	t.Run("renamed away", func(t *testing.T) {
+		got := decodeAll(d, [][]byte{
+			encBegin(0x200, commit2, 8),
+			encRelation(outboxID, "public", "outbox_old", outboxCols...),
+			encRow(outboxID, outboxCols, sampleRow("w-2")),
+			encCommit(0x200, 0x230, commit2),
+		})
+		compareEvents(t, got, []string{begin(8, 0x200, commit2), commit(8, 0x200, 0x230, commit2)})
+	})
+
+	t.Run("default schema", func(t *testing.T) {
+		d := NewDecoder(Table{Name: "outbox"})
+		got := decodeAll(d, [][]byte{
+			encBegin(0x100, commit1, 7),
+			encRelation(outboxID, "public", "outbox", outboxCols...),
+			encRow(outboxID, outboxCols, sampleRow("w-1")),
+		})
+		compareEvents(t, got, []string{begin(7, 0x100, commit1), row(7, 0x100, commit1, sampleWant("w-1"))})
+	})
+}
+
+func TestDecodeIgnoredMessages(t *testing.T) {
+	d := NewDecoder(outboxTable)
+	got := decodeAll(d, [][]byte{
+		encMessage(false, 0x90, "relay", "outside any transaction"),
+		encBegin(0x100, commit1, 7),
+		encOrigin(0x5000, "upstream"),
+		encType(16400, "public", "order_status"),
+		encRelation(outboxID, "public", "outbox", outboxCols...),
+		encUpdate(outboxID, encRowVals(outboxCols, sampleRow("w-1"))...),
+		encDelete(outboxID, txt("w-1")),
+		encTruncate(outboxID, 2),
+		encMessage(true, 0x110, "relay", "hello"),
+		encCommit(0x100, 0x130, commit1),
+	})
+	compareEvents(t, got, []string{begin(7, 0x100, commit1), commit(7, 0x100, 0x130, commit1)})
+}
+
+func encRowVals(cols []string, vals map[string]val) []val {
+	out := make([]val, len(cols))
+	for i, c := range cols {
+		out[i] = null
+		if v, ok := vals[c]; ok {
+			out[i] = v
+		}
+	}
+	return out
+}
+
+func TestDecoderTransactionState(t *testing.T) {
+	d := NewDecoder(outboxTable)
+	steps := []struct {
+		msg    []byte
+		inTxn  bool
+		wantOK bool
+	}{
+		{encRelation(outboxID, "public", "outbox", outboxCols...), false, false},
+		{encBegin(0x100, commit1, 7), true, true},
+		{encRow(outboxID, outboxCols, sampleRow("w-1")), true, true},
+		{encRow(outboxID, outboxCols, with(sampleRow("w-2"), "payload", null)), true, false},
+		{encRow(outboxID, outboxCols, sampleRow("w-3")), true, true},
+		{encCommit(0x100, 0x130, commit1), false, true},
+		{encBegin(0x200, commit2, 8), true, true},
+		{encCommit(0x200, 0x230, commit2), false, true},
+	}
+	if d.InTransaction() {
+		t.Fatal("InTransaction() = true before any message")
+	}
+	for i, s := range steps {
+		ev, ok, _ := d.Decode(s.msg)
+		if ok != s.wantOK {
+			t.Errorf("step %d (%c): ok = %v, want %v", i, s.msg[0], ok, s.wantOK)
+		}
+		if got := d.InTransaction(); got != s.inTxn {
+			t.Errorf("step %d (%c): InTransaction() = %v, want %v", i, s.msg[0], got, s.inTxn)
+		}
+		if ok && ev.Type != EventBegin && (ev.Xid == 0 || ev.CommitLSN == 0 || ev.CommitTime.IsZero()) {
+			t.Errorf("step %d: event %s lacks its transaction's xid, lsn or time", i, eventString(ev))
+		}
+	}
+}
+
+func TestDecodeErrors(t *testing.T) {
+	setup := [][]byte{
+		encBegin(0x100, commit1, 7),
+		encRelation(outboxID, "public", "outbox", outboxCols...),
+	}
+	insert := func(col string, v val) [][]byte {
+		return append(setup, encRow(outboxID, outboxCols, with(sampleRow("w-1"), col, v)))
+	}
+	full := encRow(outboxID, outboxCols, sampleRow("w-1"))
+	tests := []struct {
+		name      string
+		msgs      [][]byte // all but the last must decode without error
+		want      string   // the last one's error
+		malformed bool     // errors.Is(err, ErrMalformedRow)
+	}{
+		{"null payload", insert("payload", null), `malformed outbox row in public.outbox, xid 7, work_id "w-1": column "payload" is NULL`, true},
+		{"null work_id", insert("work_id", null), `malformed outbox row in public.outbox, xid 7: column "work_id" is NULL`, true},
+		{"null kind", insert("kind", null), `malformed outbox row in public.outbox, xid 7, work_id "w-1": column "kind" is NULL`, true},
+		{"null state", insert("state", null), `malformed outbox row in public.outbox, xid 7, work_id "w-1": column "state" is NULL`, true},
+		{"null available_at", insert("available_at", null), `malformed outbox row in public.outbox, xid 7, work_id "w-1": column "available_at" is NULL`, true},
+		{"unchanged toast", insert("payload", unchanged), `malformed outbox row in public.outbox, xid 7, work_id "w-1": column "payload" is an unchanged-TOAST placeholder, not a value`, true},
+		{"binary", insert("kind", val{kind: 'b', data: "x"}), `malformed outbox row in public.outbox, xid 7, work_id "w-1": column "kind" is in binary format: start replication without binary mode`, true},
+		{
+			"bad timestamp", insert("available_at", txt("2026-11-30T05:04:42Z")),
+			`malformed outbox row in public.outbox, xid 7, work_id "w-1": column "available_at" is unparsable: "2026-11-30T05:04:42Z" is not a timestamptz in DateStyle ISO (like "2026-11-30 05:04:42.123456+00")`, true,
+		},
+		{"timestamp without zone", insert("available_at", txt("2026-11-30 05:04:42")), `column "available_at" is unparsable: "2026-11-30 05:04:42" is not a timestamptz`, true},
+		{"column count", append(setup, encInsert(outboxID, txt("w-1"), txt("k"))), `decode insert into public.outbox in xid 7: tuple has 2 columns, its relation message described 18`, false},
+		{"insert outside transaction", [][]byte{setup[1], full}, `decode insert: no transaction is open`, false},
+		{"unknown relation", [][]byte{setup[0], full}, `decode insert in xid 7: relation id 16384 was never described by a relation message`, false},
+		{"truncated insert", append(setup, full[:len(full)-10]), `decode insert into public.outbox in xid 7: message ends in the length of column 9 of 18`, false},
+		{"truncated value", append(setup, full[:len(full)-30]), `decode insert into public.outbox in xid 7: column 7 of 18 claims 29 bytes, the message has 19 left`, false},
+		{"missing columns", append(setup, encInsert(outboxID, txt("w-1"))[:8]), `decode insert into public.outbox in xid 7: message ends at column 0 of 1`, false},
+		{"corrupt length", append(setup, append(pgmsg{'I'}.u32(outboxID).u8('N').u16(1).u8('t').u32(0xffffffff), "x"...)), `column 0 of 1 claims 4294967295 bytes, the message has 1 left`, false},
+		{"trailing bytes", append(setup, append(full[:len(full):len(full)], 'n')), `decode insert into public.outbox in xid 7: 1 bytes follow the last column`, false},
+		{"unknown kind", append(setup, encInsert(outboxID, val{kind: 'x'})), `column 0 of 1 has unknown tuple data kind 'x'`, false},
+		{"not a new tuple", append(setup, append(pgmsg{'I'}.u32(outboxID).u8('K'), full[6:]...)), `decode insert into public.outbox in xid 7: tuple type 'K', want 'N'`, false},
+		{"truncated relation", [][]byte{setup[1][:37]}, `truncated or corrupt`, false},
+		{"short insert", append(setup, full[:3]), `decode pgoutput 'I' message: InsertMessage must have 8 bytes, got 2 bytes`, false},
+		{"short begin", [][]byte{setup[0][:10]}, `decode pgoutput 'B' message: BeginMessage must have 20 bytes, got 9 bytes`, false},
+		{"empty", [][]byte{{}}, `decode pgoutput message: empty message`, false},
+		{"streaming", [][]byte{{'S', 0, 0, 0, 7, 1}}, `start replication with streaming off`, false},
+		{"unknown type", [][]byte{{'Z', 1}}, `decode pgoutput 'Z' message: replication message not supported`, false},
+		{"commit outside transaction", [][]byte{encCommit(0x100, 0x130, commit1)}, `decode commit at 0/100: no transaction is open`, false},
+		{"nested begin", [][]byte{setup[0], encBegin(0x200, commit2, 8)}, `decode begin of xid 8: transaction xid 7 is still open`, false},
+		{"commit lsn mismatch", [][]byte{setup[0], encCommit(0x200, 0x230, commit1)}, `decode commit of xid 7: commit lsn 0/200 differs from the 0/100 announced by its begin`, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			d := NewDecoder(outboxTable)
+			last := len(tt.msgs) - 1
+			for i, m := range tt.msgs[:last] {
+				if _, _, err := d.Decode(m); err != nil {
+					t.Fatalf("message %d: %v", i, err)
+				}
+			}
+			ev, ok, err := d.Decode(tt.msgs[last])
+			if err == nil {
+				t.Fatalf("got %s, ok=%v, want an error containing %q", eventString(ev), ok, tt.want)
+			}
+			if !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("got error %q, want it to contain %q", err, tt.want)
+			}
+			if ok || ev.Row != nil || ev.Type != 0 {
+				t.Errorf("got ok=%v event %s along with the error", ok, eventString(ev))
+			}
+			if got := errors.Is(err, ErrMalformedRow); got != tt.malformed {
+				t.Errorf("errors.Is(err, ErrMalformedRow) = %v, want %v", got, tt.malformed)
+			}
+		})
+	}
+}
+
+func TestDecodeTimestamps(t *testing.T) {
+	want := time.Date(2026, 11, 30, 5, 4, 42, 0, time.UTC)
+	tests := []struct {
+		in   string
+		want time.Time
+	}{
+		{"2026-11-30 05:04:42.123456+00", want.Add(123456 * time.Microsecond)},
+		{"2026-11-30 05:04:42+00", want},
+		{"2026-11-30 05:04:42.1+00", want.Add(100 * time.Millisecond)},
+		{"2026-11-30 05:04:42.000001+00", want.Add(time.Microsecond)},
+		{"2026-11-30 10:34:42+05:30", want},
+		{"2026-11-30 10:04:42+05", want},
+		{"2026-11-29 23:04:42-06", want},
+		{"2026-11-30 04:34:27-00:30:15", want},
+		{"2026-11-30 20:04:42.5+15", want.Add(500 * time.Millisecond)},
+		{"2024-02-29 00:00:00+00", time.Date(2024, 2, 29, 0, 0, 0, 0, time.UTC)},
+		{"2000-01-01 00:00:00+00", pgEpoch},
+		{"12026-11-30 05:04:42+00", time.Date(12026, 11, 30, 5, 4, 42, 0, time.UTC)},
+		{"0044-03-15 12:00:00+00 BC", time.Date(-43, 3, 15, 12, 0, 0, 0, time.UTC)},
+		{"0001-02-29 00:00:00+00 BC", time.Date(0, 2, 29, 0, 0, 0, 0, time.UTC)},
+		{"infinity", time.Date(9999, 12, 31, 23, 59, 59, 0, time.UTC)},
+		{"-infinity", time.Time{}},
+	}
+	for _, tt := range tests {
+		got, err := parseTimestamptz([]byte(tt.in))
+		if err != nil {
+			t.Errorf("parseTimestamptz(%q): %v", tt.in, err)
+			continue
+		}
+		if !got.Equal(tt.want) || got.Location() != time.UTC {
+			t.Errorf("parseTimestamptz(%q) = %s, want %s", tt.in, timeString(got), timeString(tt.want))
+		}
+	}
+
+	for _, in := range []string{
+		"",
+		"Infinity",
+		"2026-11-30T05:04:42Z",
+		"2026-11-30 05:04:42",
+		"2026-11-30 05:04:42Z",
+		"2026-11-30 05:04:42+0530",
+		"2026-11-30 05:04:42.+00",
+		"2026-11-30 05:04:42.1234567890+00",
+		"2026-11-30 05:04:42+00 AD",
+		"2026-11-30 05:04:42+00 ",
+		" 2026-11-30 05:04:42+00",
+		"026-11-30 05:04:42+00",
+		"2026-13-01 00:00:00+00",
+		"2026-00-01 00:00:00+00",
+		"2026-11-31 00:00:00+00",
+		"2023-02-29 00:00:00+00",
+		"2026-11-30 24:00:00+00",
+		"2026-11-30 05:60:00+00",
+		"2026-11-30 05:04:60+00",
+		"2026-11-30 05:04:42+17",
+		"2026-11-30 5:04:42+00",
+		"2026/11/30 05:04:42+00",
+	} {
+		if got, err := parseTimestamptz([]byte(in)); err == nil {
+			t.Errorf("parseTimestamptz(%q) = %s, want an error", in, timeString(got))
+		}
+	}
+}
+
+// TestDecodeRowOwnsItsBytes checks that rows stay intact however the caller
+// reuses the message buffer or appends to a Row's slices.
+func TestDecodeRowOwnsItsBytes(t *testing.T) {
+	d := NewDecoder(outboxTable)
+	decodeAll(d, [][]byte{encBegin(0x100, commit1, 7), encRelation(outboxID, "public", "outbox", outboxCols...)})
+	msg := encRow(outboxID, outboxCols, sampleRow("w-1"))
+	ev, ok, err := d.Decode(msg)
+	if err != nil || !ok {
+		t.Fatalf("Decode = %v, %v", ok, err)
+	}
+	for i := range msg {
+		msg[i] = 'X'
+	}
+	// The next row must not reuse the first one's memory either.
+	if _, _, err := d.Decode(encRow(outboxID, outboxCols, with(sampleRow("w-2"), "kind", txt("other")))); err != nil {
+		t.Fatal(err)
+	}
+	_ = append(ev.Row.Payload, "XXXXXXXX"...)
+	if got, want := eventString(ev), row(7, 0x100, commit1, sampleWant("w-1")); got != want {
+		t.Errorf("after reuse:\n got %s\nwant %s", got, want)
+	}
+}
+
+// FuzzDecoder checks that no input panics the decoder and that a row it
+// accepts is complete.
+func FuzzDecoder(f *testing.F) {
+	for _, file := range []string{"order103.hex", "schema_change.hex", "dropped_payload.hex"} {
+		for _, m := range readHexFixture(f, file) {
+			f.Add(m)
+		}
+	}
+	f.Add(encRow(outboxID, outboxCols, sampleRow("w-1")))
+	f.Add(encRelation(outboxID, "public", "outbox", outboxCols...))
+	f.Fuzz(func(t *testing.T, msg []byte) {
+		d := NewDecoder(outboxTable)
+		decodeAll(d, [][]byte{encBegin(0x100, commit1, 7), encRelation(outboxID, "public", "outbox", outboxCols...)})
+		ev, ok, err := d.Decode(msg)
+		if err != nil && ok {
+			t.Fatalf("ok with error %v", err)
+		}
+		if ok && ev.Type == EventRow && (ev.Row == nil || ev.Row.Payload == nil) {
+			t.Fatalf("incomplete row event %s", eventString(ev))
+		}
+	})
+}
+
+func BenchmarkDecodeInsert(b *testing.B) {
+	d := NewDecoder(outboxTable)
+	for _, m := range [][]byte{encBegin(0x100, commit1, 7), encRelation(outboxID, "public", "outbox", outboxCols...)} {
+		if _, _, err := d.Decode(m); err != nil {
+			b.Fatal(err)
+		}
+	}
+	msg := encRow(outboxID, outboxCols, sampleRow("order-103-created"))
+	b.SetBytes(int64(len(msg)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, ok, err := d.Decode(msg); !ok || err != nil {
+			b.Fatal(ok, err)
+		}
+	}
+}

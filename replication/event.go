@@ -1,0 +1,63 @@
+package replication
+
+import (
+	"time"
+
+	"github.com/jackc/pglogrepl"
+)
+
+// EventType says which part of a committed transaction an Event carries.
+type EventType uint8
+
+const (
+	// EventBegin opens a transaction. CommitLSN, CommitTime and Xid are set:
+	// pgoutput's BEGIN already carries the commit's position and time, so rows
+	// can flow before the COMMIT message arrives.
+	EventBegin EventType = iota + 1
+	// EventRow is one INSERT into the outbox table inside the open transaction.
+	EventRow
+	// EventCommit closes the transaction. EndLSN is the end of its commit
+	// record: the position the slot may be confirmed to once every row of this
+	// transaction (and of every earlier one) is settled.
+	EventCommit
+)
+
+func (t EventType) String() string {
+	switch t {
+	case EventBegin:
+		return "begin"
+	case EventRow:
+		return "row"
+	case EventCommit:
+		return "commit"
+	}
+	return "unknown"
+}
+
+// Event is one step of the committed-transaction stream. With streaming off,
+// pgoutput only sends transactions that have committed, whole and in commit
+// order, so a Row is never a phantom (G2) even though it arrives before its
+// Commit event.
+type Event struct {
+	Type       EventType
+	Xid        uint32
+	CommitLSN  pglogrepl.LSN // start of the commit record (pgoutput's "final LSN")
+	EndLSN     pglogrepl.LSN // end of the commit record; set on EventCommit only
+	CommitTime time.Time
+	Row        *Row // set on EventRow only
+}
+
+// Row is an outbox row as it was inserted. Columns are mapped by name, so the
+// table may gain columns or have them reordered without breaking decoding.
+type Row struct {
+	WorkID      string
+	Kind        string
+	Subject     string // empty when the column is NULL
+	Payload     []byte // jsonb text, exactly as PostgreSQL renders payload::text
+	Headers     []byte // jsonb text, nil when NULL
+	State       string
+	AvailableAt time.Time
+}
+
+// LSN is a WAL position.
+type LSN = pglogrepl.LSN

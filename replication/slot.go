@@ -1,0 +1,231 @@
+package replication
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"regexp"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
+)
+
+// Querier is what the catalog checks need from a regular (non-replication)
+// connection: a pgx.Conn, pgx.Tx or pgxpool.Pool.
+type Querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+var namePattern = regexp.MustCompile(`^[a-z0-9_]{1,63}$`)
+
+// ValidateName checks a slot or publication name. PostgreSQL only allows
+// lower-case letters, digits and underscores in slot names; publications are
+// held to the same rule so the name can go into pgoutput's options unquoted.
+func ValidateName(flag, name string) error {
+	if !namePattern.MatchString(name) {
+		return fmt.Errorf("--%s %q: use 1 to 63 lower-case letters, digits and underscores", flag, name)
+	}
+	return nil
+}
+
+// Connect opens a replication connection (replication=database) from a libpq
+// URL or key=value string. It pins DateStyle and TimeZone, because pgoutput
+// renders timestamps as text with the walsender's settings and the decoder
+// parses them, and it uses deadlines (not cancel requests) for context
+// expiry, so a receive timeout leaves the stream intact.
+func Connect(ctx context.Context, connString, appName string) (*pgconn.PgConn, error) {
+	cfg, err := pgconn.ParseConfig(connString)
+	if err != nil {
+		return nil, fmt.Errorf("parse --database-url: %w", err)
+	}
+	cfg.RuntimeParams["replication"] = "database"
+	cfg.RuntimeParams["DateStyle"] = "ISO, MDY"
+	cfg.RuntimeParams["TimeZone"] = "UTC"
+	cfg.RuntimeParams["IntervalStyle"] = "postgres"
+	if appName != "" {
+		cfg.RuntimeParams["application_name"] = appName
+	}
+	cfg.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
+		return &pgconn.DeadlineContextWatcherHandler{Conn: c.Conn()}
+	}
+	conn, err := pgconn.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("open replication connection to %s:%d: %w", cfg.Host, cfg.Port, explainConnectError(err))
+	}
+	return conn, nil
+}
+
+func explainConnectError(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "28000" {
+		return fmt.Errorf("%w (the role needs the REPLICATION attribute and pg_hba.conf must allow it: ALTER ROLE ... WITH REPLICATION)", err)
+	}
+	return err
+}
+
+// CheckServer verifies what logical decoding needs from the server and the
+// role, with messages that say how to fix each problem.
+func CheckServer(ctx context.Context, q Querier) error {
+	var walLevel string
+	if err := q.QueryRow(ctx, `SELECT current_setting('wal_level')`).Scan(&walLevel); err != nil {
+		return fmt.Errorf("read wal_level: %w", err)
+	}
+	if walLevel != "logical" {
+		return fmt.Errorf("wal_level is %q but logical decoding needs 'logical': run ALTER SYSTEM SET wal_level = logical and restart PostgreSQL (a reload is not enough)", walLevel)
+	}
+	var role string
+	var canReplicate bool
+	if err := q.QueryRow(ctx,
+		`SELECT rolname, rolreplication OR rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user`).Scan(&role, &canReplicate); err != nil {
+		return fmt.Errorf("read role attributes: %w", err)
+	}
+	if !canReplicate {
+		return fmt.Errorf("role %q lacks the REPLICATION attribute the slot needs: ALTER ROLE %s WITH REPLICATION (see sql/roles.sql)",
+			role, pgx.Identifier{role}.Sanitize())
+	}
+	var maxSlots int
+	if err := q.QueryRow(ctx, `SELECT current_setting('max_replication_slots')::int`).Scan(&maxSlots); err != nil {
+		return fmt.Errorf("read max_replication_slots: %w", err)
+	}
+	if maxSlots < 1 {
+		return errors.New("max_replication_slots is 0: set it to at least 1 (ALTER SYSTEM SET max_replication_slots = 10) and restart PostgreSQL")
+	}
+	return nil
+}
+
+// EnsurePublication creates the insert-only publication for the table when it
+// is missing, and checks an existing one. Insert-only matters: the relay's own
+// updates (marks, claims) must never come back through the slot.
+func EnsurePublication(ctx context.Context, q Querier, name, schema, table string) error {
+	qualified := pgx.Identifier{schema, table}.Sanitize()
+	var exists bool
+	if err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = $1)`, name).Scan(&exists); err != nil {
+		return fmt.Errorf("look up publication %s: %w", name, err)
+	}
+	if !exists {
+		_, err := q.Exec(ctx, `CREATE PUBLICATION `+pgx.Identifier{name}.Sanitize()+` FOR TABLE `+qualified+` WITH (publish = 'insert')`)
+		var pgErr *pgconn.PgError
+		switch {
+		case errors.As(err, &pgErr) && pgErr.Code == "42710":
+			// Created concurrently by another instance; check it below.
+		case errors.As(err, &pgErr) && pgErr.Code == "42501":
+			return fmt.Errorf("create publication %s: %w (the table's owner or a superuser must create it: run outbox-relay migrate as the owner)", name, err)
+		case err != nil:
+			return fmt.Errorf("create publication %s for %s: %w", name, qualified, err)
+		}
+	}
+	var ins, upd, del, trunc, hasTable bool
+	err := q.QueryRow(ctx, `SELECT p.pubinsert, p.pubupdate, p.pubdelete, p.pubtruncate,
+			EXISTS (SELECT 1 FROM pg_catalog.pg_publication_tables t WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = $3)
+		FROM pg_catalog.pg_publication p WHERE p.pubname = $1`, name, schema, table).Scan(&ins, &upd, &del, &trunc, &hasTable)
+	if err != nil {
+		return fmt.Errorf("read publication %s: %w", name, err)
+	}
+	if !hasTable {
+		return fmt.Errorf("publication %s does not include %s: ALTER PUBLICATION %s ADD TABLE %s, or choose another --publication",
+			name, qualified, pgx.Identifier{name}.Sanitize(), qualified)
+	}
+	if !ins || upd || del || trunc {
+		return fmt.Errorf("publication %s must publish inserts only (the relay's own updates would come back through the slot): ALTER PUBLICATION %s SET (publish = 'insert')",
+			name, pgx.Identifier{name}.Sanitize())
+	}
+	return nil
+}
+
+// SlotInfo is a slot's row in pg_replication_slots.
+type SlotInfo struct {
+	Exists         bool
+	Plugin         string
+	Database       string
+	Active         bool
+	ActivePID      int32
+	ConfirmedFlush pglogrepl.LSN
+	RestartLSN     pglogrepl.LSN
+	WALStatus      string // reserved, extended, unreserved, lost
+}
+
+// LookupSlot reads a slot's state.
+func LookupSlot(ctx context.Context, q Querier, name string) (SlotInfo, error) {
+	var si SlotInfo
+	var plugin, db, walStatus *string
+	var pid *int32
+	var confirmed, restart *string
+	err := q.QueryRow(ctx, `SELECT plugin, database, active, active_pid, confirmed_flush_lsn::text, restart_lsn::text, wal_status
+		FROM pg_catalog.pg_replication_slots WHERE slot_name = $1`, name).
+		Scan(&plugin, &db, &si.Active, &pid, &confirmed, &restart, &walStatus)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return SlotInfo{}, nil
+	}
+	if err != nil {
+		return SlotInfo{}, fmt.Errorf("look up slot %s: %w", name, err)
+	}
+	si.Exists = true
+	si.Plugin, si.Database, si.WALStatus = deref(plugin), deref(db), deref(walStatus)
+	if pid != nil {
+		si.ActivePID = *pid
+	}
+	if confirmed != nil {
+		if si.ConfirmedFlush, err = pglogrepl.ParseLSN(*confirmed); err != nil {
+			return SlotInfo{}, fmt.Errorf("slot %s: parse confirmed_flush_lsn: %w", name, err)
+		}
+	}
+	if restart != nil {
+		if si.RestartLSN, err = pglogrepl.ParseLSN(*restart); err != nil {
+			return SlotInfo{}, fmt.Errorf("slot %s: parse restart_lsn: %w", name, err)
+		}
+	}
+	return si, nil
+}
+
+func deref(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
+}
+
+// CreatedSlot is what CREATE_REPLICATION_SLOT returned.
+type CreatedSlot struct {
+	ConsistentPoint pglogrepl.LSN
+	// Snapshot is the exported snapshot of the moment the slot became
+	// consistent: rows visible in it are exactly those the slot will never
+	// stream. It lives only until the next command on the replication
+	// connection, so read it (SET TRANSACTION SNAPSHOT) before starting.
+	Snapshot string
+}
+
+// CreateSlot creates a permanent pgoutput slot. Never temporary: a temporary
+// slot vanishes with its connection and so does the position.
+func CreateSlot(ctx context.Context, conn *pgconn.PgConn, name string) (CreatedSlot, error) {
+	res, err := pglogrepl.CreateReplicationSlot(ctx, conn, name, "pgoutput", pglogrepl.CreateReplicationSlotOptions{
+		Mode:           pglogrepl.LogicalReplication,
+		SnapshotAction: "EXPORT_SNAPSHOT",
+	})
+	if err != nil {
+		return CreatedSlot{}, fmt.Errorf("create replication slot %s: %w", name, err)
+	}
+	lsn, err := pglogrepl.ParseLSN(res.ConsistentPoint)
+	if err != nil {
+		return CreatedSlot{}, fmt.Errorf("create replication slot %s: parse consistent point %q: %w", name, res.ConsistentPoint, err)
+	}
+	return CreatedSlot{ConsistentPoint: lsn, Snapshot: res.SnapshotName}, nil
+}
+
+// IsSlotActive reports PostgreSQL's "replication slot is active for PID"
+// (55006): another instance streams the slot.
+func IsSlotActive(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "55006"
+}
+
+// IsDuplicateObject reports 42710, e.g. a slot created concurrently.
+func IsDuplicateObject(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "42710"
+}
+
+// PgConn is a replication connection.
+type PgConn = *pgconn.PgConn

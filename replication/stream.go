@@ -1,0 +1,254 @@
+package replication
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/rs/zerolog"
+)
+
+// StreamConfig configures a Stream.
+type StreamConfig struct {
+	Slot        string
+	Publication string
+	Table       Table
+	// StatusInterval is how often a standby status update goes out even when
+	// nothing changed. Keep it well under half of the server's
+	// wal_sender_timeout (60s by default), or the server drops the stream.
+	StatusInterval time.Duration
+	Logger         zerolog.Logger
+}
+
+// Stats are the stream's positions, readable from any goroutine.
+type Stats struct {
+	ServerWALEnd atomic.Uint64 // newest server WAL position heard of
+	Confirmed    atomic.Uint64 // last position sent as flushed
+	LastStatus   atomic.Int64  // unix nanos of the last status update sent
+}
+
+// Stream owns one replication connection from START_REPLICATION to close. One
+// goroutine (Run) receives, decodes, sends status updates and shuts down;
+// everything else talks to it through channels, because a PgConn is not safe
+// for concurrent use.
+type Stream struct {
+	conn  *pgconn.PgConn
+	cfg   StreamConfig
+	dec   *Decoder
+	log   zerolog.Logger
+	stats *Stats
+
+	confirmed pglogrepl.LSN // what the server was told
+	acked     pglogrepl.LSN // what the relay confirmed (may be ahead of confirmed until the next update)
+	lastEnd   pglogrepl.LSN // end LSN of the last COMMIT handed to the relay
+}
+
+// Start issues START_REPLICATION at 0/0, so the server resumes at the slot's
+// confirmed_flush_lsn: never at the server's current position, which would
+// skip work that was streamed but not confirmed. slotConfirmed is the slot's
+// confirmed_flush_lsn as read before starting; it is never reported lower.
+func Start(ctx context.Context, conn *pgconn.PgConn, cfg StreamConfig, slotConfirmed pglogrepl.LSN, stats *Stats) (*Stream, error) {
+	if cfg.StatusInterval <= 0 {
+		cfg.StatusInterval = 2 * time.Second
+	}
+	if stats == nil {
+		stats = &Stats{}
+	}
+	err := pglogrepl.StartReplication(ctx, conn, cfg.Slot, 0, pglogrepl.StartReplicationOptions{
+		Mode: pglogrepl.LogicalReplication,
+		PluginArgs: []string{
+			"proto_version '1'",
+			"publication_names '" + cfg.Publication + "'",
+		},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("start replication on slot %s: %w", cfg.Slot, err)
+	}
+	stats.Confirmed.Store(uint64(slotConfirmed))
+	return &Stream{
+		conn: conn, cfg: cfg, dec: NewDecoder(cfg.Table), log: cfg.Logger, stats: stats,
+		confirmed: slotConfirmed, acked: slotConfirmed, lastEnd: slotConfirmed,
+	}, nil
+}
+
+// Run streams events to out until ctx ends (an error path: return at once)
+// or stop is closed (shutdown: stop reading WAL, keep taking confirmations
+// until confirms is closed, send the last status update, return nil).
+// confirms carries positions the relay has settled; a position may only be
+// sent once every transaction ending at or before it is settled.
+func (s *Stream) Run(ctx context.Context, out chan<- Event, confirms <-chan pglogrepl.LSN, stop <-chan struct{}) error {
+	ticker := time.NewTicker(s.cfg.StatusInterval)
+	defer ticker.Stop()
+	nextStatus := time.Now().Add(s.cfg.StatusInterval)
+
+	for {
+		select {
+		case <-stop:
+			return s.drain(ctx, confirms)
+		case lsn, ok := <-confirms:
+			if !ok {
+				return s.sendStatus(ctx, false)
+			}
+			s.ack(lsn)
+			continue
+		default:
+		}
+		if !time.Now().Before(nextStatus) {
+			if err := s.sendStatus(ctx, false); err != nil {
+				return err
+			}
+			nextStatus = time.Now().Add(s.cfg.StatusInterval)
+		}
+
+		rctx, cancel := context.WithDeadline(ctx, nextStatus)
+		msg, err := s.conn.ReceiveMessage(rctx)
+		cancel()
+		if err != nil {
+			if pgconn.Timeout(err) && ctx.Err() == nil {
+				continue
+			}
+			return fmt.Errorf("receive from slot %s: %w", s.cfg.Slot, err)
+		}
+
+		switch msg := msg.(type) {
+		case *pgproto3.CopyData:
+			if len(msg.Data) == 0 {
+				continue
+			}
+			switch msg.Data[0] {
+			case pglogrepl.PrimaryKeepaliveMessageByteID:
+				pkm, err := pglogrepl.ParsePrimaryKeepaliveMessage(msg.Data[1:])
+				if err != nil {
+					return fmt.Errorf("parse keepalive on slot %s: %w", s.cfg.Slot, err)
+				}
+				s.noteServerEnd(pkm.ServerWALEnd)
+				// Nothing open, nothing in flight: the keepalive's position
+				// is safe to confirm, which keeps an idle outbox in a busy
+				// database from holding WAL (G10).
+				if !s.dec.InTransaction() && s.acked >= s.lastEnd && pkm.ServerWALEnd > s.acked {
+					s.acked = pkm.ServerWALEnd
+					s.lastEnd = pkm.ServerWALEnd
+				}
+				if pkm.ReplyRequested {
+					if err := s.sendStatus(ctx, false); err != nil {
+						return err
+					}
+					nextStatus = time.Now().Add(s.cfg.StatusInterval)
+				}
+			case pglogrepl.XLogDataByteID:
+				xld, err := pglogrepl.ParseXLogData(msg.Data[1:])
+				if err != nil {
+					return fmt.Errorf("parse XLogData on slot %s: %w", s.cfg.Slot, err)
+				}
+				s.noteServerEnd(xld.ServerWALEnd)
+				ev, ok, err := s.dec.Decode(xld.WALData)
+				if err != nil {
+					return fmt.Errorf("decode WAL at %s on slot %s: %w", xld.WALStart, s.cfg.Slot, err)
+				}
+				if !ok {
+					continue
+				}
+				if ev.Type == EventCommit {
+					s.lastEnd = ev.EndLSN
+				}
+				if err := s.emit(ctx, out, ev, confirms, stop, ticker.C); err != nil {
+					if errors.Is(err, errStopped) {
+						return s.drain(ctx, confirms)
+					}
+					return err
+				}
+			}
+		case *pgproto3.ErrorResponse:
+			return fmt.Errorf("slot %s: %w", s.cfg.Slot, pgconn.ErrorResponseToPgError(msg))
+		default:
+			s.log.Debug().Str("message", fmt.Sprintf("%T", msg)).Msg("unexpected message on replication connection")
+		}
+	}
+}
+
+var errStopped = errors.New("stream stopped")
+
+// emit hands ev to the relay. While the relay pushes back (broker slow or
+// down), it keeps taking confirmations and sending status updates, so the
+// server does not time the connection out.
+func (s *Stream) emit(ctx context.Context, out chan<- Event, ev Event, confirms <-chan pglogrepl.LSN, stop <-chan struct{}, tick <-chan time.Time) error {
+	for {
+		select {
+		case out <- ev:
+			return nil
+		case lsn, ok := <-confirms:
+			if !ok {
+				return errStopped
+			}
+			s.ack(lsn)
+		case <-tick:
+			if err := s.sendStatus(ctx, false); err != nil {
+				return err
+			}
+		case <-stop:
+			return errStopped
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+// drain runs after stop: no more WAL is read; confirmations still arrive
+// until the relay closes confirms, then the last position is sent.
+func (s *Stream) drain(ctx context.Context, confirms <-chan pglogrepl.LSN) error {
+	ticker := time.NewTicker(s.cfg.StatusInterval)
+	defer ticker.Stop()
+	for {
+		select {
+		case lsn, ok := <-confirms:
+			if !ok {
+				return s.sendStatus(ctx, false)
+			}
+			s.ack(lsn)
+		case <-ticker.C:
+			if err := s.sendStatus(ctx, false); err != nil {
+				return err
+			}
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+func (s *Stream) ack(lsn pglogrepl.LSN) {
+	if lsn > s.acked {
+		s.acked = lsn
+	}
+}
+
+func (s *Stream) noteServerEnd(lsn pglogrepl.LSN) {
+	if uint64(lsn) > s.stats.ServerWALEnd.Load() {
+		s.stats.ServerWALEnd.Store(uint64(lsn))
+	}
+}
+
+func (s *Stream) sendStatus(ctx context.Context, replyRequested bool) error {
+	pos := s.acked
+	if pos < s.confirmed {
+		pos = s.confirmed
+	}
+	err := pglogrepl.SendStandbyStatusUpdate(ctx, s.conn, pglogrepl.StandbyStatusUpdate{
+		WALWritePosition: pos,
+		ReplyRequested:   replyRequested,
+	})
+	if err != nil {
+		return fmt.Errorf("send standby status %s on slot %s: %w", pos, s.cfg.Slot, err)
+	}
+	if pos != s.confirmed {
+		s.log.Debug().Str("lsn", pos.String()).Msg("confirmed")
+	}
+	s.confirmed = pos
+	s.stats.Confirmed.Store(uint64(pos))
+	s.stats.LastStatus.Store(time.Now().UnixNano())
+	return nil
+}

@@ -1,0 +1,168 @@
+// Package jetstream is the NATS JetStream sink: asynchronous publishes with
+// Nats-Msg-Id set to the work ID, so JetStream stores a repeat inside its
+// duplicate window once, and a classification of every failure into
+// "rejected" (the broker will never take this message) or "outage" (retry).
+package jetstream
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/sinks"
+)
+
+// API is the part of JetStream the sink uses: publishing, and a stream lookup
+// to tell "no stream binds this subject" from "JetStream is restarting".
+type API interface {
+	jetstream.Publisher
+	StreamNameBySubject(ctx context.Context, subject string) (string, error)
+}
+
+// Sink publishes to JetStream.
+type Sink struct {
+	js API
+}
+
+var _ sinks.Sink = (*Sink)(nil)
+
+// New returns a sink on js. Create js with jetstream.WithPublishAsyncTimeout:
+// without an ack timeout a future can wait forever across a broker loss.
+func New(js API) *Sink { return &Sink{js: js} }
+
+// Publish implements sinks.Sink.
+func (s *Sink) Publish(ctx context.Context, m *sinks.Message) (sinks.Future, error) {
+	if err := ValidateSubject(m.Subject); err != nil {
+		return nil, &sinks.RejectedError{Reason: "invalid_subject", Err: err}
+	}
+	hdr := nats.Header(m.Header)
+	if hdr == nil {
+		hdr = nats.Header{}
+	}
+	hdr[jetstream.MsgIDHeader] = []string{m.ID}
+	f, err := s.js.PublishMsgAsync(&nats.Msg{Subject: m.Subject, Data: m.Data, Header: hdr})
+	if err != nil {
+		return nil, classify(ctx, s.js, m.Subject, fmt.Errorf("publish %s to %s: %w", m.ID, m.Subject, err))
+	}
+	return &future{sink: s, f: f, id: m.ID, subject: m.Subject}, nil
+}
+
+type future struct {
+	sink        *Sink
+	f           jetstream.PubAckFuture
+	id, subject string
+}
+
+func (f *future) Wait(ctx context.Context) (sinks.Ack, error) {
+	select {
+	case ack := <-f.f.Ok():
+		return sinks.Ack{Stream: ack.Stream, Sequence: ack.Sequence, Duplicate: ack.Duplicate}, nil
+	case err := <-f.f.Err():
+		return sinks.Ack{}, classify(ctx, f.sink.js, f.subject, fmt.Errorf("ack for %s on %s: %w", f.id, f.subject, err))
+	case <-ctx.Done():
+		return sinks.Ack{}, ctx.Err()
+	}
+}
+
+// classify turns err into a *sinks.RejectedError when the broker refused the
+// message for good, and leaves it alone (an outage: retry) otherwise.
+// Storage failures, timeouts, disconnects and unknown API errors are outages:
+// treating them as poison would turn a broker restart into a write per row.
+func classify(ctx context.Context, js API, subject string, err error) error {
+	switch {
+	case errors.Is(err, nats.ErrMaxPayload):
+		return &sinks.RejectedError{Reason: "max_payload", Err: err}
+	case errors.Is(err, nats.ErrBadSubject):
+		return &sinks.RejectedError{Reason: "invalid_subject", Err: err}
+	case errors.Is(err, nats.ErrBadHeaderMsg):
+		return &sinks.RejectedError{Reason: "invalid_header", Err: err}
+	}
+	var apiErr *jetstream.APIError
+	if errors.As(err, &apiErr) && apiErr.ErrorCode == jetstream.JSErrCodeStreamMessageExceedsMaximum {
+		return &sinks.RejectedError{Reason: "max_msg_size", Err: err}
+	}
+	if errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, nats.ErrNoResponders) {
+		// No responders also happens while JetStream restarts; only a lookup
+		// that answers "no stream" makes it a rejection.
+		lctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		if _, lerr := js.StreamNameBySubject(lctx, subject); errors.Is(lerr, jetstream.ErrStreamNotFound) {
+			return &sinks.RejectedError{Reason: "no_stream", Err: fmt.Errorf("no JetStream stream binds subject %q: %w", subject, err)}
+		}
+	}
+	return err
+}
+
+// ValidateSubject applies NATS's rules for a publish subject: dot-separated
+// non-empty tokens, no whitespace, no wildcards.
+func ValidateSubject(s string) error {
+	if s == "" {
+		return errors.New("empty subject")
+	}
+	if strings.ContainsAny(s, " \t\r\n") {
+		return fmt.Errorf("subject %q contains whitespace", s)
+	}
+	for _, tok := range strings.Split(s, ".") {
+		switch tok {
+		case "":
+			return fmt.Errorf("subject %q has an empty token", s)
+		case "*", ">":
+			return fmt.Errorf("subject %q contains a wildcard; publish to a concrete subject", s)
+		}
+	}
+	return nil
+}
+
+// StreamConfig is what the relay creates when its stream is missing.
+type StreamConfig struct {
+	Name            string
+	SubjectPrefix   string // the stream binds SubjectPrefix + ">"
+	DuplicateWindow time.Duration
+	Replicas        int
+}
+
+// EnsureStream creates the stream when it is missing and never changes an
+// existing one: operators own it once it exists. It returns the stream's
+// info either way so the caller can warn about a short duplicate window.
+func EnsureStream(ctx context.Context, js jetstream.StreamManager, c StreamConfig) (*jetstream.StreamInfo, bool, error) {
+	st, err := js.Stream(ctx, c.Name)
+	if err == nil {
+		info, err := st.Info(ctx)
+		if err != nil {
+			return nil, false, fmt.Errorf("read stream %s: %w", c.Name, err)
+		}
+		return info, false, nil
+	}
+	if !errors.Is(err, jetstream.ErrStreamNotFound) {
+		return nil, false, fmt.Errorf("look up stream %s: %w", c.Name, err)
+	}
+	replicas := c.Replicas
+	if replicas < 1 {
+		replicas = 1
+	}
+	st, err = js.CreateStream(ctx, jetstream.StreamConfig{
+		Name:        c.Name,
+		Description: "outbox-relay: transactional outbox messages",
+		Subjects:    []string{c.SubjectPrefix + ">"},
+		Storage:     jetstream.FileStorage,
+		Duplicates:  c.DuplicateWindow,
+		Replicas:    replicas,
+	})
+	if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+		// Another instance created it first.
+		return EnsureStream(ctx, js, c)
+	}
+	if err != nil {
+		return nil, false, fmt.Errorf("create stream %s for %s>: %w", c.Name, c.SubjectPrefix, err)
+	}
+	info, err := st.Info(ctx)
+	if err != nil {
+		return nil, true, fmt.Errorf("read stream %s: %w", c.Name, err)
+	}
+	return info, true, nil
+}

@@ -1,0 +1,13 @@
+// Package sql holds the relay's schema as numbered migration files, embedded
+// into the binary. The files are text/template sources: identifiers that come
+// from configuration (the outbox table's schema and name) are substituted
+// already quoted, so a table named "Order Events" or a schema with a dash
+// works and cannot inject SQL. They are applied by internal/store.Migrate.
+package sql
+
+import "embed"
+
+// Migrations holds migrations/NNNN_name.sql, applied in name order.
+//
+//go:embed migrations/*.sql
+var Migrations embed.FS

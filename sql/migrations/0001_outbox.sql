@@ -1,0 +1,38 @@
+-- The outbox table. Applications insert rows in the same transaction as the
+-- business change; the relay streams the committed INSERTs from a logical
+-- replication slot and falls back to a leased-claim poller for retries.
+CREATE TABLE IF NOT EXISTS {{.Table}} (
+    work_id          text        PRIMARY KEY CHECK (work_id <> ''),
+    kind             text        NOT NULL CHECK (kind <> ''),
+    subject          text,
+    payload          jsonb       NOT NULL,
+    headers          jsonb       CHECK (headers IS NULL OR jsonb_typeof(headers) = 'object'),
+    state            text        NOT NULL DEFAULT 'ready'
+                     CHECK (state IN ('ready', 'scheduled', 'running', 'published', 'failed', 'cancelled')),
+    created_at       timestamptz NOT NULL DEFAULT clock_timestamp(),
+    available_at     timestamptz NOT NULL DEFAULT clock_timestamp(),
+    attempts         integer     NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+    claim_generation bigint      NOT NULL DEFAULT 0,
+    claimed_by       text,
+    lease_until      timestamptz,
+    published_at     timestamptz,
+    stream_seq       bigint,
+    last_error       text,
+    redriven_at      timestamptz,
+    redriven_by      text,
+    redrive_reason   text,
+    -- The poller's index key. It is derived from state and available_at, so
+    -- producers never set it, and it stays NULL for ready and published rows:
+    -- the CDC path's ready -> published marks change no indexed value and can
+    -- be HOT updates. lease_until is deliberately not part of it, so lease
+    -- renewals are HOT too.
+    poll_at          timestamptz GENERATED ALWAYS AS (
+                         CASE WHEN state IN ('scheduled', 'running') THEN available_at END
+                     ) STORED,
+    CONSTRAINT {{.Name "lease_check"}} CHECK (
+        (state = 'running') = (claimed_by IS NOT NULL AND lease_until IS NOT NULL)
+    )
+);
+
+-- Serves exactly the poller's claim: scheduled or running rows by due time.
+CREATE INDEX IF NOT EXISTS {{.Name "poll_idx"}} ON {{.Table}} (poll_at) WHERE poll_at IS NOT NULL;
