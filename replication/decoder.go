@@ -21,21 +21,21 @@ func (t Table) String() string { return t.Schema + "." + t.Name }
 // so callers can tell a bad row from a broken stream or schema.
 var ErrMalformedRow = errors.New("malformed outbox row")
 
-// field is a column of the outbox table that the relay reads.
-type field int
+// outboxField is a column of the outbox table that the relay reads.
+type outboxField int
 
 const (
-	fWorkID field = iota
+	fWorkID outboxField = iota
 	fKind
 	fSubject
 	fPayload
 	fHeaders
 	fState
 	fAvailableAt
-	numFields
+	numOutboxFields
 )
 
-var fieldNames = [numFields]string{
+var outboxFieldNames = [numOutboxFields]string{
 	fWorkID:      "work_id",
 	fKind:        "kind",
 	fSubject:     "subject",
@@ -45,19 +45,19 @@ var fieldNames = [numFields]string{
 	fAvailableAt: "available_at",
 }
 
-func (f field) String() string { return fieldNames[f] }
+func (f outboxField) String() string { return outboxFieldNames[f] }
 
-// requiredColumns is for error messages that tell an operator what the relay needs.
-var requiredColumns = strings.Join(fieldNames[:], ", ")
+// outboxColumnList is for error messages that tell an operator what the relay needs.
+var outboxColumnList = strings.Join(outboxFieldNames[:], ", ")
 
-// relation is what a Relation message told us about one relation id. For the
-// outbox table idx holds the tuple position of each field, so that decoding a
+// relationInfo is what a Relation message told us about one relation id. For
+// the outbox table idx holds the tuple position of each field, so that decoding a
 // row is a few slice lookups instead of a search by name.
-type relation struct {
+type relationInfo struct {
 	id     uint32
 	outbox bool
 	ncols  int
-	idx    [numFields]int
+	idx    [numOutboxFields]int
 	// err is set when the outbox relation lacks a column: its inserts cannot
 	// be decoded until a later Relation message describes a usable table.
 	err error
@@ -73,10 +73,10 @@ var farFuture = time.Date(9999, 12, 31, 23, 59, 59, 0, time.UTC)
 // server resends Relation messages and whole transactions after a reconnect.
 type Decoder struct {
 	table Table
-	rels  map[uint32]*relation
+	rels  map[uint32]*relationInfo
 	// last short-cuts the map lookup on the hot path: a publication for the
 	// relay normally carries the outbox table alone.
-	last *relation
+	last *relationInfo
 
 	inTxn      bool
 	xid        uint32
@@ -94,7 +94,7 @@ func NewDecoder(t Table) *Decoder {
 	if t.Schema == "" {
 		t.Schema = "public"
 	}
-	return &Decoder{table: t, rels: make(map[uint32]*relation)}
+	return &Decoder{table: t, rels: make(map[uint32]*relationInfo)}
 }
 
 // InTransaction reports whether a BEGIN was decoded and its COMMIT not yet.
@@ -126,17 +126,17 @@ func (d *Decoder) Decode(walData []byte) (ev Event, ok bool, err error) {
 		return Event{}, false, fmt.Errorf("decode pgoutput message: got %s message of an in-progress transaction: start replication with streaming off", t)
 	default:
 		// Let pglogrepl name whatever it is; it rejects what v1 does not define.
-		if _, err := parse(walData); err != nil {
+		if _, err := parseMessage(walData); err != nil {
 			return Event{}, false, err
 		}
 		return Event{}, false, fmt.Errorf("decode pgoutput message: unexpected message type %q", byte(t))
 	}
 }
 
-// parse wraps pglogrepl.Parse, which indexes past the end of a truncated
+// parseMessage wraps pglogrepl.Parse, which indexes past the end of a truncated
 // Relation or tuple instead of reporting it: a corrupt message must stop the
 // stream with an error, not crash the relay.
-func parse(walData []byte) (m pglogrepl.Message, err error) {
+func parseMessage(walData []byte) (m pglogrepl.Message, err error) {
 	defer func() {
 		if r := recover(); r != nil {
 			m, err = nil, fmt.Errorf("decode pgoutput %q message of %d bytes: truncated or corrupt: %v", walData[0], len(walData), r)
@@ -150,7 +150,7 @@ func parse(walData []byte) (m pglogrepl.Message, err error) {
 }
 
 func (d *Decoder) begin(walData []byte) (Event, bool, error) {
-	m, err := parse(walData)
+	m, err := parseMessage(walData)
 	if err != nil {
 		return Event{}, false, err
 	}
@@ -169,7 +169,7 @@ func (d *Decoder) begin(walData []byte) (Event, bool, error) {
 }
 
 func (d *Decoder) commit(walData []byte) (Event, bool, error) {
-	m, err := parse(walData)
+	m, err := parseMessage(walData)
 	if err != nil {
 		return Event{}, false, err
 	}
@@ -194,19 +194,19 @@ func (d *Decoder) commit(walData []byte) (Event, bool, error) {
 }
 
 func (d *Decoder) relation(walData []byte) error {
-	m, err := parse(walData)
+	m, err := parseMessage(walData)
 	if err != nil {
 		return err
 	}
 	r := m.(*pglogrepl.RelationMessage)
-	rel := &relation{id: r.RelationID, ncols: len(r.Columns)}
+	rel := &relationInfo{id: r.RelationID, ncols: len(r.Columns)}
 	if r.Namespace == d.table.Schema && r.RelationName == d.table.Name {
 		rel.outbox = true
 		for f := range rel.idx {
 			rel.idx[f] = -1
 		}
 		for pos, c := range r.Columns {
-			for f, name := range fieldNames {
+			for f, name := range outboxFieldNames {
 				if c.Name == name {
 					rel.idx[f] = pos
 					break
@@ -216,7 +216,7 @@ func (d *Decoder) relation(walData []byte) error {
 		var missing []string
 		for f, pos := range rel.idx {
 			if pos < 0 {
-				missing = append(missing, fmt.Sprintf("%q", fieldNames[f]))
+				missing = append(missing, fmt.Sprintf("%q", outboxFieldNames[f]))
 			}
 		}
 		if len(missing) > 0 {
@@ -225,7 +225,7 @@ func (d *Decoder) relation(walData []byte) error {
 				what = "columns " + strings.Join(missing, ", ")
 			}
 			rel.err = fmt.Errorf("outbox table %q.%q has no %s (the relay reads %s): restore it or run outbox-relay migrate",
-				r.Namespace, r.RelationName, what, requiredColumns)
+				r.Namespace, r.RelationName, what, outboxColumnList)
 		}
 	}
 	// A later description of the same id replaces the earlier one: columns
@@ -244,7 +244,7 @@ func (d *Decoder) insert(walData []byte) (Event, bool, error) {
 	// Look the relation up before parsing, so that inserts into other tables
 	// of the publication cost nothing.
 	if len(walData) < 5 {
-		_, err := parse(walData)
+		_, err := parseMessage(walData)
 		if err == nil {
 			err = errors.New("decode insert: message too short")
 		}
@@ -268,7 +268,7 @@ func (d *Decoder) insert(walData []byte) (Event, bool, error) {
 	if err := checkInsert(walData); err != nil {
 		return Event{}, false, fmt.Errorf("decode insert into %s in xid %d: %w", d.table, d.xid, err)
 	}
-	m, err := parse(walData)
+	m, err := parseMessage(walData)
 	if err != nil {
 		return Event{}, false, err
 	}
@@ -320,18 +320,18 @@ func checkInsert(walData []byte) error {
 	return nil
 }
 
-func (d *Decoder) row(rel *relation, tuple *pglogrepl.TupleData) (*Row, error) {
+func (d *Decoder) row(rel *relationInfo, tuple *pglogrepl.TupleData) (*Row, error) {
 	cols := tuple.Columns
 	if len(cols) != rel.ncols {
 		return nil, fmt.Errorf("decode insert into %s in xid %d: tuple has %d columns, its relation message described %d",
 			d.table, d.xid, len(cols), rel.ncols)
 	}
 	var (
-		vals [numFields][]byte
-		null [numFields]bool
+		vals [numOutboxFields][]byte
+		null [numOutboxFields]bool
 	)
 	var workID []byte
-	for f := range numFields {
+	for f := range numOutboxFields {
 		c := cols[rel.idx[f]]
 		switch c.DataType {
 		case pglogrepl.TupleDataTypeText:
@@ -388,7 +388,7 @@ func (d *Decoder) row(rel *relation, tuple *pglogrepl.TupleData) (*Row, error) {
 
 // rowErr describes a bad value of field f in the row being decoded, naming the
 // row by work_id once that is known so an operator can find it.
-func (d *Decoder) rowErr(workID []byte, f field, problem string) error {
+func (d *Decoder) rowErr(workID []byte, f outboxField, problem string) error {
 	if workID == nil {
 		return fmt.Errorf("%w in %s, xid %d: column %q %s", ErrMalformedRow, d.table, d.xid, f, problem)
 	}
@@ -439,13 +439,13 @@ func parseTimestamptz(b []byte) (time.Time, error) {
 		p.bad = true
 	}
 	p.pos++
-	off := p.digits(2, 2) * 3600
+	offH, offM, offS := p.digits(2, 2), 0, 0
 	if p.peek(':') {
 		p.pos++
-		off += p.digits(2, 2) * 60
+		offM = p.digits(2, 2)
 		if p.peek(':') {
 			p.pos++
-			off += p.digits(2, 2)
+			offS = p.digits(2, 2)
 		}
 	}
 	if p.peek(' ') {
@@ -455,12 +455,13 @@ func parseTimestamptz(b []byte) (time.Time, error) {
 		year = 1 - year // 1 BC is year 0 on Go's proleptic calendar
 	}
 	if p.bad || p.pos != len(b) ||
-		month < 1 || month > 12 || day < 1 || day > daysIn(month, year) ||
-		hour > 23 || minute > 59 || sec > 59 || off > 16*3600 {
-		return time.Time{}, fmt.Errorf("%q is not a timestamptz in DateStyle ISO (like \"2026-11-30 05:04:42.123456+00\")", clip(b))
+		month < 1 || month > 12 || day < 1 || day > daysInMonth(month, year) ||
+		hour > 23 || minute > 59 || sec > 59 || offH > 15 || offM > 59 || offS > 59 {
+		return time.Time{}, fmt.Errorf("%q is not a timestamptz in DateStyle ISO (like \"2026-11-30 05:04:42.123456+00\")", clipValue(b))
 	}
 	t := time.Date(year, time.Month(month), day, hour, minute, sec, nsec, time.UTC)
-	return t.Add(-time.Duration(sign*off) * time.Second), nil
+	off := time.Duration(sign*(offH*3600+offM*60+offS)) * time.Second
+	return t.Add(-off), nil
 }
 
 type tsParser struct {
@@ -491,7 +492,7 @@ func (p *tsParser) digits(lo, hi int) int {
 	return n
 }
 
-func daysIn(month, year int) int {
+func daysInMonth(month, year int) int {
 	switch month {
 	case 2:
 		if year%4 == 0 && (year%100 != 0 || year%400 == 0) {
@@ -504,8 +505,8 @@ func daysIn(month, year int) int {
 	return 31
 }
 
-// clip keeps error messages readable when a value is not a timestamp at all.
-func clip(b []byte) string {
+// clipValue keeps error messages readable when a value is not a timestamp at all.
+func clipValue(b []byte) string {
 	const limit = 64
 	if len(b) > limit {
 		return string(b[:limit]) + "..."

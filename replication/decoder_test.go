@@ -20,7 +20,7 @@ import (
 // https://www.postgresql.org/docs/15/protocol-logicalrep-message-formats.html
 // so that tests state their input message by message.
 
-var pgEpoch = time.Date(2000, 1, 1, 0, 0, 0, 0, time.UTC)
+var testPGEpoch = time.Date(2000, 1, 1, 0, 0, 0, 0, time.UTC)
 
 type pgmsg []byte
 
@@ -29,7 +29,7 @@ func (m pgmsg) u16(v uint16) pgmsg   { return binary.BigEndian.AppendUint16(m, v
 func (m pgmsg) u32(v uint32) pgmsg   { return binary.BigEndian.AppendUint32(m, v) }
 func (m pgmsg) u64(v uint64) pgmsg   { return binary.BigEndian.AppendUint64(m, v) }
 func (m pgmsg) str(s string) pgmsg   { return append(append(m, s...), 0) }
-func (m pgmsg) ts(t time.Time) pgmsg { return m.u64(uint64(t.Sub(pgEpoch).Microseconds())) }
+func (m pgmsg) ts(t time.Time) pgmsg { return m.u64(uint64(t.Sub(testPGEpoch).Microseconds())) }
 
 func encBegin(finalLSN pglogrepl.LSN, commitTime time.Time, xid uint32) []byte {
 	return pgmsg{'B'}.u64(uint64(finalLSN)).ts(commitTime).u32(xid)
@@ -41,7 +41,7 @@ func encCommit(commitLSN, endLSN pglogrepl.LSN, commitTime time.Time) []byte {
 
 // typeOID gives columns the types the outbox schema has, so that encoded
 // Relation messages look like a server's.
-func typeOID(col string) uint32 {
+func encTypeOID(col string) uint32 {
 	switch {
 	case col == "payload" || col == "headers":
 		return 3802 // jsonb
@@ -62,26 +62,26 @@ func encRelation(id uint32, ns, name string, cols ...string) []byte {
 		if c == "work_id" || c == "id" {
 			flags = 1 // part of the replica identity key
 		}
-		m = m.u8(flags).str(c).u32(typeOID(c)).u32(0xffffffff)
+		m = m.u8(flags).str(c).u32(encTypeOID(c)).u32(0xffffffff)
 	}
 	return m
 }
 
 // val is one TupleData column: kind 'n' (NULL), 'u' (unchanged TOAST), 't'
 // (text) or 'b' (binary).
-type val struct {
+type tupleVal struct {
 	kind byte
 	data string
 }
 
-func txt(s string) val { return val{kind: 't', data: s} }
+func textVal(s string) tupleVal { return tupleVal{kind: 't', data: s} }
 
 var (
-	null      = val{kind: 'n'}
-	unchanged = val{kind: 'u'}
+	nullVal  = tupleVal{kind: 'n'}
+	toastVal = tupleVal{kind: 'u'}
 )
 
-func (m pgmsg) tuple(vals []val) pgmsg {
+func (m pgmsg) tuple(vals []tupleVal) pgmsg {
 	m = m.u16(uint16(len(vals)))
 	for _, v := range vals {
 		m = m.u8(v.kind)
@@ -92,9 +92,9 @@ func (m pgmsg) tuple(vals []val) pgmsg {
 	return m
 }
 
-func encInsert(id uint32, vals ...val) []byte { return pgmsg{'I'}.u32(id).u8('N').tuple(vals) }
-func encUpdate(id uint32, vals ...val) []byte { return pgmsg{'U'}.u32(id).u8('N').tuple(vals) }
-func encDelete(id uint32, key ...val) []byte  { return pgmsg{'D'}.u32(id).u8('K').tuple(key) }
+func encInsert(id uint32, vals ...tupleVal) []byte { return pgmsg{'I'}.u32(id).u8('N').tuple(vals) }
+func encUpdate(id uint32, vals ...tupleVal) []byte { return pgmsg{'U'}.u32(id).u8('N').tuple(vals) }
+func encDelete(id uint32, key ...tupleVal) []byte  { return pgmsg{'D'}.u32(id).u8('K').tuple(key) }
 
 func encTruncate(ids ...uint32) []byte {
 	m := pgmsg{'T'}.u32(uint32(len(ids))).u8(0)
@@ -117,51 +117,51 @@ func encMessage(transactional bool, lsn pglogrepl.LSN, prefix, content string) [
 }
 
 // The outbox table as the relay's migrations create it.
-var outboxCols = []string{
+var testOutboxCols = []string{
 	"work_id", "kind", "subject", "payload", "headers", "state", "created_at", "available_at",
 	"attempts", "claim_generation", "claimed_by", "lease_until", "published_at", "stream_seq",
 	"last_error", "redriven_at", "redriven_by", "redrive_reason",
 }
 
-const outboxID = 16384
+const testOutboxRelID = 16384
 
-var outboxTable = Table{Schema: "public", Name: "outbox"}
+var testOutboxTable = Table{Schema: "public", Name: "outbox"}
 
 // encRow encodes an insert of vals (by column name, NULL where absent) into a
 // relation whose columns are cols.
-func encRow(id uint32, cols []string, vals map[string]val) []byte {
-	tuple := make([]val, len(cols))
+func encRow(id uint32, cols []string, vals map[string]tupleVal) []byte {
+	tuple := make([]tupleVal, len(cols))
 	for i, c := range cols {
 		v, ok := vals[c]
 		if !ok {
-			v = null
+			v = nullVal
 		}
 		tuple[i] = v
 	}
 	return encInsert(id, tuple...)
 }
 
-func sampleRow(workID string) map[string]val {
-	return map[string]val{
-		"work_id":          txt(workID),
-		"kind":             txt("order.created"),
-		"subject":          txt("orders.103"),
-		"payload":          txt(`{"total": "42.50", "order_id": 103}`),
-		"headers":          txt(`{"traceparent": "00-abc-def-01"}`),
-		"state":            txt("pending"),
-		"created_at":       txt("2026-11-30 05:04:40.5+00"),
-		"available_at":     txt("2026-11-30 05:04:42.123456+00"),
-		"attempts":         txt("0"),
-		"claim_generation": txt("0"),
+func sampleOutboxVals(workID string) map[string]tupleVal {
+	return map[string]tupleVal{
+		"work_id":          textVal(workID),
+		"kind":             textVal("order.created"),
+		"subject":          textVal("orders.103"),
+		"payload":          textVal(`{"total": "42.50", "order_id": 103}`),
+		"headers":          textVal(`{"traceparent": "00-abc-def-01"}`),
+		"state":            textVal("pending"),
+		"created_at":       textVal("2026-11-30 05:04:40.5+00"),
+		"available_at":     textVal("2026-11-30 05:04:42.123456+00"),
+		"attempts":         textVal("0"),
+		"claim_generation": textVal("0"),
 	}
 }
 
-func with(vals map[string]val, col string, v val) map[string]val {
+func withCol(vals map[string]tupleVal, col string, v tupleVal) map[string]tupleVal {
 	vals[col] = v
 	return vals
 }
 
-func sampleWant(workID string) *Row {
+func sampleOutboxRow(workID string) *Row {
 	return &Row{
 		WorkID:      workID,
 		Kind:        "order.created",
@@ -174,45 +174,47 @@ func sampleWant(workID string) *Row {
 }
 
 var (
-	commit1 = time.Date(2026, 11, 30, 5, 11, 50, 9037000, time.UTC)
-	commit2 = time.Date(2026, 11, 30, 5, 11, 50, 11247000, time.UTC)
+	commitTime1 = time.Date(2026, 11, 30, 5, 11, 50, 9037000, time.UTC)
+	commitTime2 = time.Date(2026, 11, 30, 5, 11, 50, 11247000, time.UTC)
 )
 
 // eventString renders an event with every field, times with their location,
 // and nil apart from empty, so that comparisons and failures show everything.
-func eventString(e Event) string {
-	s := fmt.Sprintf("%s xid=%d commit_lsn=%s end_lsn=%s commit_time=%s", e.Type, e.Xid, e.CommitLSN, e.EndLSN, timeString(e.CommitTime))
+func decEventString(e Event) string {
+	s := fmt.Sprintf("%s xid=%d commit_lsn=%s end_lsn=%s commit_time=%s", e.Type, e.Xid, e.CommitLSN, e.EndLSN, decTimeString(e.CommitTime))
 	if r := e.Row; r != nil {
 		s += fmt.Sprintf(" row={work_id=%q kind=%q subject=%q payload=%s headers=%s state=%q available_at=%s}",
-			r.WorkID, r.Kind, r.Subject, bytesString(r.Payload), bytesString(r.Headers), r.State, timeString(r.AvailableAt))
+			r.WorkID, r.Kind, r.Subject, decBytesString(r.Payload), decBytesString(r.Headers), r.State, decTimeString(r.AvailableAt))
 	}
 	return s
 }
 
-func timeString(t time.Time) string { return t.Format(time.RFC3339Nano) + "@" + t.Location().String() }
+func decTimeString(t time.Time) string {
+	return t.Format(time.RFC3339Nano) + "@" + t.Location().String()
+}
 
-func bytesString(b []byte) string {
+func decBytesString(b []byte) string {
 	if b == nil {
 		return "nil"
 	}
 	return strconv.Quote(string(b))
 }
 
-func begin(xid uint32, lsn pglogrepl.LSN, at time.Time) string {
-	return eventString(Event{Type: EventBegin, Xid: xid, CommitLSN: lsn, CommitTime: at})
+func wantBegin(xid uint32, lsn pglogrepl.LSN, at time.Time) string {
+	return decEventString(Event{Type: EventBegin, Xid: xid, CommitLSN: lsn, CommitTime: at})
 }
 
-func row(xid uint32, lsn pglogrepl.LSN, at time.Time, r *Row) string {
-	return eventString(Event{Type: EventRow, Xid: xid, CommitLSN: lsn, CommitTime: at, Row: r})
+func wantRow(xid uint32, lsn pglogrepl.LSN, at time.Time, r *Row) string {
+	return decEventString(Event{Type: EventRow, Xid: xid, CommitLSN: lsn, CommitTime: at, Row: r})
 }
 
-func commit(xid uint32, lsn, end pglogrepl.LSN, at time.Time) string {
-	return eventString(Event{Type: EventCommit, Xid: xid, CommitLSN: lsn, EndLSN: end, CommitTime: at})
+func wantCommit(xid uint32, lsn, end pglogrepl.LSN, at time.Time) string {
+	return decEventString(Event{Type: EventCommit, Xid: xid, CommitLSN: lsn, EndLSN: end, CommitTime: at})
 }
 
 // decodeAll decodes msgs in order and renders each event, and each error as
 // "error: ...", so a test can state the whole stream it expects.
-func decodeAll(d *Decoder, msgs [][]byte) []string {
+func decodeAllMsgs(d *Decoder, msgs [][]byte) []string {
 	var got []string
 	for _, m := range msgs {
 		ev, ok, err := d.Decode(m)
@@ -223,13 +225,13 @@ func decodeAll(d *Decoder, msgs [][]byte) []string {
 			}
 			got = append(got, "error: "+err.Error())
 		case ok:
-			got = append(got, eventString(ev))
+			got = append(got, decEventString(ev))
 		}
 	}
 	return got
 }
 
-func compareEvents(t *testing.T, got, want []string) {
+func compareEventStrings(t *testing.T, got, want []string) {
 	t.Helper()
 	for i := range max(len(got), len(want)) {
 		var g, w string
@@ -274,7 +276,7 @@ func readHexFixture(t testing.TB, name string) [][]byte {
 	return msgs
 }
 
-const missingPayload = `outbox table "public"."outbox" has no column "payload" (the relay reads work_id, kind, subject, payload, headers, state, available_at): restore it or run outbox-relay migrate`
+const missingPayloadErrText = `outbox table "public"."outbox" has no column "payload" (the relay reads work_id, kind, subject, payload, headers, state, available_at): restore it or run outbox-relay migrate`
 
 // TestDecodeFixtures replays streams captured from PostgreSQL 15 (see the
 // comments in each file for the SQL that produced them).
@@ -289,8 +291,8 @@ func TestDecodeFixtures(t *testing.T) {
 		{
 			file: "order103.hex",
 			want: []string{
-				begin(728, 0x15451B0, commit1),
-				row(728, 0x15451B0, commit1, &Row{
+				wantBegin(728, 0x15451B0, commitTime1),
+				wantRow(728, 0x15451B0, commitTime1, &Row{
 					WorkID:      "order-103-created",
 					Kind:        "order.created",
 					Subject:     "orders.103",
@@ -299,39 +301,39 @@ func TestDecodeFixtures(t *testing.T) {
 					State:       "pending",
 					AvailableAt: time.Date(2026, 11, 30, 5, 4, 42, 123456000, time.UTC),
 				}),
-				row(728, 0x15451B0, commit1, &Row{
+				wantRow(728, 0x15451B0, commitTime1, &Row{
 					WorkID:      "order-103-audit",
 					Kind:        "audit",
 					Payload:     []byte(`[1, 2, {"a": true, "b": null}]`),
 					State:       "pending",
 					AvailableAt: time.Date(2026, 11, 30, 5, 4, 42, 0, time.UTC),
 				}),
-				commit(728, 0x15451B0, 0x15451E0, commit1),
-				begin(729, 0x1545428, commit2),
-				row(729, 0x1545428, commit2, &Row{
+				wantCommit(728, 0x15451B0, 0x15451E0, commitTime1),
+				wantBegin(729, 0x1545428, commitTime2),
+				wantRow(729, 0x1545428, commitTime2, &Row{
 					WorkID:      "order-103-later",
 					Kind:        "order.reminder",
 					Payload:     []byte(`{}`),
 					State:       "pending",
 					AvailableAt: time.Date(9999, 12, 31, 23, 59, 59, 0, time.UTC),
 				}),
-				commit(729, 0x1545428, 0x1545458, commit2),
+				wantCommit(729, 0x1545428, 0x1545458, commitTime2),
 			},
 		},
 		{
 			file: "schema_change.hex",
 			want: []string{
-				begin(730, 0x1545558, commit3),
-				row(730, 0x1545558, commit3, &Row{
+				wantBegin(730, 0x1545558, commit3),
+				wantRow(730, 0x1545558, commit3, &Row{
 					WorkID:  "order-104-created",
 					Kind:    "order.created",
 					Subject: "orders.104",
 					Payload: []byte(`{"order_id": 104}`),
 					State:   "pending",
 				}),
-				commit(730, 0x1545558, 0x1545588, commit3),
-				begin(734, 0x1546170, commit4),
-				row(734, 0x1546170, commit4, &Row{
+				wantCommit(730, 0x1545558, 0x1545588, commit3),
+				wantBegin(734, 0x1546170, commit4),
+				wantRow(734, 0x1546170, commit4, &Row{
 					WorkID:      "order-105-paid",
 					Kind:        "order.paid",
 					Subject:     "orders.105",
@@ -340,24 +342,24 @@ func TestDecodeFixtures(t *testing.T) {
 					State:       "pending",
 					AvailableAt: time.Date(2026, 12, 1, 0, 0, 0, 500000000, time.UTC),
 				}),
-				commit(734, 0x1546170, 0x15461A0, commit4),
+				wantCommit(734, 0x1546170, 0x15461A0, commit4),
 			},
 		},
 		{
 			file: "dropped_payload.hex",
 			want: []string{
-				begin(736, 0x1546550, commit5),
-				"error: " + missingPayload,
-				"error: decode insert in xid 736: " + missingPayload,
-				commit(736, 0x1546550, 0x1546580, commit5),
+				wantBegin(736, 0x1546550, commit5),
+				"error: " + missingPayloadErrText,
+				"error: decode insert in xid 736: " + missingPayloadErrText,
+				wantCommit(736, 0x1546550, 0x1546580, commit5),
 			},
 		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.file, func(t *testing.T) {
-			d := NewDecoder(outboxTable)
-			got := decodeAll(d, readHexFixture(t, tt.file))
-			compareEvents(t, got, tt.want)
+			d := NewDecoder(testOutboxTable)
+			got := decodeAllMsgs(d, readHexFixture(t, tt.file))
+			compareEventStrings(t, got, tt.want)
 			if d.InTransaction() {
 				t.Errorf("InTransaction() = true after the last commit")
 			}
@@ -367,104 +369,104 @@ func TestDecodeFixtures(t *testing.T) {
 
 func TestDecodeColumnsByName(t *testing.T) {
 	cols := []string{"trace_id", "available_at", "headers", "tenant", "state", "payload", "subject", "kind", "work_id", "priority"}
-	vals := with(with(sampleRow("w-1"), "trace_id", txt("t-1")), "tenant", txt("acme"))
-	vals["priority"] = txt("7")
-	d := NewDecoder(outboxTable)
-	got := decodeAll(d, [][]byte{
-		encBegin(0x100, commit1, 7),
-		encRelation(outboxID, "public", "outbox", cols...),
-		encRow(outboxID, cols, vals),
-		encCommit(0x100, 0x130, commit1),
+	vals := withCol(withCol(sampleOutboxVals("w-1"), "trace_id", textVal("t-1")), "tenant", textVal("acme"))
+	vals["priority"] = textVal("7")
+	d := NewDecoder(testOutboxTable)
+	got := decodeAllMsgs(d, [][]byte{
+		encBegin(0x100, commitTime1, 7),
+		encRelation(testOutboxRelID, "public", "outbox", cols...),
+		encRow(testOutboxRelID, cols, vals),
+		encCommit(0x100, 0x130, commitTime1),
 	})
 	want := []string{
-		begin(7, 0x100, commit1),
-		row(7, 0x100, commit1, sampleWant("w-1")),
-		commit(7, 0x100, 0x130, commit1),
+		wantBegin(7, 0x100, commitTime1),
+		wantRow(7, 0x100, commitTime1, sampleOutboxRow("w-1")),
+		wantCommit(7, 0x100, 0x130, commitTime1),
 	}
-	compareEvents(t, got, want)
+	compareEventStrings(t, got, want)
 }
 
 func TestDecodeNullSubjectAndHeaders(t *testing.T) {
-	vals := with(with(sampleRow("w-1"), "subject", null), "headers", null)
-	d := NewDecoder(outboxTable)
-	got := decodeAll(d, [][]byte{
-		encBegin(0x100, commit1, 7),
-		encRelation(outboxID, "public", "outbox", outboxCols...),
-		encRow(outboxID, outboxCols, vals),
+	vals := withCol(withCol(sampleOutboxVals("w-1"), "subject", nullVal), "headers", nullVal)
+	d := NewDecoder(testOutboxTable)
+	got := decodeAllMsgs(d, [][]byte{
+		encBegin(0x100, commitTime1, 7),
+		encRelation(testOutboxRelID, "public", "outbox", testOutboxCols...),
+		encRow(testOutboxRelID, testOutboxCols, vals),
 	})
-	want := sampleWant("w-1")
+	want := sampleOutboxRow("w-1")
 	want.Subject = ""
 	want.Headers = nil
-	compareEvents(t, got, []string{begin(7, 0x100, commit1), row(7, 0x100, commit1, want)})
+	compareEventStrings(t, got, []string{wantBegin(7, 0x100, commitTime1), wantRow(7, 0x100, commitTime1, want)})
 }
 
 func TestDecodeRelationChange(t *testing.T) {
-	added := append([]string{"priority"}, outboxCols...)
+	added := append([]string{"priority"}, testOutboxCols...)
 	reordered := []string{"payload", "work_id", "priority", "state", "available_at", "kind", "headers", "subject"}
-	d := NewDecoder(outboxTable)
-	got := decodeAll(d, [][]byte{
-		encBegin(0x100, commit1, 7),
-		encRelation(outboxID, "public", "outbox", outboxCols...),
-		encRow(outboxID, outboxCols, sampleRow("w-1")),
-		encCommit(0x100, 0x130, commit1),
+	d := NewDecoder(testOutboxTable)
+	got := decodeAllMsgs(d, [][]byte{
+		encBegin(0x100, commitTime1, 7),
+		encRelation(testOutboxRelID, "public", "outbox", testOutboxCols...),
+		encRow(testOutboxRelID, testOutboxCols, sampleOutboxVals("w-1")),
+		encCommit(0x100, 0x130, commitTime1),
 		// ALTER TABLE ... ADD COLUMN: the new column comes first here so that
 		// every position shifts.
-		encBegin(0x200, commit2, 8),
-		encRelation(outboxID, "public", "outbox", added...),
-		encRow(outboxID, added, with(sampleRow("w-2"), "priority", txt("1"))),
-		encCommit(0x200, 0x230, commit2),
+		encBegin(0x200, commitTime2, 8),
+		encRelation(testOutboxRelID, "public", "outbox", added...),
+		encRow(testOutboxRelID, added, withCol(sampleOutboxVals("w-2"), "priority", textVal("1"))),
+		encCommit(0x200, 0x230, commitTime2),
 		// Columns dropped and re-added in another order, described mid-transaction
 		// as pgoutput does before the first change that needs it.
-		encBegin(0x300, commit2, 9),
-		encRow(outboxID, added, with(sampleRow("w-3"), "priority", txt("1"))),
-		encRelation(outboxID, "public", "outbox", reordered...),
-		encRow(outboxID, reordered, with(sampleRow("w-4"), "priority", txt("1"))),
-		encCommit(0x300, 0x330, commit2),
+		encBegin(0x300, commitTime2, 9),
+		encRow(testOutboxRelID, added, withCol(sampleOutboxVals("w-3"), "priority", textVal("1"))),
+		encRelation(testOutboxRelID, "public", "outbox", reordered...),
+		encRow(testOutboxRelID, reordered, withCol(sampleOutboxVals("w-4"), "priority", textVal("1"))),
+		encCommit(0x300, 0x330, commitTime2),
 	})
 	want := []string{
-		begin(7, 0x100, commit1),
-		row(7, 0x100, commit1, sampleWant("w-1")),
-		commit(7, 0x100, 0x130, commit1),
-		begin(8, 0x200, commit2),
-		row(8, 0x200, commit2, sampleWant("w-2")),
-		commit(8, 0x200, 0x230, commit2),
-		begin(9, 0x300, commit2),
-		row(9, 0x300, commit2, sampleWant("w-3")),
-		row(9, 0x300, commit2, sampleWant("w-4")),
-		commit(9, 0x300, 0x330, commit2),
+		wantBegin(7, 0x100, commitTime1),
+		wantRow(7, 0x100, commitTime1, sampleOutboxRow("w-1")),
+		wantCommit(7, 0x100, 0x130, commitTime1),
+		wantBegin(8, 0x200, commitTime2),
+		wantRow(8, 0x200, commitTime2, sampleOutboxRow("w-2")),
+		wantCommit(8, 0x200, 0x230, commitTime2),
+		wantBegin(9, 0x300, commitTime2),
+		wantRow(9, 0x300, commitTime2, sampleOutboxRow("w-3")),
+		wantRow(9, 0x300, commitTime2, sampleOutboxRow("w-4")),
+		wantCommit(9, 0x300, 0x330, commitTime2),
 	}
-	compareEvents(t, got, want)
+	compareEventStrings(t, got, want)
 }
 
 func TestDecodeMissingColumn(t *testing.T) {
-	for _, missing := range fieldNames {
+	for _, missing := range outboxFieldNames {
 		t.Run(missing, func(t *testing.T) {
 			var cols []string
-			for _, c := range outboxCols {
+			for _, c := range testOutboxCols {
 				if c != missing {
 					cols = append(cols, c)
 				}
 			}
-			d := NewDecoder(outboxTable)
-			if _, _, err := d.Decode(encBegin(0x100, commit1, 7)); err != nil {
+			d := NewDecoder(testOutboxTable)
+			if _, _, err := d.Decode(encBegin(0x100, commitTime1, 7)); err != nil {
 				t.Fatal(err)
 			}
-			ev, ok, err := d.Decode(encRelation(outboxID, "public", "outbox", cols...))
+			ev, ok, err := d.Decode(encRelation(testOutboxRelID, "public", "outbox", cols...))
 			want := `outbox table "public"."outbox" has no column "` + missing + `" (the relay reads work_id, kind, subject, payload, headers, state, available_at): restore it or run outbox-relay migrate`
 			if err == nil || err.Error() != want || ok || ev.Type != 0 {
 				t.Fatalf("Decode(relation) = %v, %v, %v; want error %q", ev, ok, err, want)
 			}
 			// A caller that goes on must not get rows decoded with a broken mapping.
-			_, ok, err = d.Decode(encRow(outboxID, cols, sampleRow("w-1")))
+			_, ok, err = d.Decode(encRow(testOutboxRelID, cols, sampleOutboxVals("w-1")))
 			if err == nil || !strings.Contains(err.Error(), want) || ok {
 				t.Fatalf("Decode(insert) = %v, %v; want error containing %q", ok, err, want)
 			}
 			// Once the table is fixed (migrate), the next Relation message heals it.
-			ev, ok, err = d.Decode(encRelation(outboxID, "public", "outbox", outboxCols...))
+			ev, ok, err = d.Decode(encRelation(testOutboxRelID, "public", "outbox", testOutboxCols...))
 			if err != nil || ok {
 				t.Fatalf("Decode(fixed relation) = %v, %v, %v", ev, ok, err)
 			}
-			ev, ok, err = d.Decode(encRow(outboxID, outboxCols, sampleRow("w-1")))
+			ev, ok, err = d.Decode(encRow(testOutboxRelID, testOutboxCols, sampleOutboxVals("w-1")))
 			if err != nil || !ok {
 				t.Fatalf("Decode(insert after fix) = %v, %v, %v", ev, ok, err)
 			}
@@ -472,8 +474,8 @@ func TestDecodeMissingColumn(t *testing.T) {
 	}
 
 	t.Run("several", func(t *testing.T) {
-		d := NewDecoder(outboxTable)
-		_, _, err := d.Decode(encRelation(outboxID, "public", "outbox", "work_id", "kind", "subject", "state", "available_at"))
+		d := NewDecoder(testOutboxTable)
+		_, _, err := d.Decode(encRelation(testOutboxRelID, "public", "outbox", "work_id", "kind", "subject", "state", "available_at"))
 		want := `outbox table "public"."outbox" has no columns "payload", "headers" (the relay reads work_id, kind, subject, payload, headers, state, available_at): restore it or run outbox-relay migrate`
 		if err == nil || err.Error() != want {
 			t.Fatalf("got %v, want %q", err, want)
@@ -481,7 +483,7 @@ func TestDecodeMissingColumn(t *testing.T) {
 	})
 
 	t.Run("other table", func(t *testing.T) {
-		d := NewDecoder(outboxTable)
+		d := NewDecoder(testOutboxTable)
 		if _, _, err := d.Decode(encRelation(2, "public", "orders", "id", "status")); err != nil {
 			t.Fatalf("a table that is not the outbox needs no outbox columns, got %v", err)
 		}
@@ -489,72 +491,72 @@ func TestDecodeMissingColumn(t *testing.T) {
 }
 
 func TestDecodeOtherTablesIgnored(t *testing.T) {
-	d := NewDecoder(outboxTable)
-	got := decodeAll(d, [][]byte{
-		encBegin(0x100, commit1, 7),
+	d := NewDecoder(testOutboxTable)
+	got := decodeAllMsgs(d, [][]byte{
+		encBegin(0x100, commitTime1, 7),
 		encRelation(2, "public", "orders", "id", "status"),
-		encRelation(3, "audit", "outbox", outboxCols...),
-		encRelation(4, "public", "Outbox", outboxCols...),
-		encRelation(5, "public", "outbox_archive", outboxCols...),
-		encInsert(2, txt("103"), txt("new")),
-		encRow(3, outboxCols, sampleRow("audit-1")),
-		encRow(4, outboxCols, sampleRow("upper-1")),
+		encRelation(3, "audit", "outbox", testOutboxCols...),
+		encRelation(4, "public", "Outbox", testOutboxCols...),
+		encRelation(5, "public", "outbox_archive", testOutboxCols...),
+		encInsert(2, textVal("103"), textVal("new")),
+		encRow(3, testOutboxCols, sampleOutboxVals("audit-1")),
+		encRow(4, testOutboxCols, sampleOutboxVals("upper-1")),
 		// Not even a well-formed outbox row: other relations are not looked at.
-		encInsert(5, null),
-		encRelation(outboxID, "public", "outbox", outboxCols...),
-		encRow(outboxID, outboxCols, sampleRow("w-1")),
-		encInsert(2, txt("104"), txt("new")),
-		encCommit(0x100, 0x130, commit1),
+		encInsert(5, nullVal),
+		encRelation(testOutboxRelID, "public", "outbox", testOutboxCols...),
+		encRow(testOutboxRelID, testOutboxCols, sampleOutboxVals("w-1")),
+		encInsert(2, textVal("104"), textVal("new")),
+		encCommit(0x100, 0x130, commitTime1),
 	})
 	want := []string{
-		begin(7, 0x100, commit1),
-		row(7, 0x100, commit1, sampleWant("w-1")),
-		commit(7, 0x100, 0x130, commit1),
+		wantBegin(7, 0x100, commitTime1),
+		wantRow(7, 0x100, commitTime1, sampleOutboxRow("w-1")),
+		wantCommit(7, 0x100, 0x130, commitTime1),
 	}
-	compareEvents(t, got, want)
+	compareEventStrings(t, got, want)
 
 	t.Run("renamed away", func(t *testing.T) {
-		got := decodeAll(d, [][]byte{
-			encBegin(0x200, commit2, 8),
-			encRelation(outboxID, "public", "outbox_old", outboxCols...),
-			encRow(outboxID, outboxCols, sampleRow("w-2")),
-			encCommit(0x200, 0x230, commit2),
+		got := decodeAllMsgs(d, [][]byte{
+			encBegin(0x200, commitTime2, 8),
+			encRelation(testOutboxRelID, "public", "outbox_old", testOutboxCols...),
+			encRow(testOutboxRelID, testOutboxCols, sampleOutboxVals("w-2")),
+			encCommit(0x200, 0x230, commitTime2),
 		})
-		compareEvents(t, got, []string{begin(8, 0x200, commit2), commit(8, 0x200, 0x230, commit2)})
+		compareEventStrings(t, got, []string{wantBegin(8, 0x200, commitTime2), wantCommit(8, 0x200, 0x230, commitTime2)})
 	})
 
 	t.Run("default schema", func(t *testing.T) {
 		d := NewDecoder(Table{Name: "outbox"})
-		got := decodeAll(d, [][]byte{
-			encBegin(0x100, commit1, 7),
-			encRelation(outboxID, "public", "outbox", outboxCols...),
-			encRow(outboxID, outboxCols, sampleRow("w-1")),
+		got := decodeAllMsgs(d, [][]byte{
+			encBegin(0x100, commitTime1, 7),
+			encRelation(testOutboxRelID, "public", "outbox", testOutboxCols...),
+			encRow(testOutboxRelID, testOutboxCols, sampleOutboxVals("w-1")),
 		})
-		compareEvents(t, got, []string{begin(7, 0x100, commit1), row(7, 0x100, commit1, sampleWant("w-1"))})
+		compareEventStrings(t, got, []string{wantBegin(7, 0x100, commitTime1), wantRow(7, 0x100, commitTime1, sampleOutboxRow("w-1"))})
 	})
 }
 
 func TestDecodeIgnoredMessages(t *testing.T) {
-	d := NewDecoder(outboxTable)
-	got := decodeAll(d, [][]byte{
+	d := NewDecoder(testOutboxTable)
+	got := decodeAllMsgs(d, [][]byte{
 		encMessage(false, 0x90, "relay", "outside any transaction"),
-		encBegin(0x100, commit1, 7),
+		encBegin(0x100, commitTime1, 7),
 		encOrigin(0x5000, "upstream"),
 		encType(16400, "public", "order_status"),
-		encRelation(outboxID, "public", "outbox", outboxCols...),
-		encUpdate(outboxID, encRowVals(outboxCols, sampleRow("w-1"))...),
-		encDelete(outboxID, txt("w-1")),
-		encTruncate(outboxID, 2),
+		encRelation(testOutboxRelID, "public", "outbox", testOutboxCols...),
+		encUpdate(testOutboxRelID, encRowVals(testOutboxCols, sampleOutboxVals("w-1"))...),
+		encDelete(testOutboxRelID, textVal("w-1")),
+		encTruncate(testOutboxRelID, 2),
 		encMessage(true, 0x110, "relay", "hello"),
-		encCommit(0x100, 0x130, commit1),
+		encCommit(0x100, 0x130, commitTime1),
 	})
-	compareEvents(t, got, []string{begin(7, 0x100, commit1), commit(7, 0x100, 0x130, commit1)})
+	compareEventStrings(t, got, []string{wantBegin(7, 0x100, commitTime1), wantCommit(7, 0x100, 0x130, commitTime1)})
 }
 
-func encRowVals(cols []string, vals map[string]val) []val {
-	out := make([]val, len(cols))
+func encRowVals(cols []string, vals map[string]tupleVal) []tupleVal {
+	out := make([]tupleVal, len(cols))
 	for i, c := range cols {
-		out[i] = null
+		out[i] = nullVal
 		if v, ok := vals[c]; ok {
 			out[i] = v
 		}
@@ -563,20 +565,20 @@ func encRowVals(cols []string, vals map[string]val) []val {
 }
 
 func TestDecoderTransactionState(t *testing.T) {
-	d := NewDecoder(outboxTable)
+	d := NewDecoder(testOutboxTable)
 	steps := []struct {
 		msg    []byte
 		inTxn  bool
 		wantOK bool
 	}{
-		{encRelation(outboxID, "public", "outbox", outboxCols...), false, false},
-		{encBegin(0x100, commit1, 7), true, true},
-		{encRow(outboxID, outboxCols, sampleRow("w-1")), true, true},
-		{encRow(outboxID, outboxCols, with(sampleRow("w-2"), "payload", null)), true, false},
-		{encRow(outboxID, outboxCols, sampleRow("w-3")), true, true},
-		{encCommit(0x100, 0x130, commit1), false, true},
-		{encBegin(0x200, commit2, 8), true, true},
-		{encCommit(0x200, 0x230, commit2), false, true},
+		{encRelation(testOutboxRelID, "public", "outbox", testOutboxCols...), false, false},
+		{encBegin(0x100, commitTime1, 7), true, true},
+		{encRow(testOutboxRelID, testOutboxCols, sampleOutboxVals("w-1")), true, true},
+		{encRow(testOutboxRelID, testOutboxCols, withCol(sampleOutboxVals("w-2"), "payload", nullVal)), true, false},
+		{encRow(testOutboxRelID, testOutboxCols, sampleOutboxVals("w-3")), true, true},
+		{encCommit(0x100, 0x130, commitTime1), false, true},
+		{encBegin(0x200, commitTime2, 8), true, true},
+		{encCommit(0x200, 0x230, commitTime2), false, true},
 	}
 	if d.InTransaction() {
 		t.Fatal("InTransaction() = true before any message")
@@ -590,61 +592,61 @@ func TestDecoderTransactionState(t *testing.T) {
 			t.Errorf("step %d (%c): InTransaction() = %v, want %v", i, s.msg[0], got, s.inTxn)
 		}
 		if ok && ev.Type != EventBegin && (ev.Xid == 0 || ev.CommitLSN == 0 || ev.CommitTime.IsZero()) {
-			t.Errorf("step %d: event %s lacks its transaction's xid, lsn or time", i, eventString(ev))
+			t.Errorf("step %d: event %s lacks its transaction's xid, lsn or time", i, decEventString(ev))
 		}
 	}
 }
 
 func TestDecodeErrors(t *testing.T) {
 	setup := [][]byte{
-		encBegin(0x100, commit1, 7),
-		encRelation(outboxID, "public", "outbox", outboxCols...),
+		encBegin(0x100, commitTime1, 7),
+		encRelation(testOutboxRelID, "public", "outbox", testOutboxCols...),
 	}
-	insert := func(col string, v val) [][]byte {
-		return append(setup, encRow(outboxID, outboxCols, with(sampleRow("w-1"), col, v)))
+	insert := func(col string, v tupleVal) [][]byte {
+		return append(setup, encRow(testOutboxRelID, testOutboxCols, withCol(sampleOutboxVals("w-1"), col, v)))
 	}
-	full := encRow(outboxID, outboxCols, sampleRow("w-1"))
+	full := encRow(testOutboxRelID, testOutboxCols, sampleOutboxVals("w-1"))
 	tests := []struct {
 		name      string
 		msgs      [][]byte // all but the last must decode without error
 		want      string   // the last one's error
 		malformed bool     // errors.Is(err, ErrMalformedRow)
 	}{
-		{"null payload", insert("payload", null), `malformed outbox row in public.outbox, xid 7, work_id "w-1": column "payload" is NULL`, true},
-		{"null work_id", insert("work_id", null), `malformed outbox row in public.outbox, xid 7: column "work_id" is NULL`, true},
-		{"null kind", insert("kind", null), `malformed outbox row in public.outbox, xid 7, work_id "w-1": column "kind" is NULL`, true},
-		{"null state", insert("state", null), `malformed outbox row in public.outbox, xid 7, work_id "w-1": column "state" is NULL`, true},
-		{"null available_at", insert("available_at", null), `malformed outbox row in public.outbox, xid 7, work_id "w-1": column "available_at" is NULL`, true},
-		{"unchanged toast", insert("payload", unchanged), `malformed outbox row in public.outbox, xid 7, work_id "w-1": column "payload" is an unchanged-TOAST placeholder, not a value`, true},
-		{"binary", insert("kind", val{kind: 'b', data: "x"}), `malformed outbox row in public.outbox, xid 7, work_id "w-1": column "kind" is in binary format: start replication without binary mode`, true},
+		{"null payload", insert("payload", nullVal), `malformed outbox row in public.outbox, xid 7, work_id "w-1": column "payload" is NULL`, true},
+		{"null work_id", insert("work_id", nullVal), `malformed outbox row in public.outbox, xid 7: column "work_id" is NULL`, true},
+		{"null kind", insert("kind", nullVal), `malformed outbox row in public.outbox, xid 7, work_id "w-1": column "kind" is NULL`, true},
+		{"null state", insert("state", nullVal), `malformed outbox row in public.outbox, xid 7, work_id "w-1": column "state" is NULL`, true},
+		{"null available_at", insert("available_at", nullVal), `malformed outbox row in public.outbox, xid 7, work_id "w-1": column "available_at" is NULL`, true},
+		{"unchanged toast", insert("payload", toastVal), `malformed outbox row in public.outbox, xid 7, work_id "w-1": column "payload" is an unchanged-TOAST placeholder, not a value`, true},
+		{"binary", insert("kind", tupleVal{kind: 'b', data: "x"}), `malformed outbox row in public.outbox, xid 7, work_id "w-1": column "kind" is in binary format: start replication without binary mode`, true},
 		{
-			"bad timestamp", insert("available_at", txt("2026-11-30T05:04:42Z")),
+			"bad timestamp", insert("available_at", textVal("2026-11-30T05:04:42Z")),
 			`malformed outbox row in public.outbox, xid 7, work_id "w-1": column "available_at" is unparsable: "2026-11-30T05:04:42Z" is not a timestamptz in DateStyle ISO (like "2026-11-30 05:04:42.123456+00")`, true,
 		},
-		{"timestamp without zone", insert("available_at", txt("2026-11-30 05:04:42")), `column "available_at" is unparsable: "2026-11-30 05:04:42" is not a timestamptz`, true},
-		{"column count", append(setup, encInsert(outboxID, txt("w-1"), txt("k"))), `decode insert into public.outbox in xid 7: tuple has 2 columns, its relation message described 18`, false},
+		{"timestamp without zone", insert("available_at", textVal("2026-11-30 05:04:42")), `column "available_at" is unparsable: "2026-11-30 05:04:42" is not a timestamptz`, true},
+		{"column count", append(setup, encInsert(testOutboxRelID, textVal("w-1"), textVal("k"))), `decode insert into public.outbox in xid 7: tuple has 2 columns, its relation message described 18`, false},
 		{"insert outside transaction", [][]byte{setup[1], full}, `decode insert: no transaction is open`, false},
 		{"unknown relation", [][]byte{setup[0], full}, `decode insert in xid 7: relation id 16384 was never described by a relation message`, false},
 		{"truncated insert", append(setup, full[:len(full)-10]), `decode insert into public.outbox in xid 7: message ends in the length of column 9 of 18`, false},
 		{"truncated value", append(setup, full[:len(full)-30]), `decode insert into public.outbox in xid 7: column 7 of 18 claims 29 bytes, the message has 19 left`, false},
-		{"missing columns", append(setup, encInsert(outboxID, txt("w-1"))[:8]), `decode insert into public.outbox in xid 7: message ends at column 0 of 1`, false},
-		{"corrupt length", append(setup, append(pgmsg{'I'}.u32(outboxID).u8('N').u16(1).u8('t').u32(0xffffffff), "x"...)), `column 0 of 1 claims 4294967295 bytes, the message has 1 left`, false},
+		{"missing columns", append(setup, encInsert(testOutboxRelID, textVal("w-1"))[:8]), `decode insert into public.outbox in xid 7: message ends at column 0 of 1`, false},
+		{"corrupt length", append(setup, append(pgmsg{'I'}.u32(testOutboxRelID).u8('N').u16(1).u8('t').u32(0xffffffff), "x"...)), `column 0 of 1 claims 4294967295 bytes, the message has 1 left`, false},
 		{"trailing bytes", append(setup, append(full[:len(full):len(full)], 'n')), `decode insert into public.outbox in xid 7: 1 bytes follow the last column`, false},
-		{"unknown kind", append(setup, encInsert(outboxID, val{kind: 'x'})), `column 0 of 1 has unknown tuple data kind 'x'`, false},
-		{"not a new tuple", append(setup, append(pgmsg{'I'}.u32(outboxID).u8('K'), full[6:]...)), `decode insert into public.outbox in xid 7: tuple type 'K', want 'N'`, false},
+		{"unknown kind", append(setup, encInsert(testOutboxRelID, tupleVal{kind: 'x'})), `column 0 of 1 has unknown tuple data kind 'x'`, false},
+		{"not a new tuple", append(setup, append(pgmsg{'I'}.u32(testOutboxRelID).u8('K'), full[6:]...)), `decode insert into public.outbox in xid 7: tuple type 'K', want 'N'`, false},
 		{"truncated relation", [][]byte{setup[1][:37]}, `truncated or corrupt`, false},
 		{"short insert", append(setup, full[:3]), `decode pgoutput 'I' message: InsertMessage must have 8 bytes, got 2 bytes`, false},
 		{"short begin", [][]byte{setup[0][:10]}, `decode pgoutput 'B' message: BeginMessage must have 20 bytes, got 9 bytes`, false},
 		{"empty", [][]byte{{}}, `decode pgoutput message: empty message`, false},
 		{"streaming", [][]byte{{'S', 0, 0, 0, 7, 1}}, `start replication with streaming off`, false},
 		{"unknown type", [][]byte{{'Z', 1}}, `decode pgoutput 'Z' message: replication message not supported`, false},
-		{"commit outside transaction", [][]byte{encCommit(0x100, 0x130, commit1)}, `decode commit at 0/100: no transaction is open`, false},
-		{"nested begin", [][]byte{setup[0], encBegin(0x200, commit2, 8)}, `decode begin of xid 8: transaction xid 7 is still open`, false},
-		{"commit lsn mismatch", [][]byte{setup[0], encCommit(0x200, 0x230, commit1)}, `decode commit of xid 7: commit lsn 0/200 differs from the 0/100 announced by its begin`, false},
+		{"commit outside transaction", [][]byte{encCommit(0x100, 0x130, commitTime1)}, `decode commit at 0/100: no transaction is open`, false},
+		{"nested begin", [][]byte{setup[0], encBegin(0x200, commitTime2, 8)}, `decode begin of xid 8: transaction xid 7 is still open`, false},
+		{"commit lsn mismatch", [][]byte{setup[0], encCommit(0x200, 0x230, commitTime1)}, `decode commit of xid 7: commit lsn 0/200 differs from the 0/100 announced by its begin`, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			d := NewDecoder(outboxTable)
+			d := NewDecoder(testOutboxTable)
 			last := len(tt.msgs) - 1
 			for i, m := range tt.msgs[:last] {
 				if _, _, err := d.Decode(m); err != nil {
@@ -653,13 +655,13 @@ func TestDecodeErrors(t *testing.T) {
 			}
 			ev, ok, err := d.Decode(tt.msgs[last])
 			if err == nil {
-				t.Fatalf("got %s, ok=%v, want an error containing %q", eventString(ev), ok, tt.want)
+				t.Fatalf("got %s, ok=%v, want an error containing %q", decEventString(ev), ok, tt.want)
 			}
 			if !strings.Contains(err.Error(), tt.want) {
 				t.Errorf("got error %q, want it to contain %q", err, tt.want)
 			}
 			if ok || ev.Row != nil || ev.Type != 0 {
-				t.Errorf("got ok=%v event %s along with the error", ok, eventString(ev))
+				t.Errorf("got ok=%v event %s along with the error", ok, decEventString(ev))
 			}
 			if got := errors.Is(err, ErrMalformedRow); got != tt.malformed {
 				t.Errorf("errors.Is(err, ErrMalformedRow) = %v, want %v", got, tt.malformed)
@@ -683,8 +685,9 @@ func TestDecodeTimestamps(t *testing.T) {
 		{"2026-11-29 23:04:42-06", want},
 		{"2026-11-30 04:34:27-00:30:15", want},
 		{"2026-11-30 20:04:42.5+15", want.Add(500 * time.Millisecond)},
+		{"2026-11-30 21:04:41+15:59:59", want},
 		{"2024-02-29 00:00:00+00", time.Date(2024, 2, 29, 0, 0, 0, 0, time.UTC)},
-		{"2000-01-01 00:00:00+00", pgEpoch},
+		{"2000-01-01 00:00:00+00", testPGEpoch},
 		{"12026-11-30 05:04:42+00", time.Date(12026, 11, 30, 5, 4, 42, 0, time.UTC)},
 		{"0044-03-15 12:00:00+00 BC", time.Date(-43, 3, 15, 12, 0, 0, 0, time.UTC)},
 		{"0001-02-29 00:00:00+00 BC", time.Date(0, 2, 29, 0, 0, 0, 0, time.UTC)},
@@ -698,7 +701,7 @@ func TestDecodeTimestamps(t *testing.T) {
 			continue
 		}
 		if !got.Equal(tt.want) || got.Location() != time.UTC {
-			t.Errorf("parseTimestamptz(%q) = %s, want %s", tt.in, timeString(got), timeString(tt.want))
+			t.Errorf("parseTimestamptz(%q) = %s, want %s", tt.in, decTimeString(got), decTimeString(tt.want))
 		}
 	}
 
@@ -722,12 +725,15 @@ func TestDecodeTimestamps(t *testing.T) {
 		"2026-11-30 24:00:00+00",
 		"2026-11-30 05:60:00+00",
 		"2026-11-30 05:04:60+00",
-		"2026-11-30 05:04:42+17",
+		"2026-11-30 05:04:42+16",
+		"2026-11-30 05:04:42+05:60",
+		"2026-11-30 05:04:42+05:30:60",
+		"2026-11-30 05:04:42+05:",
 		"2026-11-30 5:04:42+00",
 		"2026/11/30 05:04:42+00",
 	} {
 		if got, err := parseTimestamptz([]byte(in)); err == nil {
-			t.Errorf("parseTimestamptz(%q) = %s, want an error", in, timeString(got))
+			t.Errorf("parseTimestamptz(%q) = %s, want an error", in, decTimeString(got))
 		}
 	}
 }
@@ -735,9 +741,9 @@ func TestDecodeTimestamps(t *testing.T) {
 // TestDecodeRowOwnsItsBytes checks that rows stay intact however the caller
 // reuses the message buffer or appends to a Row's slices.
 func TestDecodeRowOwnsItsBytes(t *testing.T) {
-	d := NewDecoder(outboxTable)
-	decodeAll(d, [][]byte{encBegin(0x100, commit1, 7), encRelation(outboxID, "public", "outbox", outboxCols...)})
-	msg := encRow(outboxID, outboxCols, sampleRow("w-1"))
+	d := NewDecoder(testOutboxTable)
+	decodeAllMsgs(d, [][]byte{encBegin(0x100, commitTime1, 7), encRelation(testOutboxRelID, "public", "outbox", testOutboxCols...)})
+	msg := encRow(testOutboxRelID, testOutboxCols, sampleOutboxVals("w-1"))
 	ev, ok, err := d.Decode(msg)
 	if err != nil || !ok {
 		t.Fatalf("Decode = %v, %v", ok, err)
@@ -746,11 +752,11 @@ func TestDecodeRowOwnsItsBytes(t *testing.T) {
 		msg[i] = 'X'
 	}
 	// The next row must not reuse the first one's memory either.
-	if _, _, err := d.Decode(encRow(outboxID, outboxCols, with(sampleRow("w-2"), "kind", txt("other")))); err != nil {
+	if _, _, err := d.Decode(encRow(testOutboxRelID, testOutboxCols, withCol(sampleOutboxVals("w-2"), "kind", textVal("other")))); err != nil {
 		t.Fatal(err)
 	}
 	_ = append(ev.Row.Payload, "XXXXXXXX"...)
-	if got, want := eventString(ev), row(7, 0x100, commit1, sampleWant("w-1")); got != want {
+	if got, want := decEventString(ev), wantRow(7, 0x100, commitTime1, sampleOutboxRow("w-1")); got != want {
 		t.Errorf("after reuse:\n got %s\nwant %s", got, want)
 	}
 }
@@ -763,29 +769,29 @@ func FuzzDecoder(f *testing.F) {
 			f.Add(m)
 		}
 	}
-	f.Add(encRow(outboxID, outboxCols, sampleRow("w-1")))
-	f.Add(encRelation(outboxID, "public", "outbox", outboxCols...))
+	f.Add(encRow(testOutboxRelID, testOutboxCols, sampleOutboxVals("w-1")))
+	f.Add(encRelation(testOutboxRelID, "public", "outbox", testOutboxCols...))
 	f.Fuzz(func(t *testing.T, msg []byte) {
-		d := NewDecoder(outboxTable)
-		decodeAll(d, [][]byte{encBegin(0x100, commit1, 7), encRelation(outboxID, "public", "outbox", outboxCols...)})
+		d := NewDecoder(testOutboxTable)
+		decodeAllMsgs(d, [][]byte{encBegin(0x100, commitTime1, 7), encRelation(testOutboxRelID, "public", "outbox", testOutboxCols...)})
 		ev, ok, err := d.Decode(msg)
 		if err != nil && ok {
 			t.Fatalf("ok with error %v", err)
 		}
 		if ok && ev.Type == EventRow && (ev.Row == nil || ev.Row.Payload == nil) {
-			t.Fatalf("incomplete row event %s", eventString(ev))
+			t.Fatalf("incomplete row event %s", decEventString(ev))
 		}
 	})
 }
 
 func BenchmarkDecodeInsert(b *testing.B) {
-	d := NewDecoder(outboxTable)
-	for _, m := range [][]byte{encBegin(0x100, commit1, 7), encRelation(outboxID, "public", "outbox", outboxCols...)} {
+	d := NewDecoder(testOutboxTable)
+	for _, m := range [][]byte{encBegin(0x100, commitTime1, 7), encRelation(testOutboxRelID, "public", "outbox", testOutboxCols...)} {
 		if _, _, err := d.Decode(m); err != nil {
 			b.Fatal(err)
 		}
 	}
-	msg := encRow(outboxID, outboxCols, sampleRow("order-103-created"))
+	msg := encRow(testOutboxRelID, testOutboxCols, sampleOutboxVals("order-103-created"))
 	b.SetBytes(int64(len(msg)))
 	b.ReportAllocs()
 	for b.Loop() {
