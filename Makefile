@@ -1,13 +1,55 @@
-# outbox-relay: common tasks. `make test` is the test command (CI runs it via .ci/run).
+# outbox-relay: common tasks. `make test` is the test command; CI runs it through .ci/run.
 
 GO      ?= go
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 BIN     := bin/outbox-relay
 
-.PHONY: test build demo fmt-check docker clean
+.PHONY: setup test build demo fmt-check docker clean
+
+## setup: install what demo and test need when it is absent, through apt
+## (Debian/Ubuntu): PostgreSQL server binaries in /usr/lib/postgresql/<v>/bin
+## (skipped when OUTBOX_RELAY_TEST_PG_BIN names others), a C compiler for
+## go test -race (cgo), and, when running as root, the postgres user to run
+## PostgreSQL as. Does nothing when everything is there. nats-server needs no
+## setup: the tests build the version pinned in go.mod (go tool nats-server).
+setup:
+	@set -e; \
+	have_pg() { \
+		[ -n "$$OUTBOX_RELAY_TEST_PG_BIN" ] && return 0; \
+		for d in /usr/lib/postgresql/*/bin; do \
+			if [ -x "$$d/initdb" ] && [ -x "$$d/postgres" ]; then return 0; fi; \
+		done; \
+		return 1; \
+	}; \
+	pkgs=""; \
+	have_pg || pkgs="$$pkgs postgresql-15"; \
+	if [ "$$(uname -s)" = Linux ] && { ! command -v gcc >/dev/null 2>&1 || [ ! -e /usr/include/stdlib.h ]; }; then \
+		pkgs="$$pkgs gcc libc6-dev"; \
+	fi; \
+	if [ "$$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null 2>&1; then sudo=sudo; else sudo=none; fi; \
+	if [ -n "$$pkgs" ]; then \
+		if [ "$$sudo" = none ] || ! command -v apt-get >/dev/null 2>&1; then \
+			echo "setup: missing:$$pkgs. Install them (PostgreSQL's server binaries: in /usr/lib/postgresql/<version>/bin, or set OUTBOX_RELAY_TEST_PG_BIN to their directory)." >&2; \
+			exit 1; \
+		fi; \
+		echo "setup: installing$$pkgs (apt-get)"; \
+		$$sudo apt-get update -q; \
+		case "$$pkgs" in *postgresql-15*) \
+			if ! apt-cache show postgresql-15 >/dev/null 2>&1; then \
+				echo "setup: postgresql-15 is not available here; installing postgresql"; \
+				pkgs="$$(echo "$$pkgs" | sed 's/postgresql-15/postgresql/')"; \
+			fi;; \
+		esac; \
+		$$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$pkgs; \
+		have_pg || { echo "setup: still no PostgreSQL server binaries in /usr/lib/postgresql/*/bin" >&2; exit 1; }; \
+	fi; \
+	if [ "$$(id -u)" = 0 ] && ! id -u postgres >/dev/null 2>&1; then \
+		echo "setup: creating the postgres system user (PostgreSQL refuses to run as root)"; \
+		useradd --system --user-group --home-dir /var/lib/postgresql --shell /bin/bash postgres; \
+	fi
 
 ## test: vet everything, then run every test with the race detector.
-test:
+test: setup
 	$(GO) vet ./... && $(GO) test -race -count=1 -timeout 15m ./...
 
 ## build: build the relay binary into bin/.
@@ -15,7 +57,7 @@ build:
 	$(GO) build -trimpath -ldflags "-X main.version=$(VERSION)" -o $(BIN) ./cmd/outbox-relay
 
 ## demo: start throwaway PostgreSQL and nats-server and show rows flowing.
-demo:
+demo: setup
 	$(GO) run ./cmd/outbox-relay demo
 
 ## fmt-check: fail if any Go file is not gofmt-formatted.
