@@ -268,10 +268,17 @@ func (r *Relay) session(ctx context.Context) error {
 	confirms := make(chan replication.LSN, 1)
 	stop := make(chan struct{})
 	streamDone := make(chan error, 1)
-	go func() { streamDone <- stream.Run(sessCtx, events, confirms, stop) }()
+	streamExited := make(chan struct{})
+	go func() {
+		defer close(streamExited)
+		streamDone <- stream.Run(sessCtx, events, confirms, stop)
+	}()
 	err = l.run(ctx, sessCtx, events, confirms, stop, streamDone)
 	cancel()
 	l.wait()
+	// The stream goroutine owns the connection until it returns; only then
+	// may the deferred Close touch it.
+	<-streamExited
 	return err
 }
 
