@@ -17,6 +17,9 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 		maxInFlight, maxInFlightBytes, replicas             int
 		httpAddr, appName                                   string
 		auth                                                app.NATSAuth
+		workerID                                            string
+		lease, backoffMin, backoffMax, pollInterval         time.Duration
+		maxAttempts, pollBatch                              int
 	)
 	fs.DurationVar(&dupWindow, "duplicate-window", 2*time.Minute, "duplicate window of the stream when the relay creates it")
 	fs.IntVar(&replicas, "stream-replicas", 1, "replicas of the stream when the relay creates it (3 on a JetStream cluster)")
@@ -36,6 +39,13 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs.StringVar(&auth.CAFile, "nats-tls-ca", "", "CA certificate for the broker's TLS")
 	fs.StringVar(&auth.CertFile, "nats-tls-cert", "", "client certificate for TLS")
 	fs.StringVar(&auth.KeyFile, "nats-tls-key", "", "client key for TLS")
+	fs.StringVar(&workerID, "worker-id", app.DefaultWorkerID(), "the poller's identity in claimed_by; unique per running relay")
+	fs.DurationVar(&lease, "lease", 30*time.Second, "how long a poller claim is held; must exceed --ack-timeout")
+	fs.IntVar(&maxAttempts, "max-attempts", 10, "publish attempts of a row before the poller fails it (dead letter)")
+	fs.DurationVar(&backoffMin, "backoff-min", time.Second, "retry delay of the first failed attempt (full jitter, doubling)")
+	fs.DurationVar(&backoffMax, "backoff-max", 5*time.Minute, "upper bound of the retry delay")
+	fs.DurationVar(&pollInterval, "poll-interval", time.Second, "pause between poller claims when the last batch was not full (±50% jitter)")
+	fs.IntVar(&pollBatch, "poll-batch", 100, "rows per poller claim")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -51,5 +61,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	o.MaxInFlight, o.MaxInFlightBytes = maxInFlight, maxInFlightBytes
 	o.StatusInterval, o.DrainTimeout = statusInterval, drainTimeout
 	o.HTTPAddr, o.AppName, o.NATS = httpAddr, appName, auth
+	o.WorkerID, o.Lease, o.MaxAttempts = workerID, lease, maxAttempts
+	o.BackoffMin, o.BackoffMax, o.PollInterval, o.PollBatch = backoffMin, backoffMax, pollInterval, pollBatch
 	return app.Run(ctx, o, log)
 }

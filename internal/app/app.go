@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"os"
 	"strings"
 	"time"
 
@@ -21,6 +22,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
+	"github.com/outbox-relay/outbox-relay/internal/poller"
 	"github.com/outbox-relay/outbox-relay/internal/relay"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
@@ -46,6 +48,15 @@ type Options struct {
 	DrainTimeout     time.Duration
 	HTTPAddr         string
 	AppName          string
+
+	// The fallback poller (zero values take the defaults of `run`).
+	WorkerID     string
+	Lease        time.Duration
+	MaxAttempts  int
+	BackoffMin   time.Duration
+	BackoffMax   time.Duration
+	PollInterval time.Duration
+	PollBatch    int
 
 	NATS NATSAuth
 
@@ -132,7 +143,54 @@ func (o *Options) Validate() error {
 	if o.MaxInFlight < 1 {
 		return fmt.Errorf("--max-in-flight %d: must be at least 1", o.MaxInFlight)
 	}
+	if pc := o.pollerConfig(nil); o.Lease < 0 || pc.Lease <= o.AckTimeout {
+		return fmt.Errorf("--lease %s: must be longer than --ack-timeout %s, or a claim expires while its publish is still waiting for the ack", pc.Lease, o.AckTimeout)
+	}
+	if o.MaxAttempts < 0 || o.PollBatch < 0 || o.PollInterval < 0 {
+		return fmt.Errorf("--max-attempts %d, --poll-batch %d, --poll-interval %s: may not be negative", o.MaxAttempts, o.PollBatch, o.PollInterval)
+	}
+	if o.BackoffMin < 0 || o.BackoffMax < 0 || (o.BackoffMax > 0 && o.BackoffMin > o.BackoffMax) {
+		return fmt.Errorf("--backoff-min %s, --backoff-max %s: want 0 <= min <= max", o.BackoffMin, o.BackoffMax)
+	}
 	return nil
+}
+
+// pollerConfig fills the poller's knobs, with the defaults of `run` for
+// those left zero.
+func (o *Options) pollerConfig(connected func() bool) poller.Config {
+	c := poller.Config{
+		WorkerID: o.WorkerID, Lease: o.Lease, MaxAttempts: o.MaxAttempts,
+		BackoffMin: o.BackoffMin, BackoffMax: o.BackoffMax, PollInterval: o.PollInterval, Batch: o.PollBatch,
+		SubjectPrefix: o.SubjectPrefix, Connected: connected,
+	}
+	if c.WorkerID == "" {
+		c.WorkerID = DefaultWorkerID()
+	}
+	def := func(d *time.Duration, v time.Duration) {
+		if *d == 0 {
+			*d = v
+		}
+	}
+	def(&c.Lease, 30*time.Second)
+	def(&c.BackoffMin, time.Second)
+	def(&c.BackoffMax, 5*time.Minute)
+	def(&c.PollInterval, time.Second)
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = 10
+	}
+	if c.Batch == 0 {
+		c.Batch = 100
+	}
+	return c
+}
+
+// DefaultWorkerID is hostname-pid: unique per process on a host.
+func DefaultWorkerID() string {
+	h, err := os.Hostname()
+	if err != nil || h == "" {
+		h = "unknown"
+	}
+	return fmt.Sprintf("%s-%d", h, os.Getpid())
 }
 
 // Connect opens the PostgreSQL pool and the NATS connection, failing fast
@@ -217,6 +275,14 @@ func Run(ctx context.Context, o Options, log zerolog.Logger) error {
 		o.Started(r)
 	}
 
+	// The poller has a JetStream context of its own, so its async publishes
+	// and the CDC path's do not share a pending window.
+	pjs, err := jetstream.New(nc, jetstream.WithPublishAsyncTimeout(o.AckTimeout))
+	if err != nil {
+		return fmt.Errorf("open JetStream for the poller: %w", err)
+	}
+	p := poller.New(o.pollerConfig(nc.IsConnected), store.New(pool, o.Table, o.Policy), natssink.New(pjs), log, m)
+
 	g, gctx := errgroup.WithContext(ctx)
 	if o.HTTPAddr != "" {
 		srv, ln, err := listenHTTP(o.HTTPAddr, m, r, pool, nc)
@@ -256,6 +322,7 @@ func Run(ctx context.Context, o Options, log zerolog.Logger) error {
 			}
 		}
 	})
+	g.Go(func() error { return p.Run(gctx) })
 	g.Go(func() error {
 		err := r.Run(gctx)
 		if err != nil {

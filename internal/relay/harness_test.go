@@ -64,6 +64,10 @@ func newHarness(t testing.TB, s setup) *harness {
 		MaxInFlightBytes: 1 << 20,
 		StatusInterval:   200 * time.Millisecond,
 		DrainTimeout:     5 * time.Second,
+		PollInterval:     100 * time.Millisecond,
+		BackoffMin:       10 * time.Millisecond,
+		BackoffMax:       50 * time.Millisecond,
+		Lease:            5 * time.Second,
 	}
 	conn, err := pgx.Connect(ctx, s.dbURL)
 	if err != nil {

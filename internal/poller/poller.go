@@ -1,0 +1,297 @@
+// Package poller is the relay's fallback path: a leased-claim poller for
+// rows that need another attempt (rejected by the broker, delayed, redriven,
+// backfilled). Several workers, in one process or many, share the table
+// through FOR UPDATE SKIP LOCKED.
+//
+// A claim is one committed statement that moves due rows to 'running' with
+// claimed_by = the worker, lease_until = database clock + lease, and
+// claim_generation + 1. The claim commits before anything is published, so a
+// crash after publishing leaves a lease that expires and a row another
+// worker reclaims (the broker drops the repeat by its Nats-Msg-Id).
+//
+// The guards: every later statement on a claim (complete, renew, reschedule,
+// fail) matches only while the row is still 'running' for this worker, with
+// this claim's generation and a lease that has not expired on the database
+// clock. A worker that stalled past its lease, or whose row was reclaimed by
+// another worker (a newer generation), matches zero rows: it stops using that
+// claim, counts it in outbox_relay_poller_stale_claims_total and logs it, and
+// never overwrites the newer claim's outcome (DESIGN.md G6).
+package poller
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/rs/zerolog"
+
+	"github.com/outbox-relay/outbox-relay/internal/metrics"
+	"github.com/outbox-relay/outbox-relay/internal/relay"
+	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/sinks"
+)
+
+// Config holds the poller's knobs.
+type Config struct {
+	WorkerID      string
+	Lease         time.Duration // how long a claim is held; publishes and their acks must fit in it
+	PollInterval  time.Duration // pause between polls when the last batch was not full (±50% jitter)
+	BackoffMin    time.Duration
+	BackoffMax    time.Duration
+	MaxAttempts   int // attempts (claims) before a row is failed
+	Batch         int // rows per claim
+	SubjectPrefix string
+
+	// Connected reports whether the broker is reachable; while it is not,
+	// the poller claims nothing (a claim would only burn an attempt). nil:
+	// always connected.
+	Connected func() bool
+	// Sleep and Rand replace the real pause and random source in tests.
+	// Rand(n) returns a value in [0, n).
+	Sleep func(ctx context.Context, d time.Duration) error
+	Rand  func(n int64) int64
+}
+
+// Poller is one worker.
+type Poller struct {
+	cfg  Config
+	st   *store.Store
+	sink sinks.Sink
+	log  zerolog.Logger
+	m    *metrics.Metrics
+}
+
+// New returns a poller; Run starts it.
+func New(cfg Config, st *store.Store, sink sinks.Sink, log zerolog.Logger, m *metrics.Metrics) *Poller {
+	if cfg.Sleep == nil {
+		cfg.Sleep = sleep
+	}
+	if cfg.Rand == nil {
+		cfg.Rand = rand.Int64N
+	}
+	if cfg.Batch < 1 {
+		cfg.Batch = 1
+	}
+	if cfg.MaxAttempts < 1 {
+		cfg.MaxAttempts = 1
+	}
+	return &Poller{cfg: cfg, st: st, sink: sink, log: log.With().Str("component", "poller").Str("worker", cfg.WorkerID).Logger(), m: m}
+}
+
+func sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// Backoff is the delay before retry number attempt (1-based) with full
+// jitter: uniform in [0, min(max, min*2^(attempt-1))]. rnd(n) returns a
+// value in [0, n).
+func Backoff(attempt int, minD, maxD time.Duration, rnd func(int64) int64) time.Duration {
+	if attempt < 1 {
+		attempt = 1
+	}
+	if minD <= 0 || maxD <= 0 {
+		return 0
+	}
+	ceil := minD
+	for i := 1; i < attempt && ceil < maxD; i++ {
+		ceil *= 2
+		if ceil <= 0 { // overflow
+			ceil = maxD
+		}
+	}
+	if ceil > maxD {
+		ceil = maxD
+	}
+	d := time.Duration(rnd(int64(ceil) + 1))
+	if d < 0 {
+		d = 0
+	}
+	if d > ceil {
+		d = ceil
+	}
+	return d
+}
+
+// Run polls until ctx ends; it returns nil then. Database and broker errors
+// are logged and retried at the next poll: the poller never gives up.
+func (p *Poller) Run(ctx context.Context) error {
+	p.log.Info().Dur("lease", p.cfg.Lease).Int("max_attempts", p.cfg.MaxAttempts).Int("batch", p.cfg.Batch).Msg("poller started")
+	immediate := false
+	for {
+		if !immediate {
+			d := p.cfg.PollInterval
+			if d > 0 {
+				d = d/2 + time.Duration(p.cfg.Rand(int64(d)))
+			}
+			if err := p.cfg.Sleep(ctx, d); err != nil || ctx.Err() != nil {
+				return nil
+			}
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+		immediate = false
+		if p.cfg.Connected != nil && !p.cfg.Connected() {
+			continue
+		}
+		n, err := p.Poll(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			p.log.Warn().Err(err).Msg("poll failed; retrying at the next interval")
+			continue
+		}
+		immediate = n >= p.cfg.Batch
+	}
+}
+
+type inflight struct {
+	c   store.Claimed
+	f   sinks.Future
+	err error // set when the row never reached a future
+}
+
+// Poll claims one batch, publishes it, and records each row's outcome with
+// guarded statements. It returns how many rows it claimed.
+func (p *Poller) Poll(ctx context.Context) (int, error) {
+	claimed, err := p.st.Claim(ctx, p.cfg.WorkerID, p.cfg.Lease, p.cfg.Batch)
+	if err != nil {
+		return 0, err
+	}
+	if len(claimed) == 0 {
+		return 0, nil
+	}
+	p.m.Claims.Add(float64(len(claimed)))
+	// The claims are committed. Finish this batch even if ctx ends meanwhile
+	// (its outcomes are worth recording), but never past the lease: after
+	// that every guarded statement would match nothing anyway.
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.Lease)
+	defer cancel()
+
+	batch := make([]inflight, 0, len(claimed))
+	for _, c := range claimed {
+		if c.Reclaimed && c.Attempts > p.cfg.MaxAttempts {
+			// A worker held it and vanished (or stalled) on its last
+			// allowed attempt: whether that publish landed is unknown.
+			p.m.Failures.WithLabelValues("uncertain", "lease_expired").Inc()
+			p.fail(wctx, c, fmt.Sprintf("uncertain: lease expired after %d attempts (max attempts reached)", c.Attempts-1))
+			continue
+		}
+		msg, err := relay.BuildMessage(relay.MessageFields{
+			WorkID: c.WorkID, Kind: c.Kind, Subject: c.Subject, Payload: c.Payload, Headers: c.Headers,
+		}, p.cfg.SubjectPrefix, map[string]string{
+			relay.HeaderAttempt:         strconv.Itoa(c.Attempts),
+			relay.HeaderClaimGeneration: strconv.FormatInt(c.ClaimGeneration, 10),
+		})
+		if err != nil {
+			batch = append(batch, inflight{c: c, err: &sinks.RejectedError{Reason: "invalid_header", Err: err}})
+			continue
+		}
+		f, err := p.sink.Publish(wctx, msg)
+		batch = append(batch, inflight{c: c, f: f, err: err})
+	}
+
+	var acked []store.Completion
+	for i := range batch {
+		in := &batch[i]
+		if in.err == nil {
+			ack, err := in.f.Wait(wctx)
+			if err == nil {
+				acked = append(acked, store.Completion{WorkID: in.c.WorkID, Generation: in.c.ClaimGeneration, Seq: ack.Sequence})
+				result := "ok"
+				if ack.Duplicate {
+					result = "duplicate"
+					p.m.Duplicates.Inc()
+				}
+				p.m.Published.WithLabelValues("poller", result).Inc()
+				continue
+			}
+			in.err = err
+		}
+		p.retryOrFail(wctx, in.c, in.err)
+	}
+
+	if len(acked) > 0 {
+		done, err := p.st.Complete(wctx, acked, p.cfg.WorkerID)
+		if err != nil {
+			// The rows stay running; their leases expire and another
+			// claim publishes them again (deduplicated by Nats-Msg-Id).
+			return len(claimed), fmt.Errorf("complete %d acked rows: %w", len(acked), err)
+		}
+		if len(done) < len(acked) {
+			ok := make(map[string]struct{}, len(done))
+			for _, id := range done {
+				ok[id] = struct{}{}
+			}
+			for _, a := range acked {
+				if _, found := ok[a.WorkID]; !found {
+					p.stale("complete", a.WorkID, a.Generation)
+				}
+			}
+		}
+	}
+	return len(claimed), nil
+}
+
+// retryOrFail records a failed publish: rejected (the broker will never take
+// it as it is) or uncertain (timeout, outage: it may have been stored).
+func (p *Poller) retryOrFail(ctx context.Context, c store.Claimed, err error) {
+	var class, reason, text string
+	if re, ok := sinks.IsRejected(err); ok {
+		class, reason = "rejected", re.Reason
+		text = fmt.Sprintf("rejected: %s: %v", re.Reason, re.Err)
+		p.m.Published.WithLabelValues("poller", "rejected").Inc()
+	} else {
+		class, reason = "uncertain", "outage"
+		if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, jetstream.ErrAsyncPublishTimeout) {
+			reason = "timeout"
+		}
+		text = fmt.Sprintf("uncertain: %v", err)
+		p.m.Published.WithLabelValues("poller", "error").Inc()
+	}
+	p.m.Failures.WithLabelValues(class, reason).Inc()
+	if c.Attempts >= p.cfg.MaxAttempts {
+		p.fail(ctx, c, text)
+		return
+	}
+	delay := Backoff(c.Attempts, p.cfg.BackoffMin, p.cfg.BackoffMax, p.cfg.Rand)
+	ok, werr := p.st.Reschedule(ctx, c.WorkID, p.cfg.WorkerID, c.ClaimGeneration, delay, text)
+	switch {
+	case werr != nil:
+		p.log.Warn().Err(werr).Str("work_id", c.WorkID).Msg("reschedule failed; the lease will expire and the row be reclaimed")
+	case !ok:
+		p.stale("reschedule", c.WorkID, c.ClaimGeneration)
+	default:
+		p.log.Debug().Str("work_id", c.WorkID).Int("attempt", c.Attempts).Dur("retry_in", delay).Str("error", text).Msg("rescheduled")
+	}
+}
+
+func (p *Poller) fail(ctx context.Context, c store.Claimed, text string) {
+	ok, err := p.st.Fail(ctx, c.WorkID, p.cfg.WorkerID, c.ClaimGeneration, text)
+	switch {
+	case err != nil:
+		p.log.Warn().Err(err).Str("work_id", c.WorkID).Msg("fail failed; the lease will expire and the row be reclaimed")
+	case !ok:
+		p.stale("fail", c.WorkID, c.ClaimGeneration)
+	default:
+		p.log.Warn().Str("work_id", c.WorkID).Int("attempts", c.Attempts).Str("error", text).Msg("row failed: redrive it once the cause is fixed")
+	}
+}
+
+func (p *Poller) stale(op, workID string, gen int64) {
+	p.m.StaleCompletions.WithLabelValues(op).Inc()
+	p.log.Warn().Str("op", op).Str("work_id", workID).Int64("claim_generation", gen).
+		Msg("claim expired or superseded: the guarded update matched no row; leaving it to the newer claim")
+}

@@ -1,0 +1,168 @@
+package store
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// The poller's statements. A claim moves a due row to 'running' under a
+// lease and a new claim generation; every later statement on that claim
+// (complete, renew, reschedule, fail) is guarded in its WHERE clause by
+//
+//	state = 'running' AND claimed_by = <worker> AND claim_generation = <gen>
+//	AND lease_until > clock_timestamp()
+//
+// so a worker whose lease expired, or whose row was reclaimed by another
+// worker (generation + 1), matches zero rows and can never overwrite the
+// newer claim (G6). Every time decision is made with the database's
+// clock_timestamp(): never now() (frozen at transaction start), never the
+// worker's clock. Each method is one autocommitted statement.
+
+// Claimed is one row a claim returned, in its new running state.
+type Claimed struct {
+	WorkID          string
+	Kind            string
+	Subject         string // empty when the column is NULL
+	Payload         []byte // the payload's text
+	Headers         []byte // the headers' JSON text, nil when NULL
+	Attempts        int    // after this claim's +1
+	ClaimGeneration int64  // this claim's generation: the fence of every later statement
+	LastError       string
+	// Reclaimed says the row was 'running' under an expired lease: an
+	// earlier worker's publish may or may not have reached the broker.
+	Reclaimed bool
+}
+
+// Completion is one acked publish of a claim.
+type Completion struct {
+	WorkID     string
+	Generation int64
+	Seq        uint64
+}
+
+func micros(d time.Duration) int64 { return d.Microseconds() }
+
+// Claim takes up to batch due rows ('scheduled' with available_at reached,
+// or 'running' with an expired lease) for workerID with a lease, in one
+// statement: rows other workers hold locked are skipped, not waited for.
+// A reclaim after an expired lease counts as an attempt.
+func (s *Store) Claim(ctx context.Context, workerID string, lease time.Duration, batch int) ([]Claimed, error) {
+	q := s.claimSQL()
+	rows, err := s.pool.Query(ctx, q, batch, workerID, micros(lease))
+	if err != nil {
+		return nil, fmt.Errorf("claim from %s: %w", s.table.Qualified(), err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Claimed, error) {
+		var c Claimed
+		var payload string
+		var headers *string
+		err := r.Scan(&c.WorkID, &c.Kind, &c.Subject, &payload, &headers, &c.Attempts, &c.ClaimGeneration, &c.LastError, &c.Reclaimed)
+		c.Payload = []byte(payload)
+		if headers != nil {
+			c.Headers = []byte(*headers)
+		}
+		return c, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("claim from %s: %w", s.table.Qualified(), err)
+	}
+	return out, nil
+}
+
+// claimGuard is the fence of every statement on a claim: $w worker, and the
+// generation column compared by the caller.
+const claimGuard = `t.state = 'running' AND t.claimed_by = $2 AND t.lease_until > clock_timestamp()`
+
+// Complete applies the on-publish policy to acked claims of workerID in one
+// statement, guarded per row by its claim generation and a live lease. It
+// returns the work IDs it changed; the others' claims are gone.
+func (s *Store) Complete(ctx context.Context, items []Completion, workerID string) (completed []string, err error) {
+	if len(items) == 0 {
+		return nil, nil
+	}
+	ids := make([]string, len(items))
+	gens := make([]int64, len(items))
+	seqs := make([]int64, len(items))
+	for i, it := range items {
+		ids[i], gens[i], seqs[i] = it.WorkID, it.Generation, int64(it.Seq)
+	}
+	tbl := s.table.String()
+	var q string
+	args := []any{ids, workerID, gens, seqs}
+	if s.policy == PolicyDelete {
+		q = `DELETE FROM ` + tbl + ` AS t USING unnest($1::text[], $3::bigint[]) AS u(work_id, gen)
+			WHERE t.work_id = u.work_id AND t.work_id = ANY($1::text[]) AND t.claim_generation = u.gen AND ` + claimGuard + `
+			RETURNING t.work_id`
+		args = args[:3]
+	} else {
+		q = `UPDATE ` + tbl + ` AS t SET state = 'published', published_at = clock_timestamp(), stream_seq = u.seq,
+				claimed_by = NULL, lease_until = NULL
+			FROM unnest($1::text[], $3::bigint[], $4::bigint[]) AS u(work_id, gen, seq)
+			WHERE t.work_id = u.work_id AND t.work_id = ANY($1::text[]) AND t.claim_generation = u.gen AND ` + claimGuard + `
+			RETURNING t.work_id`
+	}
+	rows, err := s.pool.Query(ctx, q, args...)
+	if err != nil {
+		return nil, fmt.Errorf("complete %d claims in %s: %w", len(items), s.table.Qualified(), err)
+	}
+	completed, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("complete %d claims in %s: %w", len(items), s.table.Qualified(), err)
+	}
+	return completed, nil
+}
+
+func (s *Store) guarded(ctx context.Context, op, workID, set string, args ...any) (bool, error) {
+	q := `UPDATE ` + s.table.String() + ` AS t SET ` + set + `
+		WHERE t.work_id = $1 AND t.claim_generation = $3 AND ` + claimGuard
+	tag, err := s.pool.Exec(ctx, q, append([]any{workID}, args...)...)
+	if err != nil {
+		return false, fmt.Errorf("%s claim of %s in %s: %w", op, workID, s.table.Qualified(), err)
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+// Renew extends workerID's lease on its claim gen of workID to lease from
+// now (database clock). false: the claim is gone.
+func (s *Store) Renew(ctx context.Context, workID, workerID string, gen int64, lease time.Duration) (bool, error) {
+	return s.guarded(ctx, "renew", workID,
+		`lease_until = clock_timestamp() + $4::bigint * interval '1 microsecond'`,
+		workerID, gen, micros(lease))
+}
+
+// Reschedule gives the row back to the poller after delay, recording why.
+// false: the claim is gone.
+func (s *Store) Reschedule(ctx context.Context, workID, workerID string, gen int64, delay time.Duration, lastError string) (bool, error) {
+	return s.guarded(ctx, "reschedule", workID,
+		`state = 'scheduled', available_at = clock_timestamp() + $4::bigint * interval '1 microsecond', last_error = $5,
+		 claimed_by = NULL, lease_until = NULL`,
+		workerID, gen, micros(delay), lastError)
+}
+
+// Fail dead-letters the row with its evidence. false: the claim is gone.
+func (s *Store) Fail(ctx context.Context, workID, workerID string, gen int64, lastError string) (bool, error) {
+	return s.guarded(ctx, "fail", workID,
+		`state = 'failed', last_error = $4, claimed_by = NULL, lease_until = NULL`,
+		workerID, gen, lastError)
+}
+
+// claimSQL is the claim statement; $1 batch, $2 worker, $3 lease in
+// microseconds. The CTE's select is what the partial poll index serves.
+func (s *Store) claimSQL() string {
+	tbl := s.table.String()
+	return `WITH c AS (
+		SELECT work_id, state AS prev_state FROM ` + tbl + `
+		WHERE poll_at <= clock_timestamp()
+		  AND (state = 'scheduled' OR (state = 'running' AND lease_until <= clock_timestamp()))
+		ORDER BY poll_at
+		LIMIT $1
+		FOR UPDATE SKIP LOCKED)
+	UPDATE ` + tbl + ` AS t SET state = 'running', claimed_by = $2, claim_generation = t.claim_generation + 1,
+		lease_until = clock_timestamp() + $3::bigint * interval '1 microsecond', attempts = t.attempts + 1
+	FROM c WHERE t.work_id = c.work_id
+	RETURNING t.work_id, t.kind, coalesce(t.subject, ''), t.payload::text, t.headers::text, t.attempts,
+		t.claim_generation, coalesce(t.last_error, ''), c.prev_state = 'running'`
+}
