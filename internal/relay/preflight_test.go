@@ -1,0 +1,67 @@
+package relay_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/outbox-relay/outbox-relay/internal/app"
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
+)
+
+// G11: what no retry can fix fails at start, saying what to do.
+func TestPreflightErrors(t *testing.T) {
+	env := testenv.Shared(t)
+	run := func(t *testing.T, h *harness) error {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		return app.Run(ctx, h.opts, zerolog.Nop())
+	}
+
+	t.Run("wal_level", func(t *testing.T) {
+		pg, err := testenv.StartPostgres(testenv.PostgresOptions{Conf: map[string]string{"wal_level": "replica"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(pg.Close)
+		stream, prefix := env.StreamName(t)
+		h := newHarness(t, setup{dbURL: pg.URL("postgres"), natsURL: env.NATS.URL(), stream: stream, subjectPrefix: prefix})
+		err = run(t, h)
+		if err == nil || !strings.Contains(err.Error(), "wal_level") || !strings.Contains(err.Error(), "ALTER SYSTEM SET wal_level = logical") {
+			t.Fatalf("err = %v, want one naming wal_level and the fix", err)
+		}
+	})
+
+	t.Run("no REPLICATION attribute", func(t *testing.T) {
+		s := sharedSetup(t)
+		h := newHarness(t, s)
+		h.exec(`DO $$ BEGIN CREATE ROLE app_no_repl LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$`)
+		h.exec(`GRANT SELECT, UPDATE, DELETE ON outbox TO app_no_repl`)
+		h.opts.DatabaseURL = strings.Replace(s.dbURL, "postgres@", "app_no_repl@", 1)
+		err := run(t, h)
+		if err == nil || !strings.Contains(err.Error(), "REPLICATION") || !strings.Contains(err.Error(), "ALTER ROLE") {
+			t.Fatalf("err = %v, want one naming the REPLICATION attribute and the fix", err)
+		}
+	})
+
+	t.Run("dropped column", func(t *testing.T) {
+		h := newHarness(t, sharedSetup(t))
+		h.exec(`ALTER TABLE outbox DROP COLUMN headers`)
+		err := run(t, h)
+		if err == nil || !strings.Contains(err.Error(), "headers") || !strings.Contains(err.Error(), "migrate") {
+			t.Fatalf("err = %v, want one naming the missing column and migrate", err)
+		}
+	})
+
+	t.Run("bad slot name", func(t *testing.T) {
+		h := newHarness(t, sharedSetup(t))
+		h.opts.Slot = "Outbox-Slot"
+		err := run(t, h)
+		if err == nil || !strings.Contains(err.Error(), "--slot") {
+			t.Fatalf("err = %v, want one naming --slot", err)
+		}
+	})
+}
