@@ -86,6 +86,20 @@ func (s *Stream) Run(ctx context.Context, out chan<- Event, confirms <-chan pglo
 	defer ticker.Stop()
 	nextStatus := time.Now().Add(s.cfg.StatusInterval)
 
+	// A receive waits up to a status interval; stop must end that wait at
+	// once, or an idle relay takes that long to shut down. Cancelling only
+	// sets a deadline on the socket, so the connection stays usable for
+	// the last status update.
+	recvCtx, cancelRecv := context.WithCancel(ctx)
+	defer cancelRecv()
+	go func() {
+		select {
+		case <-stop:
+			cancelRecv()
+		case <-recvCtx.Done():
+		}
+	}()
+
 	for {
 		select {
 		case <-stop:
@@ -105,10 +119,17 @@ func (s *Stream) Run(ctx context.Context, out chan<- Event, confirms <-chan pglo
 			nextStatus = time.Now().Add(s.cfg.StatusInterval)
 		}
 
-		rctx, cancel := context.WithDeadline(ctx, nextStatus)
+		rctx, cancel := context.WithDeadline(recvCtx, nextStatus)
 		msg, err := s.conn.ReceiveMessage(rctx)
 		cancel()
 		if err != nil {
+			select {
+			case <-stop:
+				if ctx.Err() == nil {
+					return s.drain(ctx, confirms)
+				}
+			default:
+			}
 			if pgconn.Timeout(err) && ctx.Err() == nil {
 				continue
 			}

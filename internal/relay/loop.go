@@ -160,7 +160,7 @@ func (l *loop) finish(confirms chan replication.LSN, streamDone <-chan error) er
 		if err != nil {
 			return fmt.Errorf("final confirmation: %w", err)
 		}
-	case <-time.After(10 * time.Second):
+	case <-time.After(max(10*time.Second, 2*l.r.cfg.StatusInterval)):
 		return errors.New("final confirmation: stream did not finish")
 	}
 	l.r.log.Info().Str("lsn", l.cp.Confirmed().String()).Msg("stopped; slot confirmed")

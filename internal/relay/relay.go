@@ -167,6 +167,9 @@ func (r *Relay) Run(ctx context.Context) error {
 		started := time.Now()
 		err := r.session(ctx)
 		if ctx.Err() != nil {
+			if err != nil && !errors.Is(err, context.Canceled) {
+				r.log.Error().Err(err).Msg("replication session ended during shutdown")
+			}
 			r.setRole(RoleStarting)
 			return nil
 		}

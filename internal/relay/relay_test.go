@@ -143,3 +143,28 @@ func TestStopConfirmsAndRestartResumes(t *testing.T) {
 	h.waitPublished(200, 20*time.Second)
 	h.assertExactlyOnce(append(first, second...))
 }
+
+// An idle relay with a long status interval still stops at once and sends
+// its final confirmation (a receive waiting for the next status update must
+// not hold the shutdown).
+func TestIdleStopIsPromptWithLongStatusInterval(t *testing.T) {
+	h := newHarness(t, sharedSetup(t))
+	h.opts.StatusInterval = 25 * time.Second
+	h.start()
+	ids := h.insertRows("idle", 10, 10)
+	h.waitPublished(10, 20*time.Second)
+	started := time.Now()
+	h.stop()
+	if took := time.Since(started); took > 5*time.Second {
+		t.Errorf("stop took %s with a 25s status interval, want well under it", took)
+	}
+	byID, _ := h.streamMsgs()
+	lastCommit, err := pglogrepl.ParseLSN(byID[ids[len(ids)-1]].Header.Get(relay.HeaderCommitLSN))
+	if err != nil {
+		t.Fatal(err)
+	}
+	confirmed, _ := h.slotConfirmed()
+	if c, _ := pglogrepl.ParseLSN(confirmed); c <= lastCommit {
+		t.Errorf("slot confirmed at %s after the stop, not past the last commit at %s", confirmed, lastCommit)
+	}
+}
