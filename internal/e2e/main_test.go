@@ -32,7 +32,7 @@ func TestMain(m *testing.M) { testenv.Main(m) }
 // ends the process with os.Exit, so there is no later moment to clean up a
 // directory of our own.
 var relayBinary = sync.OnceValues(func() (string, error) {
-	root, err := moduleRoot()
+	root, err := testenv.ModuleRoot()
 	if err != nil {
 		return "", err
 	}
@@ -71,23 +71,6 @@ func mustRelayBinary(t testing.TB) string {
 		t.Fatalf("build outbox-relay: %v", err)
 	}
 	return bin
-}
-
-func moduleRoot() (string, error) {
-	dir, err := os.Getwd()
-	if err != nil {
-		return "", err
-	}
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return dir, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", errors.New("no go.mod above the working directory")
-		}
-		dir = parent
-	}
 }
 
 // relayEnv is the test process's environment without OUTBOX_RELAY_* variables,

@@ -101,7 +101,7 @@ var natsServerPath = sync.OnceValues(func() (string, error) {
 	if p := os.Getenv("OUTBOX_RELAY_TEST_NATS_SERVER"); p != "" {
 		return p, nil
 	}
-	root, err := moduleRoot()
+	root, err := ModuleRoot()
 	if err != nil {
 		return "", err
 	}
@@ -123,7 +123,9 @@ var natsServerPath = sync.OnceValues(func() (string, error) {
 	return path, nil
 })
 
-func moduleRoot() (string, error) {
+// ModuleRoot is the directory of go.mod above the working directory: where
+// tests run `go build` and `go tool` from.
+func ModuleRoot() (string, error) {
 	dir, err := os.Getwd()
 	if err != nil {
 		return "", fmt.Errorf("find module root: %w", err)
