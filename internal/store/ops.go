@@ -1,0 +1,533 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// The operator's statements: redrive, cancel and prune. Redrive and cancel
+// each change rows and append their history in ONE statement:
+//
+//	WITH c AS (SELECT ... WHERE <selection> AND state IN (<from>) ORDER BY created_at, work_id FOR UPDATE),
+//	     u AS (UPDATE ... FROM c WHERE ... AND t.state IN (<from>) RETURNING ...),
+//	     h AS (INSERT INTO <table>_redrives SELECT ... FROM u)
+//	SELECT ... FROM u
+//
+// The lock and the guarded UPDATE are in the same statement, so nothing can
+// move a row between the check and the change: a claim either committed
+// before the lock (the row is running and no longer matches: refused) or
+// waits for the operator's commit (SKIP LOCKED: it skips the row). The
+// history row is written from the UPDATE's RETURNING, so it exists exactly
+// when the row changed, with what the row looked like under the lock.
+//
+// Only rows in a state the action may change are locked. Ready rows belong to
+// the CDC path's settle statements and running rows to their workers; an
+// operator who named them must not make those wait, or deadlock with a settle
+// batch that locks the same rows in another order. Rows are locked in
+// (created_at, work_id) order by every operator statement, so two operators
+// do not deadlock each other either.
+
+// Action is an operator's change of a row's state, as recorded in the
+// history table's action column.
+type Action string
+
+const (
+	// ActionRedrive moves failed or cancelled rows to scheduled.
+	ActionRedrive Action = "redrive"
+	// ActionCancel moves scheduled or failed rows to cancelled.
+	ActionCancel Action = "cancel"
+)
+
+// From is the states the action may move a row out of.
+func (a Action) From() []string {
+	switch a {
+	case ActionRedrive:
+		return []string{"failed", "cancelled"}
+	case ActionCancel:
+		return []string{"scheduled", "failed"}
+	}
+	return nil
+}
+
+// Selection picks the rows of a redrive or cancel: either WorkIDs, or a
+// filter that must name a State.
+type Selection struct {
+	WorkIDs []string
+
+	State string // filter: required, one of the action's From states
+	Kind  string // filter: "" for any kind
+	// Since keeps rows created at or after it. The table records no time of
+	// failure or cancellation that holds for every row, so the filter uses
+	// created_at: when the work was created, never changed.
+	Since time.Time
+	// SinceAgo is Since relative to the database's clock (24h: rows created
+	// in the last 24 hours). Zero: no bound. At most one of Since and
+	// SinceAgo is set.
+	SinceAgo time.Duration
+	Limit    int // filter: at most this many rows, oldest first; 0 for all
+}
+
+func (s Selection) filtered() bool {
+	return s.State != "" || s.Kind != "" || !s.Since.IsZero() || s.SinceAgo != 0 || s.Limit != 0
+}
+
+// OpRequest is one redrive or cancel.
+type OpRequest struct {
+	Selection
+	By     string // who: stored in redriven_by and the history's by
+	Reason string // why: required, stored in redrive_reason and the history
+	// Stagger spreads a redrive's rows over time: the i-th row (oldest
+	// first) becomes due at now + i*Stagger, so a bulk redrive does not hit
+	// the broker all at once.
+	Stagger time.Duration
+	// DryRun runs the statement in a transaction that is rolled back: the
+	// result says exactly what would change, and nothing does.
+	DryRun bool
+}
+
+// OpRow is one row a redrive or cancel changed, with the values it had
+// under the lock (the same as its history row's previous_*).
+type OpRow struct {
+	WorkID             string
+	Kind               string
+	PreviousState      string
+	PreviousAttempts   int
+	PreviousGeneration int64
+	PreviousError      string // "" when NULL
+	ChangedAt          time.Time
+	// AvailableAt is when the poller may take a redriven row.
+	AvailableAt time.Time
+	// SinceLastAttempt estimates, for a redrive, the time from the row's last
+	// publish attempt to AvailableAt. The table does not record when an
+	// attempt happened; for a failed row its available_at (when its last
+	// attempt became due: the attempt was at or after it) stands in, for a
+	// cancelled row the earlier of available_at and the cancel time. The
+	// estimate errs long, so a warning based on it errs on the side of
+	// warning.
+	SinceLastAttempt time.Duration
+}
+
+// Uncertain says the row's last attempt ended without knowing whether the
+// broker stored the message (a timeout, an outage, an expired lease).
+func (r OpRow) Uncertain() bool { return strings.HasPrefix(r.PreviousError, "uncertain") }
+
+// Refusal is a work ID a redrive or cancel did not change.
+type Refusal struct {
+	WorkID string
+	State  string // "" when no row has this work ID
+	// LeaseUntil is the running row's lease, for "retry after".
+	LeaseUntil time.Time
+}
+
+// Why explains, for an operator, why action refused the row.
+func (r Refusal) Why(a Action) string {
+	if r.State == "" {
+		return "not found"
+	}
+	if slices.Contains(a.From(), r.State) {
+		// The statement saw another state under the lock, and the row has
+		// moved again since: the table is busy with it.
+		return r.State + ": it was in another state when the " + string(a) + " ran; check it and run again"
+	}
+	switch r.State {
+	case "ready":
+		return "ready: already on its way through the CDC path"
+	case "running":
+		s := "running: a worker holds it, retry after its lease"
+		if !r.LeaseUntil.IsZero() {
+			s += " (until " + r.LeaseUntil.UTC().Format(time.RFC3339) + ")"
+		}
+		return s
+	case "scheduled":
+		return "scheduled: the poller will publish it when due"
+	case "published":
+		if a == ActionRedrive {
+			return "published: the broker has it (terminal); publish again with a new row and work ID"
+		}
+		return "published: the broker has it (terminal)"
+	case "cancelled":
+		return "cancelled: already cancelled"
+	case "failed":
+		return "failed: redrive it instead"
+	}
+	return r.State
+}
+
+// OpResult is what a redrive or cancel did (or, with DryRun, would do).
+type OpResult struct {
+	Action  Action
+	DryRun  bool
+	Changed []OpRow   // in the order they become due
+	Refused []Refusal // given work IDs not changed, in the order given
+}
+
+// ErrBadSelection marks a request the store refuses before running SQL.
+var ErrBadSelection = errors.New("invalid selection")
+
+func (r *OpRequest) validate(a Action) error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: %s", ErrBadSelection, fmt.Sprintf(format, args...))
+	}
+	if strings.TrimSpace(r.Reason) == "" {
+		return bad("a reason is required (--reason): it is kept with the row and in its history")
+	}
+	if strings.TrimSpace(r.By) == "" {
+		return bad("who is required (--by)")
+	}
+	from := a.From()
+	switch {
+	case len(r.WorkIDs) > 0 && r.filtered():
+		return bad("give work IDs or a filter (--kind, --state, --since, --limit), not both")
+	case len(r.WorkIDs) > 0:
+		for _, id := range r.WorkIDs {
+			if id == "" {
+				return bad("empty work ID")
+			}
+		}
+	case r.State == "":
+		if r.filtered() {
+			return bad("a filter %s needs --state (%s)", a, strings.Join(from, " or "))
+		}
+		return bad("nothing selected: give --work-id, or a filter with --state (%s)", strings.Join(from, " or "))
+	case !slices.Contains(from, r.State):
+		return bad("%s --state %q: want %s", a, r.State, strings.Join(from, " or "))
+	}
+	if !r.Since.IsZero() && r.SinceAgo != 0 {
+		return bad("give Since or SinceAgo, not both")
+	}
+	if r.SinceAgo < 0 || r.Limit < 0 || r.Stagger < 0 {
+		return bad("negative --since, --limit or --stagger")
+	}
+	return nil
+}
+
+// args numbers a statement's parameters as they are added.
+type args []any
+
+func (a *args) add(v any) string {
+	*a = append(*a, v)
+	return "$" + strconv.Itoa(len(*a))
+}
+
+// candidates is the locking CTE's query: the selected rows in the action's
+// from-states, in the one lock order of every operator statement.
+func (s *Store) candidates(a Action, sel Selection, p *args) string {
+	from := a.From()
+	where := `state = ANY(` + p.add(from) + `::text[])`
+	if len(sel.WorkIDs) > 0 {
+		where += ` AND work_id = ANY(` + p.add(sel.WorkIDs) + `::text[])`
+	} else {
+		where += ` AND state = ` + p.add(sel.State) + `::text`
+		if sel.Kind != "" {
+			where += ` AND kind = ` + p.add(sel.Kind) + `::text`
+		}
+		if !sel.Since.IsZero() {
+			where += ` AND created_at >= ` + p.add(sel.Since) + `::timestamptz`
+		}
+		if sel.SinceAgo != 0 {
+			where += ` AND created_at >= clock_timestamp() - ` + p.add(micros(sel.SinceAgo)) + `::bigint * interval '1 microsecond'`
+		}
+	}
+	q := `SELECT work_id, kind, state, attempts, claim_generation, last_error, created_at,
+			CASE WHEN state = 'cancelled' THEN least(available_at, coalesce(redriven_at, available_at))
+			     ELSE available_at END AS last_try
+		FROM ` + s.table.String() + ` WHERE ` + where + `
+		ORDER BY created_at, work_id`
+	if sel.Limit > 0 {
+		q += ` LIMIT ` + p.add(int64(sel.Limit)) + `::bigint`
+	}
+	return q + ` FOR UPDATE`
+}
+
+// opSQL builds the one statement of a redrive or cancel.
+func (s *Store) opSQL(a Action, r *OpRequest) (string, args) {
+	var p args
+	c := s.candidates(a, r.Selection, &p)
+	by, reason := p.add(r.By), p.add(r.Reason)
+	from := p.add(a.From())
+	var set string
+	switch a {
+	case ActionRedrive:
+		// attempts start over, so last_error starts over too: the evidence
+		// of the attempts before moves to the history row.
+		set = `state = 'scheduled', attempts = 0, last_error = NULL,
+			available_at = clock_timestamp() + n.i * ` + p.add(micros(r.Stagger)) + `::bigint * interval '1 microsecond',`
+	case ActionCancel:
+		// attempts and last_error stay: a cancelled row keeps its evidence,
+		// and a later redrive copies it into history.
+		set = `state = 'cancelled',`
+	}
+	q := `WITH c AS (` + c + `),
+	n AS (SELECT c.*, row_number() OVER (ORDER BY created_at, work_id) - 1 AS i FROM c),
+	u AS (
+		UPDATE ` + s.table.String() + ` AS t SET ` + set + `
+			redriven_at = clock_timestamp(), redriven_by = ` + by + `::text, redrive_reason = ` + reason + `::text
+		FROM n WHERE t.work_id = n.work_id AND t.state = ANY(` + from + `::text[])
+		RETURNING t.work_id, t.kind, n.state AS prev_state, n.attempts AS prev_attempts,
+			n.claim_generation AS prev_generation, n.last_error AS prev_error,
+			t.redriven_at, t.available_at, n.last_try),
+	h AS (
+		INSERT INTO ` + s.table.derived("redrives", true) + `
+			(work_id, action, at, "by", reason, previous_state, previous_attempts, previous_generation, previous_error)
+		SELECT work_id, ` + p.add(string(a)) + `::text, redriven_at, ` + by + `::text, ` + reason + `::text,
+			prev_state, prev_attempts, prev_generation, prev_error FROM u)
+	SELECT work_id, kind, prev_state, prev_attempts, prev_generation, coalesce(prev_error, ''),
+		redriven_at, available_at, extract(epoch FROM available_at - last_try)::float8
+	FROM u ORDER BY available_at, work_id`
+	return q, p
+}
+
+// Redrive moves the selected failed or cancelled rows to scheduled, keeping
+// work_id and payload, resetting attempts, recording who, when and why, and
+// appending a history row for each, in one statement.
+func (s *Store) Redrive(ctx context.Context, r OpRequest) (OpResult, error) {
+	return s.op(ctx, ActionRedrive, r)
+}
+
+// Cancel moves the selected scheduled or failed rows to cancelled, recording
+// who, when and why, and appending a history row for each, in one statement.
+// Ready rows (the CDC path's) and running rows (a worker's) are refused.
+func (s *Store) Cancel(ctx context.Context, r OpRequest) (OpResult, error) {
+	return s.op(ctx, ActionCancel, r)
+}
+
+func (s *Store) op(ctx context.Context, a Action, r OpRequest) (res OpResult, err error) {
+	res = OpResult{Action: a, DryRun: r.DryRun}
+	if err := r.validate(a); err != nil {
+		return res, err
+	}
+	r.WorkIDs = dedup(r.WorkIDs)
+	what := func() string {
+		if len(r.WorkIDs) > 0 {
+			return fmt.Sprintf("%s %d work IDs in %s", a, len(r.WorkIDs), s.table.Qualified())
+		}
+		return fmt.Sprintf("%s %s rows in %s", a, r.State, s.table.Qualified())
+	}
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		return res, fmt.Errorf("%s: begin: %w", what(), err)
+	}
+	defer tx.Rollback(ctx) //nolint:errcheck // after commit a no-op; the dry run's undo
+
+	q, p := s.opSQL(a, &r)
+	rows, err := tx.Query(ctx, q, p...)
+	if err != nil {
+		return res, fmt.Errorf("%s: %w", what(), err)
+	}
+	res.Changed, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (OpRow, error) {
+		var o OpRow
+		var since *float64
+		err := row.Scan(&o.WorkID, &o.Kind, &o.PreviousState, &o.PreviousAttempts, &o.PreviousGeneration,
+			&o.PreviousError, &o.ChangedAt, &o.AvailableAt, &since)
+		if since != nil {
+			o.SinceLastAttempt = time.Duration(*since * float64(time.Second))
+		}
+		return o, err
+	})
+	if err != nil {
+		return res, fmt.Errorf("%s: %w", what(), err)
+	}
+	if len(r.WorkIDs) > len(res.Changed) {
+		// Read after the change, in a statement of its own, so it reports
+		// the state a row is in now rather than the one the change's
+		// snapshot saw before it waited for a lock.
+		if res.Refused, err = s.refusals(ctx, tx, r.WorkIDs, res.Changed); err != nil {
+			return res, fmt.Errorf("%s: read refused rows: %w", what(), err)
+		}
+	}
+	if r.DryRun {
+		return res, nil
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return res, fmt.Errorf("%s: commit %d rows: %w", what(), len(res.Changed), err)
+	}
+	return res, nil
+}
+
+func (s *Store) refusals(ctx context.Context, tx pgx.Tx, ids []string, changed []OpRow) ([]Refusal, error) {
+	done := make(map[string]bool, len(changed))
+	for _, c := range changed {
+		done[c.WorkID] = true
+	}
+	var rest []string
+	for _, id := range ids {
+		if !done[id] {
+			rest = append(rest, id)
+		}
+	}
+	rows, err := tx.Query(ctx, `SELECT work_id, state, lease_until FROM `+s.table.String()+` WHERE work_id = ANY($1::text[])`, rest)
+	if err != nil {
+		return nil, err
+	}
+	found := map[string]Refusal{}
+	var r Refusal
+	var lease *time.Time
+	if _, err := pgx.ForEachRow(rows, []any{&r.WorkID, &r.State, &lease}, func() error {
+		if lease != nil {
+			r.LeaseUntil = *lease
+		}
+		found[r.WorkID] = r
+		r = Refusal{}
+		return nil
+	}); err != nil {
+		return nil, err
+	}
+	out := make([]Refusal, 0, len(rest))
+	for _, id := range rest {
+		if f, ok := found[id]; ok {
+			out = append(out, f)
+		} else {
+			out = append(out, Refusal{WorkID: id})
+		}
+	}
+	return out, nil
+}
+
+func dedup(ids []string) []string {
+	seen := make(map[string]bool, len(ids))
+	out := ids[:0:0]
+	for _, id := range ids {
+		if !seen[id] {
+			seen[id] = true
+			out = append(out, id)
+		}
+	}
+	return out
+}
+
+// PruneRequest is one prune.
+type PruneRequest struct {
+	// OlderThan: published rows whose published_at is older than this (on
+	// the database's clock, fixed when the prune starts) are deleted.
+	OlderThan time.Duration
+	// Batch rows per statement (and per transaction), so a large prune holds
+	// few locks at a time and the table's other users keep going.
+	Batch int
+	// IncludeCancelled also deletes cancelled rows whose cancellation
+	// (redriven_at, or created_at for a row inserted cancelled) is older
+	// than OlderThan.
+	IncludeCancelled bool
+	// DryRun counts what would be deleted.
+	DryRun bool
+}
+
+// PruneResult is what a prune deleted (or would delete).
+type PruneResult struct {
+	Cutoff    time.Time
+	Published int64
+	Cancelled int64
+	Batches   int
+}
+
+// Prune deletes published rows (and, if asked, cancelled ones) older than
+// the cutoff in batches, each one statement that locks its batch with SKIP
+// LOCKED, until none is left. It never touches ready, scheduled, running or
+// failed rows: both the batch's select and the DELETE say so. The history
+// table is left alone: it is the audit trail, and small.
+func (s *Store) Prune(ctx context.Context, r PruneRequest) (PruneResult, error) {
+	var res PruneResult
+	if r.OlderThan <= 0 {
+		return res, fmt.Errorf("%w: prune --older-than must be positive", ErrBadSelection)
+	}
+	if r.Batch <= 0 {
+		return res, fmt.Errorf("%w: prune --batch must be positive", ErrBadSelection)
+	}
+	// A fixed cutoff: with a moving one, a busy table would keep producing
+	// rows that just became old enough and the loop might never end.
+	if err := s.pool.QueryRow(ctx, `SELECT clock_timestamp() - $1::bigint * interval '1 microsecond'`, micros(r.OlderThan)).
+		Scan(&res.Cutoff); err != nil {
+		return res, fmt.Errorf("prune %s: read the database clock: %w", s.table.Qualified(), err)
+	}
+	tbl := s.table.String()
+	old := `(state = 'published' AND published_at < $1) OR ($2 AND state = 'cancelled' AND coalesce(redriven_at, created_at) < $1)`
+	if r.DryRun {
+		err := s.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE state = 'published'), count(*) FILTER (WHERE state = 'cancelled')
+			FROM `+tbl+` WHERE `+old, res.Cutoff, r.IncludeCancelled).Scan(&res.Published, &res.Cancelled)
+		if err != nil {
+			return res, fmt.Errorf("prune %s: count rows older than %s: %w", s.table.Qualified(), res.Cutoff.Format(time.RFC3339), err)
+		}
+		return res, nil
+	}
+	// The batch is a MATERIALIZED CTE so that its LIMIT ... FOR UPDATE runs
+	// exactly once; a sub-select could be rescanned by the join and lock
+	// more than one batch.
+	q := `WITH b AS MATERIALIZED (
+			SELECT work_id FROM ` + tbl + ` WHERE ` + old + `
+			LIMIT $3 FOR UPDATE SKIP LOCKED),
+		d AS (
+			DELETE FROM ` + tbl + ` AS t USING b
+			WHERE t.work_id = b.work_id AND (t.state = 'published' OR ($2 AND t.state = 'cancelled'))
+			RETURNING t.state)
+		SELECT count(*) FILTER (WHERE state = 'published'), count(*) FILTER (WHERE state = 'cancelled') FROM d`
+	for {
+		if err := ctx.Err(); err != nil {
+			return res, fmt.Errorf("prune %s: stopped after %d rows: %w", s.table.Qualified(), res.Published+res.Cancelled, err)
+		}
+		var pub, canc int64
+		if err := s.pool.QueryRow(ctx, q, res.Cutoff, r.IncludeCancelled, int64(r.Batch)).Scan(&pub, &canc); err != nil {
+			return res, fmt.Errorf("prune %d rows from %s (after %d): %w", r.Batch, s.table.Qualified(), res.Published+res.Cancelled, err)
+		}
+		res.Batches++
+		res.Published += pub
+		res.Cancelled += canc
+		// Fewer than a batch: nothing older is left but rows other sessions
+		// hold locked right now; the next prune gets them.
+		if pub+canc < int64(r.Batch) {
+			return res, nil
+		}
+	}
+}
+
+// History is one row of the redrive history table.
+type History struct {
+	WorkID             string
+	Action             Action
+	At                 time.Time
+	By                 string
+	Reason             string
+	PreviousState      string
+	PreviousAttempts   int
+	PreviousGeneration int64
+	PreviousError      string // "" when NULL
+}
+
+// History returns the redrive and cancel history of workID, oldest first.
+func (s *Store) History(ctx context.Context, workID string) ([]History, error) {
+	rows, err := s.pool.Query(ctx, `SELECT work_id, action, at, "by", reason, previous_state, previous_attempts,
+			previous_generation, coalesce(previous_error, '')
+		FROM `+s.table.derived("redrives", true)+` WHERE work_id = $1 ORDER BY id`, workID)
+	if err != nil {
+		return nil, fmt.Errorf("read history of %s in %s: %w", workID, s.table.Qualified(), err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (History, error) {
+		var h History
+		err := r.Scan(&h.WorkID, &h.Action, &h.At, &h.By, &h.Reason, &h.PreviousState, &h.PreviousAttempts,
+			&h.PreviousGeneration, &h.PreviousError)
+		return h, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read history of %s in %s: %w", workID, s.table.Qualified(), err)
+	}
+	return out, nil
+}
+
+// OldestReadySeconds is the age, on the database's clock, of the oldest row
+// still in 'ready' by its created_at (0 when there is none). Such a row's
+// transaction is not settled, so the slot's confirmed position is at or
+// before it: a relay that restarts now replays at least that far back.
+func (s *Store) OldestReadySeconds(ctx context.Context) (float64, error) {
+	var age float64
+	err := s.pool.QueryRow(ctx, `SELECT coalesce(extract(epoch FROM clock_timestamp() - min(created_at)), 0)::float8
+		FROM `+s.table.String()+` WHERE state = 'ready'`).Scan(&age)
+	if err != nil {
+		return 0, fmt.Errorf("oldest ready row in %s: %w", s.table.Qualified(), err)
+	}
+	return age, nil
+}
