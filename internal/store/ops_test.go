@@ -339,7 +339,9 @@ func TestOpFilters(t *testing.T) {
 		}
 		return out
 	}
-	req := func(sel store.Selection) store.OpRequest { return store.OpRequest{Selection: sel, By: "op", Reason: "filter test"} }
+	req := func(sel store.Selection) store.OpRequest {
+		return store.OpRequest{Selection: sel, By: "op", Reason: "filter test"}
+	}
 
 	// Dry run first: the answer, and nothing changed.
 	res, err := s.Redrive(ctx, store.OpRequest{Selection: store.Selection{State: "failed", Kind: "a", SinceAgo: 24 * time.Hour}, By: "op", Reason: "dry", DryRun: true})
