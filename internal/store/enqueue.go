@@ -1,0 +1,136 @@
+package store
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// DBTX is what the producer's statements run on: the caller's transaction
+// (pgx.Tx), a connection or a pool. They never begin or end a transaction of
+// their own, so the row commits or rolls back with the caller's business
+// change.
+type DBTX interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// EnqueueRow is one row a producer inserts. Payload and Headers are JSON
+// text, already validated; an empty Subject, nil Headers and a zero
+// AvailableAt leave the column to its default (NULL, NULL, the database
+// clock).
+type EnqueueRow struct {
+	WorkID, Kind, Subject string
+	Payload               string
+	Headers               *string
+	AvailableAt           time.Time
+}
+
+func (r EnqueueRow) availableAt() *time.Time {
+	if r.AvailableAt.IsZero() {
+		return nil
+	}
+	return &r.AvailableAt
+}
+
+// EnqueueOne inserts r unless a row with its work_id exists. It reports
+// whether it inserted. ON CONFLICT DO NOTHING, rather than letting the
+// primary key fail, keeps the caller's transaction usable: the caller decides
+// what a repeat means (CompareEnqueued).
+func EnqueueOne(ctx context.Context, db DBTX, t Table, r EnqueueRow) (bool, error) {
+	tag, err := db.Exec(ctx, `INSERT INTO `+t.String()+` (work_id, kind, subject, payload, headers, available_at)
+		VALUES ($1, $2, NULLIF($3::text, ''), $4::text::jsonb, $5::text::jsonb, COALESCE($6::timestamptz, clock_timestamp()))
+		ON CONFLICT (work_id) DO NOTHING`,
+		r.WorkID, r.Kind, r.Subject, r.Payload, r.Headers, r.availableAt())
+	if err != nil {
+		return false, fmt.Errorf("insert %q into %s: %w", r.WorkID, t.Qualified(), err)
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+// EnqueueRows inserts rows in one statement, skipping every work_id that
+// exists, and returns the work_ids it inserted. The caller makes sure no
+// work_id appears twice in rows.
+func EnqueueRows(ctx context.Context, db DBTX, t Table, rows []EnqueueRow) (map[string]bool, error) {
+	ids := make([]string, len(rows))
+	kinds := make([]string, len(rows))
+	subjects := make([]string, len(rows))
+	payloads := make([]string, len(rows))
+	headers := make([]*string, len(rows))
+	avail := make([]*time.Time, len(rows))
+	for i, r := range rows {
+		ids[i], kinds[i], subjects[i], payloads[i], headers[i], avail[i] = r.WorkID, r.Kind, r.Subject, r.Payload, r.Headers, r.availableAt()
+	}
+	res, err := db.Query(ctx, `INSERT INTO `+t.String()+` (work_id, kind, subject, payload, headers, available_at)
+		SELECT w, k, NULLIF(s, ''), p::jsonb, h::jsonb, COALESCE(a, clock_timestamp())
+		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::timestamptz[]) AS u(w, k, s, p, h, a)
+		ON CONFLICT (work_id) DO NOTHING
+		RETURNING work_id`,
+		ids, kinds, subjects, payloads, headers, avail)
+	if err != nil {
+		return nil, fmt.Errorf("insert %d rows into %s: %w", len(rows), t.Qualified(), err)
+	}
+	inserted, err := pgx.CollectRows(res, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("insert %d rows into %s: %w", len(rows), t.Qualified(), err)
+	}
+	out := make(map[string]bool, len(inserted))
+	for _, id := range inserted {
+		out[id] = true
+	}
+	return out, nil
+}
+
+// EnqueueComparison is how a row a producer tried to insert compares with
+// the stored row of the same work_id. Found is false when no row exists any
+// more (deleted after publishing, or pruned) between the insert and the
+// comparison.
+type EnqueueComparison struct {
+	WorkID                             string
+	Found                              bool
+	SameKind, SameSubject, SamePayload bool
+	// The stored values, for the error message.
+	Kind, Subject, Payload string
+}
+
+// CompareEnqueued reads, in one statement, the stored rows of rows' work_ids
+// and compares kind, subject and payload with what the producer meant to
+// insert. Payloads compare as jsonb, so key order and whitespace do not make a
+// difference; headers and available_at are not compared, since a retry of the
+// same intention may carry a new trace context or time. It runs as its own
+// statement after the insert so that, under READ COMMITTED, it sees a row
+// that a concurrent transaction committed while the insert waited for it.
+func CompareEnqueued(ctx context.Context, db DBTX, t Table, rows []EnqueueRow) ([]EnqueueComparison, error) {
+	ids := make([]string, len(rows))
+	kinds := make([]string, len(rows))
+	subjects := make([]string, len(rows))
+	payloads := make([]string, len(rows))
+	for i, r := range rows {
+		ids[i], kinds[i], subjects[i], payloads[i] = r.WorkID, r.Kind, r.Subject, r.Payload
+	}
+	res, err := db.Query(ctx, `SELECT u.w, o.work_id IS NOT NULL,
+			COALESCE(o.kind = u.k, false),
+			COALESCE(o.subject IS NOT DISTINCT FROM NULLIF(u.s, ''), false),
+			COALESCE(o.payload = u.p::jsonb, false),
+			COALESCE(o.kind, ''), COALESCE(o.subject, ''), COALESCE(o.payload::text, '')
+		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS u(w, k, s, p, n)
+		LEFT JOIN `+t.String()+` o ON o.work_id = u.w
+		ORDER BY u.n`,
+		ids, kinds, subjects, payloads)
+	if err != nil {
+		return nil, fmt.Errorf("compare %d rows with %s: %w", len(rows), t.Qualified(), err)
+	}
+	out, err := pgx.CollectRows(res, func(r pgx.CollectableRow) (EnqueueComparison, error) {
+		var c EnqueueComparison
+		err := r.Scan(&c.WorkID, &c.Found, &c.SameKind, &c.SameSubject, &c.SamePayload, &c.Kind, &c.Subject, &c.Payload)
+		return c, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("compare %d rows with %s: %w", len(rows), t.Qualified(), err)
+	}
+	return out, nil
+}

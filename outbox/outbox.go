@@ -1,0 +1,387 @@
+// Package outbox writes messages into the transactional outbox that
+// outbox-relay delivers to NATS JetStream.
+//
+// Call Enqueue in the same pgx transaction as the business change that calls
+// for the message. The row then commits or rolls back with that change: a
+// committed order always has its message on the way (the relay publishes
+// every committed row at least once), and a rolled-back order never produces
+// one.
+//
+//	tx, _ := pool.Begin(ctx)
+//	defer tx.Rollback(ctx)
+//	tx.Exec(ctx, `INSERT INTO orders ...`)
+//	err := outbox.Enqueue(ctx, tx, outbox.Message{
+//		WorkID:  "order-103-ack",
+//		Kind:    "order.received",
+//		Payload: []byte(`{"order_id":103,"total":"29.00"}`),
+//	})
+//	...
+//	tx.Commit(ctx)
+//
+// Enqueue also accepts a *pgx.Conn or *pgxpool.Pool, but outside a
+// transaction the guarantee is weaker: the business change and the intention
+// are separate commits, so a crash between them keeps one without the other.
+//
+// # Identity
+//
+// WorkID names one intention, for good: it becomes the message's Nats-Msg-Id,
+// which JetStream uses to drop repeats inside the stream's duplicate window,
+// and which the consumer's inbox uses beyond it. Derive it from the business
+// fact (order-103-ack), not from a random number per attempt, so that a
+// retried request enqueues the same work_id again. Enqueue is idempotent on
+// work_id, but never silently: a repeat with the same kind, subject and
+// payload returns ErrAlreadyEnqueued and leaves the caller's transaction
+// usable; a repeat that differs returns an error wrapping ErrConflict, since
+// a changed intention behind an old identity would break every receiver's
+// deduplication. A changed intention needs a new work_id.
+//
+// The check compares with the row still in the table. Once the relay deleted
+// it (--on-publish delete) or `outbox-relay prune` removed it, the same
+// work_id is accepted again as a new row; the consumer's inbox then drops the
+// repeat.
+//
+// # Validation
+//
+// Messages are checked before anything is sent to the database, with the
+// rules the relay applies when it publishes: a row the relay would reject
+// (an invalid subject, a reserved or malformed header) is refused here, where
+// the caller can still fix it, instead of ending as a failed row.
+package outbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/outbox-relay/outbox-relay/internal/store"
+)
+
+// DB is what Enqueue writes with: a pgx.Tx (recommended), *pgx.Conn,
+// *pgxpool.Pool or *pgxpool.Conn.
+type DB interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Message is one intention to deliver.
+type Message struct {
+	// WorkID is the stable identity of this intention and the message's
+	// Nats-Msg-Id. Required.
+	WorkID string
+	// Kind says what the work is. The relay publishes to
+	// <subject-prefix><Kind> (default prefix "outbox.") unless Subject is
+	// set. Required.
+	Kind string
+	// Subject, when set, is the NATS subject to publish to instead.
+	Subject string
+	// Payload is the message's JSON, stored as jsonb and published as
+	// PostgreSQL's text of it: key order and whitespace are normalised, so
+	// a consumer sees equal bytes for equal JSON on every delivery.
+	Payload json.RawMessage
+	// Headers are copied into the NATS message (e.g. traceparent). Names
+	// starting with Nats- or Outbox- are reserved.
+	Headers map[string]string
+	// AvailableAt delays delivery until then (by the database's clock); the
+	// relay's poller publishes it. Zero means now.
+	AvailableAt time.Time
+}
+
+// ErrAlreadyEnqueued says a row with this work_id and the same kind, subject
+// and payload already exists: the intention is recorded, nothing was
+// written, and the caller's transaction is still usable. Retried requests
+// usually treat it as success.
+var ErrAlreadyEnqueued = errors.New("outbox: already enqueued with the same kind, subject and payload")
+
+// ErrConflict says a row with this work_id already exists with a different
+// kind, subject or payload. The returned error is a *ConflictError.
+var ErrConflict = errors.New("outbox: work_id already enqueued with a different intention")
+
+// ErrInvalid says a message was refused before reaching the database; the
+// error says what to fix.
+var ErrInvalid = errors.New("outbox: invalid message")
+
+// ConflictError describes a work_id that is already stored with a different
+// intention. errors.Is(err, ErrConflict) is true.
+type ConflictError struct {
+	WorkID string
+	// Index is the message's position in EnqueueBatch's input, -1 for Enqueue.
+	Index int
+	// Differs names what differs: "kind", "subject", "payload".
+	Differs []string
+	// The stored row's values (StoredPayload as PostgreSQL prints the jsonb).
+	StoredKind, StoredSubject, StoredPayload string
+}
+
+func (e *ConflictError) Error() string {
+	at := ""
+	if e.Index >= 0 {
+		at = fmt.Sprintf("message %d: ", e.Index)
+	}
+	payload := e.StoredPayload
+	if len(payload) > 200 {
+		payload = payload[:200] + "..."
+	}
+	return fmt.Sprintf("outbox: %swork_id %q is already enqueued with a different %s (stored kind %q, subject %q, payload %s); a changed intention needs a new work_id",
+		at, e.WorkID, strings.Join(e.Differs, " and "), e.StoredKind, e.StoredSubject, payload)
+}
+
+func (e *ConflictError) Unwrap() error { return ErrConflict }
+
+// Producer enqueues into one outbox table.
+type Producer struct {
+	table store.Table
+}
+
+// Option configures a Producer.
+type Option func(*Producer) error
+
+// WithTable names the outbox table: "name" (schema public) or "schema.name",
+// the same value as the relay's --table. The default is "outbox".
+func WithTable(name string) Option {
+	return func(p *Producer) error {
+		t, err := store.ParseTable(name)
+		if err != nil {
+			return fmt.Errorf("outbox.WithTable: %w", err)
+		}
+		p.table = t
+		return nil
+	}
+}
+
+// New returns a Producer; without options it writes to public.outbox.
+func New(opts ...Option) (*Producer, error) {
+	p := &Producer{table: store.Table{Schema: "public", Name: "outbox"}}
+	for _, o := range opts {
+		if err := o(p); err != nil {
+			return nil, err
+		}
+	}
+	return p, nil
+}
+
+// Table is the schema-qualified table name the producer writes to.
+func (p *Producer) Table() string { return p.table.Qualified() }
+
+var defaultProducer = &Producer{table: store.Table{Schema: "public", Name: "outbox"}}
+
+// Enqueue inserts m into public.outbox with db (see Producer.Enqueue).
+func Enqueue(ctx context.Context, db DB, m Message) error {
+	return defaultProducer.Enqueue(ctx, db, m)
+}
+
+// EnqueueBatch inserts msgs into public.outbox with db (see
+// Producer.EnqueueBatch).
+func EnqueueBatch(ctx context.Context, db DB, msgs []Message) ([]Result, error) {
+	return defaultProducer.EnqueueBatch(ctx, db, msgs)
+}
+
+// lostRowRetries bounds how often a repeat whose stored row vanished before
+// it could be compared (deleted after publishing) is inserted again.
+const lostRowRetries = 3
+
+// Enqueue validates m and inserts it with db, normally the caller's
+// transaction. It returns nil when it inserted the row, ErrAlreadyEnqueued
+// when the same intention is already stored, an error wrapping ErrConflict
+// when a different one is, and an error wrapping ErrInvalid when m was
+// refused before reaching the database. None of these aborts the caller's
+// transaction; a database error does, as any failed statement in PostgreSQL.
+func (p *Producer) Enqueue(ctx context.Context, db DB, m Message) error {
+	row, err := toRow(m)
+	if err != nil {
+		return err
+	}
+	for range lostRowRetries {
+		inserted, err := store.EnqueueOne(ctx, db, p.table, row)
+		if err != nil {
+			return fmt.Errorf("outbox: enqueue: %w", err)
+		}
+		if inserted {
+			return nil
+		}
+		cmp, err := store.CompareEnqueued(ctx, db, p.table, []store.EnqueueRow{row})
+		if err != nil {
+			return fmt.Errorf("outbox: enqueue: %w", err)
+		}
+		if len(cmp) != 1 {
+			return fmt.Errorf("outbox: enqueue %q: comparison returned %d rows, want 1", m.WorkID, len(cmp))
+		}
+		if !cmp[0].Found {
+			continue
+		}
+		if err := compared(cmp[0], -1); err != nil {
+			return err
+		}
+		return ErrAlreadyEnqueued
+	}
+	return fmt.Errorf("outbox: enqueue %q: a row with this work_id existed at every insert and was gone at every comparison (%d times); is something deleting rows as they are written?", m.WorkID, lostRowRetries)
+}
+
+// Result is what EnqueueBatch did with one message.
+type Result uint8
+
+const (
+	// Inserted: the row was written.
+	Inserted Result = iota + 1
+	// AlreadyEnqueued: the same intention was already stored; nothing written.
+	AlreadyEnqueued
+	// Conflicted: a different intention is stored under the work_id; nothing
+	// written, and the returned error has a *ConflictError for it.
+	Conflicted
+)
+
+func (r Result) String() string {
+	switch r {
+	case Inserted:
+		return "inserted"
+	case AlreadyEnqueued:
+		return "already enqueued"
+	case Conflicted:
+		return "conflicted"
+	}
+	return fmt.Sprintf("Result(%d)", uint8(r))
+}
+
+// EnqueueBatch inserts many messages in one round trip (a second one only
+// when some work_ids already exist, to compare them all at once). Every
+// message is validated first, and a batch with an invalid message, or with a
+// work_id twice, is refused whole (error wrapping ErrInvalid, nil results).
+//
+// Otherwise it returns one Result per message, in input order, and an error
+// that joins a *ConflictError for every Conflicted message (errors.Is(err,
+// ErrConflict)), or nil when there is none: repeats of the same intention are
+// not errors in a batch, see the results. The messages that did not conflict
+// are inserted in db; in a transaction, roll back to keep none of them.
+func (p *Producer) EnqueueBatch(ctx context.Context, db DB, msgs []Message) ([]Result, error) {
+	rows := make([]store.EnqueueRow, len(msgs))
+	first := make(map[string]int, len(msgs))
+	var errs []error
+	for i, m := range msgs {
+		r, err := toRow(m)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("message %d: %w", i, err))
+			continue
+		}
+		if j, dup := first[m.WorkID]; dup {
+			errs = append(errs, fmt.Errorf("%w: message %d: work_id %q already appears at message %d of the batch; enqueue an intention once", ErrInvalid, i, m.WorkID, j))
+			continue
+		}
+		first[m.WorkID] = i
+		rows[i] = r
+	}
+	if len(errs) > 0 {
+		return nil, errors.Join(errs...)
+	}
+	results := make([]Result, len(msgs))
+	if len(msgs) == 0 {
+		return results, nil
+	}
+	pending := make([]int, len(msgs))
+	for i := range pending {
+		pending[i] = i
+	}
+	var conflicts []error
+	for range lostRowRetries {
+		batch := make([]store.EnqueueRow, len(pending))
+		for k, i := range pending {
+			batch[k] = rows[i]
+		}
+		inserted, err := store.EnqueueRows(ctx, db, p.table, batch)
+		if err != nil {
+			return nil, fmt.Errorf("outbox: enqueue batch: %w", err)
+		}
+		var repeats []int
+		for _, i := range pending {
+			if inserted[rows[i].WorkID] {
+				results[i] = Inserted
+			} else {
+				repeats = append(repeats, i)
+			}
+		}
+		if len(repeats) == 0 {
+			return results, errors.Join(conflicts...)
+		}
+		batch = batch[:0]
+		for _, i := range repeats {
+			batch = append(batch, rows[i])
+		}
+		cmp, err := store.CompareEnqueued(ctx, db, p.table, batch)
+		if err != nil {
+			return nil, fmt.Errorf("outbox: enqueue batch: %w", err)
+		}
+		if len(cmp) != len(repeats) {
+			return nil, fmt.Errorf("outbox: enqueue batch: comparison returned %d rows, want %d", len(cmp), len(repeats))
+		}
+		pending = pending[:0]
+		for k, i := range repeats {
+			if !cmp[k].Found {
+				pending = append(pending, i)
+				continue
+			}
+			if err := compared(cmp[k], i); err != nil {
+				results[i] = Conflicted
+				conflicts = append(conflicts, err)
+				continue
+			}
+			results[i] = AlreadyEnqueued
+		}
+		if len(pending) == 0 {
+			return results, errors.Join(conflicts...)
+		}
+	}
+	return nil, fmt.Errorf("outbox: enqueue batch: %d work_id(s), e.g. %q, existed at every insert and were gone at every comparison (%d times); is something deleting rows as they are written?", len(pending), rows[pending[0]].WorkID, lostRowRetries)
+}
+
+// compared turns a comparison into a *ConflictError, or nil when the stored
+// row holds the same intention.
+func compared(c store.EnqueueComparison, index int) error {
+	var differs []string
+	if !c.SameKind {
+		differs = append(differs, "kind")
+	}
+	if !c.SameSubject {
+		differs = append(differs, "subject")
+	}
+	if !c.SamePayload {
+		differs = append(differs, "payload")
+	}
+	if len(differs) == 0 {
+		return nil
+	}
+	return &ConflictError{WorkID: c.WorkID, Index: index, Differs: differs,
+		StoredKind: c.Kind, StoredSubject: c.Subject, StoredPayload: c.Payload}
+}
+
+// toRow validates m and turns it into the row's column values.
+func toRow(m Message) (store.EnqueueRow, error) {
+	if err := m.Validate(); err != nil {
+		return store.EnqueueRow{}, err
+	}
+	r := store.EnqueueRow{WorkID: m.WorkID, Kind: m.Kind, Subject: m.Subject, Payload: string(m.Payload), AvailableAt: m.AvailableAt}
+	if len(m.Headers) > 0 {
+		b, err := json.Marshal(m.Headers)
+		if err != nil {
+			return store.EnqueueRow{}, fmt.Errorf("outbox: work_id %q: encode headers: %w", m.WorkID, err)
+		}
+		h := string(b)
+		r.Headers = &h
+	}
+	return r, nil
+}
+
+// sortedKeys gives validation errors a stable order.
+func sortedKeys(h map[string]string) []string {
+	keys := make([]string, 0, len(h))
+	for k := range h {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
+}

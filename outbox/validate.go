@@ -1,0 +1,45 @@
+package outbox
+
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+
+	"github.com/outbox-relay/outbox-relay/internal/wire"
+)
+
+// Validate checks m with the rules the relay applies when it publishes, and
+// says what to fix. Enqueue calls it; it is exported for callers that build
+// messages long before they enqueue them.
+func (m Message) Validate() error {
+	if m.WorkID == "" {
+		return fmt.Errorf("%w: work_id is empty; give every intention a stable identity derived from the business fact, e.g. order-103-ack", ErrInvalid)
+	}
+	if strings.ContainsAny(m.WorkID, "\r\n") {
+		return fmt.Errorf("%w: work_id %q holds a line break; it becomes the Nats-Msg-Id header, whose values may not", ErrInvalid, m.WorkID)
+	}
+	if m.Kind == "" {
+		return fmt.Errorf("%w: work_id %q: kind is empty; say what the work is, e.g. order.received", ErrInvalid, m.WorkID)
+	}
+	if m.Subject != "" {
+		if err := wire.ValidateSubject(m.Subject); err != nil {
+			return fmt.Errorf("%w: work_id %q: %v; NATS would refuse to publish it", ErrInvalid, m.WorkID, err)
+		}
+	} else if err := wire.ValidateSubject(m.Kind); err != nil {
+		// The relay publishes to <subject-prefix><kind>; the prefix is valid
+		// and ends in a dot, so the kind's tokens must be valid ones.
+		return fmt.Errorf("%w: work_id %q: kind %q cannot form the default subject <subject-prefix><kind>: %v; change the kind or set Subject", ErrInvalid, m.WorkID, m.Kind, err)
+	}
+	if len(m.Payload) == 0 {
+		return fmt.Errorf("%w: work_id %q: payload is empty; want JSON, e.g. {}", ErrInvalid, m.WorkID)
+	}
+	if !json.Valid(m.Payload) {
+		return fmt.Errorf("%w: work_id %q: payload is not valid JSON: %.80q", ErrInvalid, m.WorkID, m.Payload)
+	}
+	for _, k := range sortedKeys(m.Headers) {
+		if err := wire.ValidateHeader(k, m.Headers[k]); err != nil {
+			return fmt.Errorf("%w: work_id %q: %v", ErrInvalid, m.WorkID, err)
+		}
+	}
+	return nil
+}
