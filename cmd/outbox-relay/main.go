@@ -25,6 +25,9 @@ func commands() []command {
 		{"migrate", "create or upgrade the outbox table, its indexes and the insert-only publication", runMigrate},
 		{"run", "stream outbox rows from the replication slot to JetStream", runRun},
 		{"status", "print slot lag, rows by state, oldest eligible age and failures", runStatus},
+		{"redrive", "move failed or cancelled rows back to scheduled, keeping work_id and payload", runRedrive},
+		{"cancel", "stop scheduled or failed rows (cancelled), with who and why", runCancel},
+		{"prune", "delete published (and cancelled) rows older than an age, in batches", runPrune},
 		{"demo", "start throwaway PostgreSQL and NATS (unless URLs are given) and show rows flowing", runDemo},
 		{"version", "print the version", runVersion},
 	}

@@ -171,7 +171,9 @@ type OpResult struct {
 // ErrBadSelection marks a request the store refuses before running SQL.
 var ErrBadSelection = errors.New("invalid selection")
 
-func (r *OpRequest) validate(a Action) error {
+// Validate checks r for action a without touching the database; Redrive
+// and Cancel call it too.
+func (r *OpRequest) Validate(a Action) error {
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf("%w: %s", ErrBadSelection, fmt.Sprintf(format, args...))
 	}
@@ -300,7 +302,7 @@ func (s *Store) Cancel(ctx context.Context, r OpRequest) (OpResult, error) {
 
 func (s *Store) op(ctx context.Context, a Action, r OpRequest) (res OpResult, err error) {
 	res = OpResult{Action: a, DryRun: r.DryRun}
-	if err := r.validate(a); err != nil {
+	if err := r.Validate(a); err != nil {
 		return res, err
 	}
 	r.WorkIDs = dedup(r.WorkIDs)
@@ -519,9 +521,10 @@ func (s *Store) History(ctx context.Context, workID string) ([]History, error) {
 }
 
 // OldestReadySeconds is the age, on the database's clock, of the oldest row
-// still in 'ready' by its created_at (0 when there is none). Such a row's
-// transaction is not settled, so the slot's confirmed position is at or
-// before it: a relay that restarts now replays at least that far back.
+// still in 'ready' by its created_at (0 when there is none). Unless it was
+// committed before the slot existed (the backfill's to hand over), such a
+// row's transaction is not settled, so the slot's confirmed position is at
+// or before it: a relay that restarts now replays at least that far back.
 func (s *Store) OldestReadySeconds(ctx context.Context) (float64, error) {
 	var age float64
 	err := s.pool.QueryRow(ctx, `SELECT coalesce(extract(epoch FROM clock_timestamp() - min(created_at)), 0)::float8

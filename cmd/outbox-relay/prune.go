@@ -1,0 +1,56 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/outbox-relay/outbox-relay/internal/store"
+)
+
+func runPrune(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	var c common
+	fs := newFlagSet("prune", `Deletes published rows whose published_at is older than --older-than (and, with
+--include-cancelled, cancelled rows cancelled that long ago), in batches, until none is left.
+Ready, scheduled, running and failed rows are never deleted. The <table>_redrives history is kept.
+
+  outbox-relay prune --older-than 7d`, stderr)
+	c.register(fs, false)
+	olderThan := fs.String("older-than", "", "required: delete rows published (or cancelled) longer ago than this age, e.g. 168h or 7d")
+	batch := fs.Int("batch", 1000, "rows per DELETE statement (each its own transaction)")
+	includeCancelled := fs.Bool("include-cancelled", false, "also delete cancelled rows, by when they were cancelled (redriven_at, else created_at)")
+	dryRun := fs.Bool("dry-run", false, "count what would be deleted, delete nothing")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if *olderThan == "" {
+		return fmt.Errorf("--older-than is required, e.g. --older-than 7d")
+	}
+	age, err := parseAge(*olderThan)
+	if err != nil || age <= 0 {
+		return fmt.Errorf("--older-than %q: want a positive age like 168h or 7d", *olderThan)
+	}
+	if *batch <= 0 {
+		return fmt.Errorf("--batch %d: must be positive", *batch)
+	}
+	st, closeDB, err := openStore(ctx, &c)
+	if err != nil {
+		return err
+	}
+	defer closeDB()
+	res, err := st.Prune(ctx, store.PruneRequest{OlderThan: age, Batch: *batch, IncludeCancelled: *includeCancelled, DryRun: *dryRun})
+	if err != nil {
+		return err
+	}
+	verb, batches := "pruned", fmt.Sprintf(" in %d batches", res.Batches)
+	if *dryRun {
+		verb, batches = "dry run, nothing deleted: would prune", ""
+	}
+	fmt.Fprintf(stdout, "%s %d published rows", verb, res.Published)
+	if *includeCancelled {
+		fmt.Fprintf(stdout, " and %d cancelled rows", res.Cancelled)
+	}
+	fmt.Fprintf(stdout, " older than %s (before %s) from %s%s\n", age, res.Cutoff.UTC().Format(time.RFC3339), st.Table().Qualified(), batches)
+	return nil
+}

@@ -1,0 +1,288 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/user"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outbox-relay/outbox-relay/internal/store"
+)
+
+// listed is how many work IDs a report names before it says "and N more":
+// a bulk redrive of 100k rows must not flood the terminal.
+const listed = 20
+
+// workIDs is the repeatable --work-id flag.
+type workIDs []string
+
+func (w *workIDs) String() string { return strings.Join(*w, ",") }
+
+func (w *workIDs) Set(v string) error {
+	if strings.TrimSpace(v) == "" {
+		return errors.New("empty work ID")
+	}
+	*w = append(*w, v)
+	return nil
+}
+
+// opFlags are the flags redrive and cancel share.
+type opFlags struct {
+	common
+	ids                workIDs
+	kind, state, since string
+	by, reason         string
+	limit              int
+	dryRun             bool
+}
+
+func (o *opFlags) register(fs *flag.FlagSet, a store.Action) {
+	o.common.register(fs, false)
+	verb := string(a)
+	fs.Var(&o.ids, "work-id", "work ID of a row to "+verb+"; repeat for more (not with a filter)")
+	fs.StringVar(&o.state, "state", "", "filter: rows in this state ("+strings.Join(a.From(), " or ")+"); required with a filter")
+	fs.StringVar(&o.kind, "kind", "", "filter: rows of this kind")
+	fs.StringVar(&o.since, "since", "", "filter: rows created at or after this time: RFC3339 (2024-05-01T00:00:00Z) or an age (24h, 7d)")
+	fs.IntVar(&o.limit, "limit", 0, "filter: at most this many rows, oldest first (0: all)")
+	fs.StringVar(&o.reason, "reason", "", "why (required): kept in redrive_reason and the history table")
+	fs.StringVar(&o.by, "by", defaultBy(), "who: kept in redriven_by and the history table")
+	fs.BoolVar(&o.dryRun, "dry-run", false, "show what would change, change nothing")
+}
+
+// request turns the flags into a store request, refusing bad combinations
+// before anything connects.
+func (o *opFlags) request(fs *flag.FlagSet, a store.Action) (store.OpRequest, error) {
+	r := store.OpRequest{
+		Selection: store.Selection{WorkIDs: o.ids, Kind: o.kind, State: o.state, Limit: o.limit},
+		By:        o.by, Reason: o.reason, DryRun: o.dryRun,
+	}
+	if len(o.ids) > 0 {
+		for _, f := range []string{"kind", "state", "since", "limit"} {
+			if flagGiven(fs, f) {
+				return r, fmt.Errorf("--work-id and --%s: give work IDs or a filter, not both", f)
+			}
+		}
+	}
+	if o.since != "" {
+		t, ago, err := parseSince(o.since)
+		if err != nil {
+			return r, err
+		}
+		r.Since, r.SinceAgo = t, ago
+	}
+	if err := r.Validate(a); err != nil {
+		// The store's message names the flags already; its sentinel prefix
+		// means nothing to an operator.
+		return r, errors.New(strings.TrimPrefix(err.Error(), store.ErrBadSelection.Error()+": "))
+	}
+	return r, nil
+}
+
+// parseSince reads --since: an age (a Go duration, or whole days like 7d)
+// or an RFC3339 time.
+func parseSince(s string) (time.Time, time.Duration, error) {
+	if d, err := parseAge(s); err == nil {
+		if d <= 0 {
+			return time.Time{}, 0, fmt.Errorf("--since %q: want a positive age", s)
+		}
+		return time.Time{}, d, nil
+	}
+	t, err := time.Parse(time.RFC3339Nano, s)
+	if err != nil {
+		return time.Time{}, 0, fmt.Errorf("--since %q: want an age like 24h or 7d, or an RFC3339 time like 2024-05-01T00:00:00Z", s)
+	}
+	return t, 0, nil
+}
+
+// parseAge is time.ParseDuration plus whole days ("7d"), the unit retention
+// is usually thought in.
+func parseAge(s string) (time.Duration, error) {
+	if n, ok := strings.CutSuffix(s, "d"); ok {
+		days, err := strconv.Atoi(n)
+		if err != nil {
+			return 0, fmt.Errorf("%q: want whole days like 7d", s)
+		}
+		return time.Duration(days) * 24 * time.Hour, nil
+	}
+	return time.ParseDuration(s)
+}
+
+// defaultBy is user@host: enough to find the person behind a redrive when
+// --by was not given.
+func defaultBy() string {
+	name := os.Getenv("USER")
+	if name == "" {
+		if u, err := user.Current(); err == nil {
+			name = u.Username
+		}
+	}
+	if name == "" {
+		name = "unknown"
+	}
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "unknown"
+	}
+	return name + "@" + host
+}
+
+// openStore connects and checks the table, as every operator command does
+// first.
+func openStore(ctx context.Context, c *common) (*store.Store, func(), error) {
+	t, err := store.ParseTable(c.table)
+	if err != nil {
+		return nil, nil, err
+	}
+	pool, err := pgxpool.New(ctx, c.databaseURL)
+	if err != nil {
+		return nil, nil, fmt.Errorf("connect to PostgreSQL: %w", err)
+	}
+	st := store.New(pool, t, store.PolicyMark)
+	if err := st.Check(ctx); err != nil {
+		pool.Close()
+		return nil, nil, err
+	}
+	return st, pool.Close, nil
+}
+
+func runRedrive(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	var o opFlags
+	fs := newFlagSet("redrive", `Moves failed or cancelled rows back to scheduled for the poller: same work_id and payload,
+attempts reset to 0, who, when and why recorded on the row and in the <table>_redrives history.
+
+  outbox-relay redrive --reason "INC-42: limit raised" --work-id w1 --work-id w2
+  outbox-relay redrive --reason "INC-42" --state failed --kind order.created --since 24h`, stderr)
+	o.register(fs, store.ActionRedrive)
+	stagger := fs.Duration("stagger", 10*time.Millisecond, "row i (oldest first) becomes due at now + i*stagger, so a bulk redrive does not hit the broker at once")
+	dupWindow := fs.Duration("duplicate-window", 2*time.Minute, "the stream's duplicate window, for the uncertain-outcome warning (read from the stream instead when --nats-url is given)")
+	fs.StringVar(&o.natsURL, "nats-url", "", "NATS URL: read --stream's duplicate window from the broker (empty: use --duplicate-window)")
+	fs.StringVar(&o.stream, "stream", "OUTBOX", "JetStream stream the relay publishes to")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	req, err := o.request(fs, store.ActionRedrive)
+	if err != nil {
+		return err
+	}
+	if *stagger < 0 {
+		return fmt.Errorf("--stagger %s: must not be negative", *stagger)
+	}
+	req.Stagger = *stagger
+	st, closeDB, err := openStore(ctx, &o.common)
+	if err != nil {
+		return err
+	}
+	defer closeDB()
+	window, windowFrom := *dupWindow, "--duplicate-window"
+	if o.natsURL != "" {
+		if si := readStream(ctx, o.natsURL, o.stream); si.Error != "" {
+			fmt.Fprintf(stderr, "stream %s: %s; using --duplicate-window %s\n", o.stream, si.Error, window)
+		} else {
+			window, windowFrom = time.Duration(si.DuplicateWindowSeconds*float64(time.Second)), "stream "+o.stream
+		}
+	}
+	res, err := st.Redrive(ctx, req)
+	if err != nil {
+		return err
+	}
+	report(stdout, st.Table(), req, res)
+	if len(res.Changed) > 0 {
+		first, last := res.Changed[0].AvailableAt, res.Changed[len(res.Changed)-1].AvailableAt
+		fmt.Fprintf(stdout, "due from %s to %s (stagger %s)\n", first.UTC().Format(time.RFC3339Nano), last.UTC().Format(time.RFC3339Nano), req.Stagger)
+	}
+	var risky []string
+	for _, c := range res.Changed {
+		if c.Uncertain() && c.SinceLastAttempt > window {
+			risky = append(risky, c.WorkID)
+		}
+	}
+	if len(risky) > 0 {
+		fmt.Fprintf(stderr, "WARNING: %d rows %s last failed with an uncertain outcome (the broker may have stored them) and become due more than the duplicate window (%s, from %s) after that attempt: the broker can store the republish as a second message, so consumers must deduplicate by Nats-Msg-Id (inbox): %s\n",
+			len(risky), map[bool]string{false: "redriven", true: "to be redriven"}[req.DryRun], window, windowFrom, idList(risky))
+	}
+	return refusedErr(res, req)
+}
+
+// report prints what an operator command changed and what it refused.
+func report(w io.Writer, t store.Table, req store.OpRequest, res store.OpResult) {
+	ids := make([]string, len(res.Changed))
+	for i, c := range res.Changed {
+		ids[i] = c.WorkID
+	}
+	what := fmt.Sprintf("of %d given work IDs", len(req.WorkIDs))
+	if len(req.WorkIDs) == 0 {
+		what = describeFilter(req.Selection)
+	}
+	prefix := ""
+	if res.DryRun {
+		prefix = "dry run, nothing changed: "
+	}
+	fmt.Fprintf(w, "%s%s %d rows %s in %s (by %s, reason %q)", prefix, verbed(res.Action, res.DryRun), len(ids), what, t.Qualified(), req.By, req.Reason)
+	if len(ids) > 0 {
+		fmt.Fprintf(w, ": %s", idList(ids))
+	}
+	fmt.Fprintln(w)
+	if len(res.Refused) > 0 {
+		fmt.Fprintf(w, "refused %d:\n", len(res.Refused))
+		for i, r := range res.Refused {
+			if i == listed {
+				fmt.Fprintf(w, "  ... and %d more\n", len(res.Refused)-listed)
+				break
+			}
+			fmt.Fprintf(w, "  %s: %s\n", r.WorkID, r.Why(res.Action))
+		}
+	}
+}
+
+func verbed(a store.Action, dry bool) string {
+	switch {
+	case dry && a == store.ActionRedrive:
+		return "would redrive"
+	case dry:
+		return "would cancel"
+	case a == store.ActionRedrive:
+		return "redrove"
+	}
+	return "cancelled"
+}
+
+func describeFilter(s store.Selection) string {
+	d := "in state " + s.State
+	if s.Kind != "" {
+		d += " of kind " + s.Kind
+	}
+	if !s.Since.IsZero() {
+		d += " created since " + s.Since.UTC().Format(time.RFC3339)
+	}
+	if s.SinceAgo != 0 {
+		d += " created in the last " + s.SinceAgo.String()
+	}
+	if s.Limit > 0 {
+		d += fmt.Sprintf(" (oldest %d at most)", s.Limit)
+	}
+	return d
+}
+
+func idList(ids []string) string {
+	if len(ids) <= listed {
+		return strings.Join(ids, ", ")
+	}
+	return strings.Join(ids[:listed], ", ") + fmt.Sprintf(" and %d more", len(ids)-listed)
+}
+
+// refusedErr makes a refused work ID an exit status: a script that asked
+// for these rows must learn that some did not move.
+func refusedErr(res store.OpResult, req store.OpRequest) error {
+	if len(res.Refused) == 0 {
+		return nil
+	}
+	return fmt.Errorf("refused %d of %d work IDs (listed above)", len(res.Refused), len(req.WorkIDs))
+}
