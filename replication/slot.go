@@ -214,6 +214,15 @@ func CreateSlot(ctx context.Context, conn *pgconn.PgConn, name string) (CreatedS
 	return CreatedSlot{ConsistentPoint: lsn, Snapshot: res.SnapshotName}, nil
 }
 
+// DropSlot drops an inactive slot. Used only for a slot PostgreSQL
+// invalidated (wal_status lost), which can never stream again.
+func DropSlot(ctx context.Context, q Querier, name string) error {
+	if _, err := q.Exec(ctx, `SELECT pg_catalog.pg_drop_replication_slot($1)`, name); err != nil {
+		return fmt.Errorf("drop invalidated slot %s: %w", name, err)
+	}
+	return nil
+}
+
 // IsSlotActive reports PostgreSQL's "replication slot is active for PID"
 // (55006): another instance streams the slot.
 func IsSlotActive(err error) bool {

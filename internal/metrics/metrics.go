@@ -13,23 +13,25 @@ import (
 type Metrics struct {
 	Registry *prometheus.Registry
 
-	Published        *prometheus.CounterVec // path (cdc, poller), result (ok, duplicate, rejected, error)
-	Duplicates       prometheus.Counter
-	CommitToAck      prometheus.Histogram
-	ConfirmedLSN     prometheus.Gauge
-	ServerWALEnd     prometheus.Gauge
-	SlotLagBytes     prometheus.Gauge
-	InFlight         prometheus.Gauge
-	InFlightBytes    prometheus.Gauge
-	Handoffs         *prometheus.CounterVec // reason (delayed, rejected)
-	SettleRetries    prometheus.Counter
-	Sessions         *prometheus.CounterVec // result (started, error)
-	SlotOwner        prometheus.Gauge
-	Claims           prometheus.Counter
-	StaleCompletions *prometheus.CounterVec // op (complete, renew, reschedule, fail)
-	Failures         *prometheus.CounterVec // class (rejected, uncertain), reason
-	RowsByState      *prometheus.GaugeVec
-	OldestEligible   prometheus.Gauge
+	Published         *prometheus.CounterVec // path (cdc, poller), result (ok, duplicate, rejected, error)
+	Duplicates        prometheus.Counter
+	CommitToAck       prometheus.Histogram
+	ConfirmedLSN      prometheus.Gauge
+	ServerWALEnd      prometheus.Gauge
+	SlotLagBytes      prometheus.Gauge
+	InFlight          prometheus.Gauge
+	InFlightBytes     prometheus.Gauge
+	Handoffs          *prometheus.CounterVec // reason (delayed, rejected)
+	SettleRetries     prometheus.Counter
+	Sessions          *prometheus.CounterVec // result (started, error)
+	SlotOwner         prometheus.Gauge
+	Claims            prometheus.Counter
+	StaleCompletions  *prometheus.CounterVec // op (complete, renew, reschedule, fail)
+	Failures          *prometheus.CounterVec // class (rejected, uncertain), reason
+	RowsByState       *prometheus.GaugeVec
+	OldestEligible    prometheus.Gauge
+	BackfilledRows    prometheus.Counter
+	SlotInvalidations prometheus.Counter
 }
 
 // New registers every metric on a fresh registry, with Go and process
@@ -91,7 +93,13 @@ func New() *Metrics {
 	m.OldestEligible = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "outbox_relay_oldest_eligible_age_seconds", Help: "Age of the oldest row that is due and not published.",
 	})
-	for _, c := range []prometheus.Collector{m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.ServerWALEnd,
+	m.BackfilledRows = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "outbox_relay_backfilled_rows_total", Help: "Rows committed before the slot existed that were handed to the poller when the slot was created.",
+	})
+	m.SlotInvalidations = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "outbox_relay_slot_invalidations_total", Help: "Times the slot was found invalidated (wal_status lost) and re-created.",
+	})
+	for _, c := range []prometheus.Collector{m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.ServerWALEnd,
 		m.SlotLagBytes, m.InFlight, m.InFlightBytes, m.Handoffs, m.SettleRetries, m.Sessions, m.SlotOwner, m.Claims,
 		m.StaleCompletions, m.Failures, m.RowsByState, m.OldestEligible} {
 		f(c)

@@ -102,16 +102,7 @@ func sharedSetup(t testing.TB) setup {
 
 func (h *harness) start() {
 	h.t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	o := h.opts
-	o.Started = func(r *relay.Relay) { h.mu.Lock(); h.relay = r; h.mu.Unlock() }
-	log := zerolog.New(zerolog.NewTestWriter(h.t)).Level(zerolog.InfoLevel).With().Timestamp().Logger()
-	go func() { done <- app.Run(ctx, o, log) }()
-	h.mu.Lock()
-	h.cancel, h.done = cancel, done
-	h.mu.Unlock()
-	h.t.Cleanup(h.stop)
+	done := h.launch()
 	testenv.WaitFor(h.t, 30*time.Second, "relay streaming", func() (bool, error) {
 		select {
 		case err := <-done:
@@ -123,6 +114,22 @@ func (h *harness) start() {
 		defer h.mu.Unlock()
 		return h.relay != nil && h.relay.Role() == relay.RoleActive, nil
 	})
+}
+
+// launch starts the relay without waiting for it to stream.
+func (h *harness) launch() chan error {
+	h.t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	o := h.opts
+	o.Started = func(r *relay.Relay) { h.mu.Lock(); h.relay = r; h.mu.Unlock() }
+	log := zerolog.New(zerolog.NewTestWriter(h.t)).Level(zerolog.InfoLevel).With().Timestamp().Logger()
+	go func() { done <- app.Run(ctx, o, log) }()
+	h.mu.Lock()
+	h.cancel, h.done = cancel, done
+	h.mu.Unlock()
+	h.t.Cleanup(h.stop)
+	return done
 }
 
 // stop shuts the relay down gracefully and returns what Run returned.

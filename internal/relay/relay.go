@@ -47,9 +47,6 @@ type Config struct {
 	// BeforeSession runs before each session, e.g. to create the stream when
 	// missing. An error fails the session (and is retried with backoff).
 	BeforeSession func(ctx context.Context) error
-	// OnSlotCreated runs after this instance created the slot and before
-	// streaming starts, while the slot's exported snapshot is still valid.
-	OnSlotCreated func(ctx context.Context, slot replication.CreatedSlot) error
 }
 
 func (c *Config) setDefaults() {
@@ -285,35 +282,87 @@ func (r *Relay) session(ctx context.Context) error {
 	return err
 }
 
+// ensureSlot returns the slot to stream, creating it when missing and
+// handing the rows it can never stream to the poller (G9).
 func (r *Relay) ensureSlot(ctx context.Context, conn replication.PgConn) (replication.SlotInfo, error) {
 	slot, err := replication.LookupSlot(ctx, r.pool, r.cfg.Slot)
 	if err != nil {
 		return slot, err
 	}
+	if slot.Exists && slot.Plugin != "pgoutput" {
+		return slot, fmt.Errorf("slot %s uses plugin %q, not pgoutput: drop it (SELECT pg_drop_replication_slot('%s')) or choose another --slot", r.cfg.Slot, slot.Plugin, r.cfg.Slot)
+	}
+	if slot.Exists && slot.WALStatus == "lost" {
+		// The WAL after its last confirmation is gone: the slot can never
+		// stream again. Rows committed since are still 'ready' in the
+		// table, so a new slot plus a backfill recovers every one of them.
+		r.log.Error().Str("confirmed_lsn", slot.ConfirmedFlush.String()).
+			Msg("replication slot was invalidated by PostgreSQL (wal_status lost: it held more WAL than max_slot_wal_keep_size); " +
+				"re-creating it and handing every row still ready to the poller. Raise max_slot_wal_keep_size or alert on slot lag to avoid this")
+		r.metrics.SlotInvalidations.Inc()
+		if err := r.store.RecordInvalidation(ctx, r.cfg.Slot); err != nil {
+			return slot, err
+		}
+		if err := replication.DropSlot(ctx, r.pool, r.cfg.Slot); err != nil {
+			return slot, err
+		}
+		slot = replication.SlotInfo{}
+	} else if slot.Exists && slot.WALStatus == "unreserved" {
+		r.log.Warn().Str("confirmed_lsn", slot.ConfirmedFlush.String()).
+			Msg("replication slot holds more WAL than max_slot_wal_keep_size and will be invalidated at the next checkpoint unless it catches up")
+	}
 	if slot.Exists {
-		if slot.Plugin != "pgoutput" {
-			return slot, fmt.Errorf("slot %s uses plugin %q, not pgoutput: drop it (SELECT pg_drop_replication_slot('%s')) or choose another --slot", r.cfg.Slot, slot.Plugin, r.cfg.Slot)
-		}
-		if slot.WALStatus == "lost" {
-			return slot, fmt.Errorf("slot %s was invalidated (wal_status lost: it fell behind max_slot_wal_keep_size); rows committed since its last confirmation are not in the WAL any more: drop the slot so the relay re-creates it and hands every ready row to the poller", r.cfg.Slot)
-		}
-		return slot, nil
+		return slot, r.finishBackfill(ctx)
+	}
+
+	// The marker is committed before the slot exists, so a crash anywhere
+	// from here to the handoff's commit leaves it set for the next session.
+	if err := r.store.MarkBackfillPending(ctx, r.cfg.Slot); err != nil {
+		return slot, err
 	}
 	created, err := replication.CreateSlot(ctx, conn, r.cfg.Slot)
 	if replication.IsDuplicateObject(err) {
-		// Another instance created it first.
-		return replication.LookupSlot(ctx, r.pool, r.cfg.Slot)
+		// Another instance created it first; its backfill may not be done.
+		if slot, err = replication.LookupSlot(ctx, r.pool, r.cfg.Slot); err != nil {
+			return slot, err
+		}
+		return slot, r.finishBackfill(ctx)
 	}
 	if err != nil {
 		return slot, err
 	}
 	r.log.Info().Str("lsn", created.ConsistentPoint.String()).Msg("created replication slot")
-	if r.cfg.OnSlotCreated != nil {
-		if err := r.cfg.OnSlotCreated(ctx, created); err != nil {
-			return slot, fmt.Errorf("after creating slot %s: %w", r.cfg.Slot, err)
-		}
+	n, err := r.store.BackfillFromSnapshot(ctx, r.cfg.Slot, created.Snapshot, created.ConsistentPoint.String())
+	switch {
+	case errors.Is(err, store.ErrBackfillNotPending):
+		r.log.Info().Msg("another instance already handed the rows committed before the slot to the poller")
+	case err != nil:
+		// The next session finds the slot with the marker set and hands
+		// over every ready row.
+		return slot, err
+	default:
+		r.metrics.BackfilledRows.Add(float64(n))
+		r.log.Info().Int64("rows", n).Str("lsn", created.ConsistentPoint.String()).
+			Msg("handed rows committed before the slot to the poller (backfill)")
 	}
 	return replication.SlotInfo{Exists: true, Plugin: "pgoutput", Active: true, ConfirmedFlush: created.ConsistentPoint}, nil
+}
+
+// finishBackfill completes a handoff that a crash (or an instance that lost
+// the race to create the slot) left pending. The snapshot is gone, so it
+// hands over every ready row; the ones the slot also streams are published
+// twice under one Nats-Msg-Id and stored once.
+func (r *Relay) finishBackfill(ctx context.Context) error {
+	n, pending, err := r.store.BackfillAllReady(ctx, r.cfg.Slot)
+	if err != nil {
+		return err
+	}
+	if pending {
+		r.metrics.BackfilledRows.Add(float64(n))
+		r.log.Warn().Int64("rows", n).
+			Msg("found an unfinished backfill (the relay stopped between creating the slot and handing over older rows): handed every ready row to the poller")
+	}
+	return nil
 }
 
 var errOutage = errors.New("broker outage")

@@ -103,6 +103,14 @@ func (s *Store) Check(ctx context.Context) error {
 		return fmt.Errorf("outbox table %s lacks column(s) %s: restore them or run `outbox-relay migrate` (a table made by hand needs every column of the design)",
 			s.table.Qualified(), strings.Join(missing, ", "))
 	}
+	var slotsTable bool
+	if err := s.pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, s.slotsTable()).Scan(&slotsTable); err != nil {
+		return fmt.Errorf("check slot state table of %s: %w", s.table.Qualified(), err)
+	}
+	if !slotsTable {
+		return fmt.Errorf("%w: %s (the relay's record of its slots, added in migration 0003): run `outbox-relay migrate` with the same --database-url and --table",
+			ErrTableMissing, s.slotsTable())
+	}
 	var canUpdate, canDelete bool
 	err = s.pool.QueryRow(ctx,
 		`SELECT has_table_privilege($1::regclass, 'UPDATE'), has_table_privilege($1::regclass, 'DELETE')`,
