@@ -729,3 +729,137 @@ func TestPrune(t *testing.T) {
 		t.Errorf("prune --older-than 0: %v", err)
 	}
 }
+
+// A worker's fail that is not committed yet when a redrive of its row runs:
+// the redrive does not wait for it (a running row is not a candidate, so it
+// is not locked) and refuses the row as running; the worker's fail then
+// commits as if no redrive had been tried.
+func TestRedriveOfRowBeingFailed(t *testing.T) {
+	ctx := context.Background()
+	s, pool := newPollerStore(t, store.PolicyMark)
+	exec(t, pool, `INSERT INTO outbox (work_id, kind, payload, state) VALUES ('w', 'k', '{}', 'scheduled')`)
+	c, err := s.Claim(ctx, "A", time.Minute, 1)
+	if err != nil || len(c) != 1 {
+		t.Fatalf("claim: %v %v", c, err)
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx) //nolint:errcheck
+	if _, err := tx.Exec(ctx, `UPDATE outbox SET state = 'failed', last_error = 'uncertain: timeout', claimed_by = NULL, lease_until = NULL
+		WHERE work_id = 'w' AND claim_generation = $1`, c[0].ClaimGeneration); err != nil {
+		t.Fatal(err)
+	}
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	res, err := s.Redrive(rctx, store.OpRequest{Selection: store.Selection{WorkIDs: []string{"w"}}, By: "b", Reason: "r"})
+	if err != nil {
+		t.Fatalf("redrive waited for the worker or failed: %v", err)
+	}
+	if len(res.Changed) != 0 || len(res.Refused) != 1 || res.Refused[0].State != "running" {
+		t.Fatalf("redrive = %+v, want refused running", res)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r, _ := readRow(t, pool, "outbox", "w")
+	if r.State != "failed" || r.Attempts != 1 || r.RedrivenAt != nil || historyCount(t, pool, "outbox_redrives") != 0 {
+		t.Fatalf("w = %s, want failed by the worker, no redrive", r)
+	}
+}
+
+// Bulk redrives while pollers claim: the redriven rows are claimed as soon
+// as they are due, and every row ends consistent: either still scheduled
+// (attempts 0, generation 0) or running under exactly one claim (attempts 1,
+// generation 1), each with exactly one history row holding its dead-letter
+// evidence.
+func TestRedriveRacingClaims(t *testing.T) {
+	ctx := context.Background()
+	s, pool := newPollerStore(t, store.PolicyMark)
+	const n = 300
+	exec(t, pool, `INSERT INTO outbox (work_id, kind, payload, state, attempts, last_error, created_at)
+		SELECT 'w' || g, 'k', jsonb_build_object('g', g), 'failed', 10, 'rejected: x ' || g, clock_timestamp() - g * interval '1 millisecond'
+		FROM generate_series(1, $1::int) g`, n)
+	var (
+		wg      sync.WaitGroup
+		mu      sync.Mutex
+		claimed = map[string]int64{}
+		stop    = make(chan struct{})
+		bad     error
+	)
+	for w := range 3 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				c, err := s.Claim(ctx, fmt.Sprintf("worker-%d", w), time.Hour, 5)
+				mu.Lock()
+				if err != nil {
+					bad = err
+				}
+				for _, x := range c {
+					if _, dup := claimed[x.WorkID]; dup || x.Attempts != 1 {
+						bad = fmt.Errorf("claim %+v: twice or attempts not reset", x)
+					}
+					claimed[x.WorkID] = x.ClaimGeneration
+				}
+				mu.Unlock()
+				if err != nil {
+					return
+				}
+			}
+		}()
+	}
+	redriven := map[string]bool{}
+	for {
+		res, err := s.Redrive(ctx, store.OpRequest{Selection: store.Selection{State: "failed", Limit: 40}, By: "b", Reason: "race"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(res.Changed) == 0 {
+			break
+		}
+		for _, c := range res.Changed {
+			if redriven[c.WorkID] || c.PreviousState != "failed" || c.PreviousAttempts != 10 {
+				t.Fatalf("redrive returned %+v (again: %v)", c, redriven[c.WorkID])
+			}
+			redriven[c.WorkID] = true
+		}
+	}
+	close(stop)
+	wg.Wait()
+	if bad != nil {
+		t.Fatal(bad)
+	}
+	if len(redriven) != n {
+		t.Fatalf("redrove %d rows, want %d", len(redriven), n)
+	}
+	for i := 1; i <= n; i++ {
+		id := fmt.Sprintf("w%d", i)
+		r, _ := readRow(t, pool, "outbox", id)
+		h, err := s.History(ctx, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(h) != 1 || h[0].PreviousState != "failed" || h[0].PreviousAttempts != 10 || h[0].PreviousError != fmt.Sprintf("rejected: x %d", i) {
+			t.Fatalf("%s history = %+v", id, h)
+		}
+		if r.Payload != fmt.Sprintf(`{"g": %d}`, i) {
+			t.Fatalf("%s payload %s", id, r.Payload)
+		}
+		if gen, ok := claimed[id]; ok {
+			if r.State != "running" || r.Attempts != 1 || r.Generation != 1 || gen != 1 || r.ClaimedBy == nil {
+				t.Fatalf("claimed %s = %s", id, r)
+			}
+		} else if r.State != "scheduled" || r.Attempts != 0 || r.Generation != 0 || r.ClaimedBy != nil {
+			t.Fatalf("unclaimed %s = %s", id, r)
+		}
+	}
+	t.Logf("%d redriven, %d of them claimed during the race", len(redriven), len(claimed))
+}
