@@ -30,6 +30,7 @@ type Metrics struct {
 	Failures          *prometheus.CounterVec // class (rejected, uncertain), reason
 	RowsByState       *prometheus.GaugeVec
 	OldestEligible    prometheus.Gauge
+	LeaseRenewals     prometheus.Counter
 	BackfilledRows    prometheus.Counter
 	SlotInvalidations prometheus.Counter
 }
@@ -93,13 +94,16 @@ func New() *Metrics {
 	m.OldestEligible = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "outbox_relay_oldest_eligible_age_seconds", Help: "Age of the oldest row that is due and not published.",
 	})
+	m.LeaseRenewals = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "outbox_relay_poller_lease_renewals_total", Help: "Leases the poller extended while a batch waited for acks.",
+	})
 	m.BackfilledRows = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "outbox_relay_backfilled_rows_total", Help: "Rows committed before the slot existed that were handed to the poller when the slot was created.",
 	})
 	m.SlotInvalidations = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "outbox_relay_slot_invalidations_total", Help: "Times the slot was found invalidated (wal_status lost) and re-created.",
 	})
-	for _, c := range []prometheus.Collector{m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.ServerWALEnd,
+	for _, c := range []prometheus.Collector{m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.ServerWALEnd,
 		m.SlotLagBytes, m.InFlight, m.InFlightBytes, m.Handoffs, m.SettleRetries, m.Sessions, m.SlotOwner, m.Claims,
 		m.StaleCompletions, m.Failures, m.RowsByState, m.OldestEligible} {
 		f(c)

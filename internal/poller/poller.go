@@ -175,10 +175,18 @@ func (p *Poller) Poll(ctx context.Context) (int, error) {
 	}
 	p.m.Claims.Add(float64(len(claimed)))
 	// The claims are committed. Finish this batch even if ctx ends meanwhile
-	// (its outcomes are worth recording), but never past the lease: after
-	// that every guarded statement would match nothing anyway.
-	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.Lease)
+	// (its outcomes are worth recording), renewing the leases while acks are
+	// slow, but never past a lease that could not be renewed: after that
+	// every guarded statement would match nothing anyway.
+	wctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancel()
+	keeperDone := make(chan struct{})
+	stopKeeper := make(chan struct{})
+	go func() {
+		defer close(keeperDone)
+		p.keepLeases(wctx, claimed, stopKeeper, cancel)
+	}()
+	defer func() { close(stopKeeper); <-keeperDone }()
 
 	batch := make([]inflight, 0, len(claimed))
 	for _, c := range claimed {
@@ -220,6 +228,11 @@ func (p *Poller) Poll(ctx context.Context) (int, error) {
 			}
 			in.err = err
 		}
+		if wctx.Err() != nil {
+			// The leases are gone (see keepLeases): the rows belong to
+			// whoever reclaims them, and nothing may be recorded here.
+			continue
+		}
 		p.retryOrFail(wctx, in.c, in.err)
 	}
 
@@ -243,6 +256,64 @@ func (p *Poller) Poll(ctx context.Context) (int, error) {
 		}
 	}
 	return len(claimed), nil
+}
+
+// keepLeases renews the batch's leases every third of the lease until stop
+// closes, and cancels the batch once the leases can no longer be held (every
+// claim gone, or the last renewal's lease run out while the database is
+// unreachable). The deadline is kept on the local clock from just before each
+// renewal, which is never later than the database's own lease_until.
+func (p *Poller) keepLeases(ctx context.Context, claimed []store.Claimed, stop <-chan struct{}, cancel context.CancelFunc) {
+	held := make([]store.Completion, len(claimed))
+	for i, c := range claimed {
+		held[i] = store.Completion{WorkID: c.WorkID, Generation: c.ClaimGeneration}
+	}
+	deadline := time.Now().Add(p.cfg.Lease)
+	every := p.cfg.Lease / 3
+	for {
+		wait := min(every, time.Until(deadline))
+		t := time.NewTimer(wait)
+		select {
+		case <-stop:
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		if !time.Now().Before(deadline) {
+			p.log.Warn().Int("claims", len(held)).Msg("could not renew the batch's leases in time; abandoning the batch to a reclaim")
+			cancel()
+			return
+		}
+		started := time.Now()
+		rctx, rcancel := context.WithDeadline(ctx, deadline)
+		renewed, err := p.st.RenewClaims(rctx, held, p.cfg.WorkerID, p.cfg.Lease)
+		rcancel()
+		if err != nil {
+			p.log.Warn().Err(err).Int("claims", len(held)).Msg("lease renewal failed; retrying until the lease runs out")
+			continue
+		}
+		deadline = started.Add(p.cfg.Lease)
+		p.m.LeaseRenewals.Add(float64(len(renewed)))
+		if len(renewed) < len(held) {
+			ok := make(map[string]struct{}, len(renewed))
+			for _, id := range renewed {
+				ok[id] = struct{}{}
+			}
+			kept := held[:0]
+			for _, h := range held {
+				if _, found := ok[h.WorkID]; found {
+					kept = append(kept, h)
+				} else {
+					p.stale("renew", h.WorkID, h.Generation)
+				}
+			}
+			held = kept
+		}
+		if len(held) == 0 {
+			cancel()
+			return
+		}
+	}
 }
 
 // retryOrFail records a failed publish: rejected (the broker will never take

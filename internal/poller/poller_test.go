@@ -21,6 +21,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/relay"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/sinks"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
 
@@ -76,6 +77,12 @@ func newFixture(t *testing.T) *fixture {
 // poller builds a worker with its own pool and JetStream context.
 func (f *fixture) poller(id string, cfg poller.Config) (*poller.Poller, *metrics.Metrics) {
 	f.t.Helper()
+	return f.pollerWithSink(id, cfg, nil)
+}
+
+// pollerWithSink is poller with the JetStream sink wrapped by wrap.
+func (f *fixture) pollerWithSink(id string, cfg poller.Config, wrap func(sinks.Sink) sinks.Sink) (*poller.Poller, *metrics.Metrics) {
+	f.t.Helper()
 	pool, err := pgxpool.New(context.Background(), f.dbURL)
 	if err != nil {
 		f.t.Fatal(err)
@@ -88,7 +95,11 @@ func (f *fixture) poller(id string, cfg poller.Config) (*poller.Poller, *metrics
 	cfg.WorkerID, cfg.SubjectPrefix, cfg.Connected = id, f.prefix, f.nc.IsConnected
 	m := metrics.New()
 	log := zerolog.New(zerolog.NewTestWriter(f.t)).Level(zerolog.WarnLevel)
-	return poller.New(cfg, store.New(pool, table, store.PolicyMark), natssink.New(js), log, m), m
+	var sink sinks.Sink = natssink.New(js)
+	if wrap != nil {
+		sink = wrap(sink)
+	}
+	return poller.New(cfg, store.New(pool, table, store.PolicyMark), sink, log, m), m
 }
 
 // run starts p and returns a stop function that cancels it and checks that
@@ -129,10 +140,10 @@ func (f *fixture) count(where string) (int, error) {
 	return n, err
 }
 
-// Eight workers race over 2,000 due rows: every row is published exactly
+// Eight workers race over 5,000 due rows: every row is published exactly
 // once, by exactly one claim.
 func TestPollersRace(t *testing.T) {
-	const rows, workers = 2000, 8
+	const rows, workers = 5000, 8
 	ctx := context.Background()
 	f := newFixture(t)
 	if _, err := f.pool.Exec(ctx, `INSERT INTO outbox (work_id, kind, payload, state)

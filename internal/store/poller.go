@@ -133,6 +133,30 @@ func (s *Store) Renew(ctx context.Context, workID, workerID string, gen int64, l
 		workerID, gen, micros(lease))
 }
 
+// RenewClaims extends workerID's leases on several claims in one statement
+// (items' Seq is ignored). It returns the work IDs it renewed; the others'
+// claims are gone.
+func (s *Store) RenewClaims(ctx context.Context, items []Completion, workerID string, lease time.Duration) ([]string, error) {
+	ids := make([]string, len(items))
+	gens := make([]int64, len(items))
+	for i, it := range items {
+		ids[i], gens[i] = it.WorkID, it.Generation
+	}
+	rows, err := s.pool.Query(ctx, `UPDATE `+s.table.String()+` AS t
+			SET lease_until = clock_timestamp() + $4::bigint * interval '1 microsecond'
+		FROM unnest($1::text[], $3::bigint[]) AS u(work_id, gen)
+		WHERE t.work_id = u.work_id AND t.work_id = ANY($1::text[]) AND t.claim_generation = u.gen AND `+claimGuard+`
+		RETURNING t.work_id`, ids, workerID, gens, micros(lease))
+	if err != nil {
+		return nil, fmt.Errorf("renew %d claims in %s: %w", len(items), s.table.Qualified(), err)
+	}
+	renewed, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("renew %d claims in %s: %w", len(items), s.table.Qualified(), err)
+	}
+	return renewed, nil
+}
+
 // Reschedule gives the row back to the poller after delay, recording why.
 // false: the claim is gone.
 func (s *Store) Reschedule(ctx context.Context, workID, workerID string, gen int64, delay time.Duration, lastError string) (bool, error) {
