@@ -4,15 +4,19 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/replication"
 )
 
 func TestMain(m *testing.M) { testenv.Main(m) }
@@ -376,4 +380,64 @@ func TestStatusInactiveSlotNote(t *testing.T) {
 	if len(rep.Warnings) != 1 || !strings.HasPrefix(rep.Warnings[0], "NOTE: no relay streams the slot") {
 		t.Errorf("warnings = %q", rep.Warnings)
 	}
+}
+
+// A slot a walsender streams: status names its pid and takes the lag in
+// seconds from pg_stat_replication once the receiver confirmed something.
+func TestStatusActiveSlotLag(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	url, pool := migrated(t)
+	mustExec(t, pool, `SELECT pg_create_logical_replication_slot('outbox_relay', 'pgoutput')`)
+	conn, err := replication.Connect(ctx, url, "status-test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	if err := pglogrepl.StartReplication(ctx, conn, "outbox_relay", 0, pglogrepl.StartReplicationOptions{
+		PluginArgs: []string{"proto_version '1'", "publication_names 'outbox_relay'"},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	// Published already, so no ready row stands in for the lag.
+	mustExec(t, pool, `INSERT INTO outbox (work_id, kind, payload, state, published_at) VALUES ('x', 'k', '{}', 'published', clock_timestamp())`)
+	// Read until the insert's commit arrived, then confirm it, as the relay
+	// would after the broker's ack.
+	var end pglogrepl.LSN
+	for end == 0 {
+		msg, err := conn.ReceiveMessage(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cd, ok := msg.(*pgproto3.CopyData)
+		if !ok || cd.Data[0] != pglogrepl.XLogDataByteID {
+			continue
+		}
+		xld, err := pglogrepl.ParseXLogData(cd.Data[1:])
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(xld.WALData) > 0 && xld.WALData[0] == 'C' {
+			end = xld.ServerWALEnd
+		}
+	}
+	if err := pglogrepl.SendStandbyStatusUpdate(ctx, conn, pglogrepl.StandbyStatusUpdate{WALWritePosition: end}); err != nil {
+		t.Fatal(err)
+	}
+	var rep statusReport
+	testenv.WaitFor(t, 20*time.Second, "status to take the lag from pg_stat_replication", func() (bool, error) {
+		var out, errOut bytes.Buffer
+		if code := mainErr([]string{"status", "--database-url", url, "--json"}, &out, &errOut); code != 0 {
+			return false, fmt.Errorf("exit %d: %s", code, errOut.String())
+		}
+		rep = statusReport{}
+		if err := json.Unmarshal(out.Bytes(), &rep); err != nil {
+			return false, err
+		}
+		return strings.HasPrefix(rep.Slot.LagSource, "pg_stat_replication"), fmt.Errorf("slot %+v", rep.Slot)
+	})
+	if !rep.Slot.Active || rep.Slot.ActivePID == 0 || rep.Slot.LagSeconds < 0 || rep.Slot.LagSeconds > 20 || len(rep.Warnings) != 0 {
+		t.Fatalf("slot = %+v, warnings %q", rep.Slot, rep.Warnings)
+	}
+	t.Logf("slot %+v", rep.Slot)
 }
