@@ -19,6 +19,12 @@ func TestMain(m *testing.M) { testenv.Main(m) }
 // newDB creates a database with the outbox table t (public.outbox when
 // zero) and returns a pool on it whose statements are counted.
 func newDB(t testing.TB, table store.Table) (*pgxpool.Pool, *queryCounter) {
+	pool, qc, _ := newDBURL(t, table)
+	return pool, qc
+}
+
+// newDBURL is newDB that also returns the database's URL.
+func newDBURL(t testing.TB, table store.Table) (*pgxpool.Pool, *queryCounter, string) {
 	t.Helper()
 	if table == (store.Table{}) {
 		table = store.Table{Schema: "public", Name: "outbox"}
@@ -45,7 +51,7 @@ func newDB(t testing.TB, table store.Table) (*pgxpool.Pool, *queryCounter) {
 		t.Fatalf("pool: %v", err)
 	}
 	t.Cleanup(pool.Close)
-	return pool, qc
+	return pool, qc, url
 }
 
 // queryCounter counts statements sent, to check round trips.
