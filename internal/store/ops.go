@@ -154,8 +154,6 @@ func (r Refusal) Why(a Action) string {
 		return "published: the broker has it (terminal)"
 	case "cancelled":
 		return "cancelled: already cancelled"
-	case "failed":
-		return "failed: redrive it instead"
 	}
 	return r.State
 }
