@@ -7,16 +7,23 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/outbox-relay/outbox-relay/inbox"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
 
 func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var c common
-	fs := newFlagSet("migrate", "Creates or upgrades the outbox table and its indexes (versioned, idempotent, safe to run concurrently) and the insert-only publication.", stderr)
+	var inboxTable string
+	fs := newFlagSet("migrate", "Creates or upgrades the outbox table and its indexes (versioned, idempotent, safe to run concurrently) and the insert-only publication.\n"+
+		"With --inbox, creates a consumer's inbox tables (package inbox) instead, usually in the consumer's own database.", stderr)
 	c.register(fs, false)
+	fs.StringVar(&inboxTable, "inbox", "", "create the inbox table with this name (name or schema.name) and its <name>_fences table for consumers using package inbox, instead of the outbox table and publication")
 	if err := parse(fs, args); err != nil {
 		return err
+	}
+	if inboxTable != "" {
+		return migrateInbox(ctx, c.databaseURL, inboxTable, stdout)
 	}
 	t, err := store.ParseTable(c.table)
 	if err != nil {
@@ -44,5 +51,21 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return err
 	}
 	fmt.Fprintf(stdout, "publication %s publishes inserts on %s\n", c.publication, t.Qualified())
+	return nil
+}
+
+// migrateInbox creates a consumer's inbox tables. It touches neither the
+// outbox table nor the publication: the inbox lives where the consumer's
+// effects live, normally another database.
+func migrateInbox(ctx context.Context, databaseURL, table string, stdout io.Writer) error {
+	conn, err := pgx.Connect(ctx, databaseURL)
+	if err != nil {
+		return fmt.Errorf("connect to PostgreSQL: %w", err)
+	}
+	defer conn.Close(context.Background())
+	if err := inbox.Migrate(ctx, conn, table); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "inbox table %s and its fences table are in place\n", table)
 	return nil
 }
