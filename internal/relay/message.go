@@ -3,21 +3,22 @@ package relay
 import (
 	"encoding/json"
 	"fmt"
-	"strings"
 	"time"
 
 	"github.com/jackc/pglogrepl"
 
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/sinks"
 )
 
-// Header names of the message format (DESIGN.md, "The message").
+// Header names of the message format (DESIGN.md, "The message"); one
+// definition in internal/wire, shared with the producer and inbox packages.
 const (
-	HeaderKind            = "Outbox-Kind"
-	HeaderCommitLSN       = "Outbox-Commit-LSN"
-	HeaderCommitTime      = "Outbox-Commit-Time"
-	HeaderAttempt         = "Outbox-Attempt"
-	HeaderClaimGeneration = "Outbox-Claim-Generation"
+	HeaderKind            = wire.HeaderKind
+	HeaderCommitLSN       = wire.HeaderCommitLSN
+	HeaderCommitTime      = wire.HeaderCommitTime
+	HeaderAttempt         = wire.HeaderAttempt
+	HeaderClaimGeneration = wire.HeaderClaimGeneration
 )
 
 // MessageFields is what a message is built from, on either path.
@@ -46,13 +47,8 @@ func BuildMessage(f MessageFields, subjectPrefix string, extra map[string]string
 			if !ok {
 				return nil, fmt.Errorf("header %q of %s is a JSON %T, not a string", k, f.WorkID, v)
 			}
-			if k == "" || strings.ContainsAny(k, ": \t\r\n") || strings.ContainsAny(s, "\r\n") {
-				return nil, fmt.Errorf("header %q of %s: names may not be empty or hold ':' or whitespace, values may not hold line breaks", k, f.WorkID)
-			}
-			// Nats-* headers steer JetStream itself (expected sequence,
-			// rollup, message ID); a row must not be able to set them.
-			if strings.HasPrefix(strings.ToLower(k), "nats-") || strings.HasPrefix(strings.ToLower(k), "outbox-") {
-				return nil, fmt.Errorf("header %q of %s: Nats-* and Outbox-* headers are reserved for the broker and the relay", k, f.WorkID)
+			if err := wire.ValidateHeader(k, s); err != nil {
+				return nil, fmt.Errorf("row %s: %w", f.WorkID, err)
 			}
 			hdr[k] = []string{s}
 		}

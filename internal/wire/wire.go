@@ -1,10 +1,8 @@
 // Package wire holds the message format's names and the rules a row must meet
-// to become a NATS message, for the packages applications import (outbox,
-// inbox) without pulling in the relay. The relay applies the same rules in
-// internal/relay (BuildMessage) and sinks/jetstream (ValidateSubject); the
-// tests of this package feed both the same cases, so the producer refuses
-// exactly what the relay would reject later, when it is too late to tell the
-// caller.
+// to become a NATS message: one definition used by the relay (BuildMessage,
+// the JetStream sink's subject check) and by the packages applications import
+// (outbox, inbox), so the producer refuses exactly what the relay would reject
+// later, when it is too late to tell the caller.
 package wire
 
 import (

@@ -8,12 +8,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/sinks"
 )
 
@@ -100,23 +100,7 @@ func classify(ctx context.Context, js API, subject string, err error) error {
 
 // ValidateSubject applies NATS's rules for a publish subject: dot-separated
 // non-empty tokens, no whitespace, no wildcards.
-func ValidateSubject(s string) error {
-	if s == "" {
-		return errors.New("empty subject")
-	}
-	if strings.ContainsAny(s, " \t\r\n") {
-		return fmt.Errorf("subject %q contains whitespace", s)
-	}
-	for _, tok := range strings.Split(s, ".") {
-		switch tok {
-		case "":
-			return fmt.Errorf("subject %q has an empty token", s)
-		case "*", ">":
-			return fmt.Errorf("subject %q contains a wildcard; publish to a concrete subject", s)
-		}
-	}
-	return nil
-}
+func ValidateSubject(s string) error { return wire.ValidateSubject(s) }
 
 // StreamConfig is what the relay creates when its stream is missing.
 type StreamConfig struct {
