@@ -4,7 +4,7 @@ GO      ?= go
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 BIN     := bin/outbox-relay
 
-.PHONY: setup test build demo fmt-check docker clean
+.PHONY: setup test build demo fmt-check docker clean chaos chaos-short
 
 ## setup: install what demo and test need when it is absent, through apt
 ## (Debian/Ubuntu): PostgreSQL server binaries in /usr/lib/postgresql/<v>/bin
@@ -51,6 +51,20 @@ setup:
 ## test: vet everything, then run every test with the race detector.
 test: setup
 	$(GO) vet ./... && $(GO) test -race -count=1 -timeout 15m ./...
+	$(MAKE) --no-print-directory chaos-short
+
+## chaos: the long chaos run (internal/chaos): the relay under seeded random
+## faults (SIGKILL, broker kill, PostgreSQL restarts, terminated backends,
+## network cuts, partitions and latency, standby takeover) against real
+## servers; prints one table and fails on loss, phantoms, duplicates or a G3
+## violation. Flags via CHAOS_FLAGS, e.g. CHAOS_FLAGS='-duration 1h -seed 42 -json chaos.json'.
+CHAOS_FLAGS ?= -duration 30m
+chaos: setup
+	$(GO) run ./cmd/outbox-chaos $(CHAOS_FLAGS)
+
+## chaos-short: about two minutes of the same, every fault kind once; part of `make test`.
+chaos-short: setup
+	$(GO) run ./cmd/outbox-chaos -duration 75s -max-gap 2s $(CHAOS_SHORT_FLAGS)
 
 ## build: build the relay binary into bin/.
 build:

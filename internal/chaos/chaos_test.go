@@ -1,0 +1,306 @@
+package chaos
+
+import (
+	"bufio"
+	"io"
+	"net"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+)
+
+// echoServer answers every line with the same line.
+func echoServer(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() { defer c.Close(); _, _ = io.Copy(c, c) }()
+		}
+	}()
+	return ln.Addr().String()
+}
+
+func newTestProxy(t *testing.T) *Proxy {
+	t.Helper()
+	p, err := NewProxy(echoServer(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
+type client struct {
+	c net.Conn
+	r *bufio.Reader
+}
+
+func dial(t *testing.T, p *Proxy) *client {
+	t.Helper()
+	c, err := net.Dial("tcp", net.JoinHostPort("127.0.0.1", fmtInt(p.Port())))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return &client{c: c, r: bufio.NewReader(c)}
+}
+
+func fmtInt(n int) string { return strconv.Itoa(n) }
+
+// roundTrip sends a line and waits up to timeout for its echo.
+func (c *client) roundTrip(line string, timeout time.Duration) (string, error) {
+	_ = c.c.SetDeadline(time.Now().Add(timeout))
+	if _, err := c.c.Write([]byte(line + "\n")); err != nil {
+		return "", err
+	}
+	s, err := c.r.ReadString('\n')
+	return strings.TrimSuffix(s, "\n"), err
+}
+
+func TestProxyPassAndLatency(t *testing.T) {
+	p := newTestProxy(t)
+	c := dial(t, p)
+	if got, err := c.roundTrip("hello", 2*time.Second); err != nil || got != "hello" {
+		t.Fatalf("pass: got %q, %v", got, err)
+	}
+	p.Set(Latency, 150*time.Millisecond)
+	start := time.Now()
+	if got, err := c.roundTrip("slow", 5*time.Second); err != nil || got != "slow" {
+		t.Fatalf("latency: got %q, %v", got, err)
+	}
+	// Both directions are delayed.
+	if d := time.Since(start); d < 300*time.Millisecond {
+		t.Errorf("latency 150ms each way: round trip took %v, want >= 300ms", d)
+	}
+	// Many chunks in flight are delayed together, not one after another.
+	start = time.Now()
+	for i := range 20 {
+		if _, err := c.c.Write([]byte("x" + fmtInt(i) + "\n")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_ = c.c.SetDeadline(time.Now().Add(5 * time.Second))
+	for i := range 20 {
+		s, err := c.r.ReadString('\n')
+		if err != nil || s != "x"+fmtInt(i)+"\n" {
+			t.Fatalf("line %d: got %q, %v (order must be kept)", i, s, err)
+		}
+	}
+	if d := time.Since(start); d > 2*time.Second {
+		t.Errorf("20 lines under 150ms latency took %v: latency must not serialise chunks", d)
+	}
+	p.Set(Pass, 0)
+	if got, err := c.roundTrip("again", 2*time.Second); err != nil || got != "again" {
+		t.Fatalf("pass after latency: got %q, %v", got, err)
+	}
+}
+
+func TestProxyCut(t *testing.T) {
+	p := newTestProxy(t)
+	c := dial(t, p)
+	if _, err := c.roundTrip("before", 2*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	p.Set(Cut, 0)
+	if _, err := c.roundTrip("during", 2*time.Second); err == nil {
+		t.Fatal("an existing connection still works after the cut")
+	}
+	// New connections are accepted and closed at once.
+	c2 := dial(t, p)
+	if _, err := c2.roundTrip("new", 2*time.Second); err == nil {
+		t.Fatal("a new connection works during the cut")
+	}
+	p.Set(Pass, 0)
+	c3 := dial(t, p)
+	if got, err := c3.roundTrip("after", 2*time.Second); err != nil || got != "after" {
+		t.Fatalf("after healing: got %q, %v", got, err)
+	}
+}
+
+func TestProxyBlackhole(t *testing.T) {
+	p := newTestProxy(t)
+	c := dial(t, p)
+	if _, err := c.roundTrip("before", 2*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	p.Set(Blackhole, 0)
+	// The connection stays open and writes succeed, but nothing comes back:
+	// a timeout, not an error, is what the peers see.
+	_, err := c.roundTrip("lost", 300*time.Millisecond)
+	if ne, ok := err.(net.Error); !ok || !ne.Timeout() {
+		t.Fatalf("during the blackhole: got %v, want a timeout", err)
+	}
+	c2 := dial(t, p)
+	_, err = c2.roundTrip("new", 300*time.Millisecond)
+	if ne, ok := err.(net.Error); !ok || !ne.Timeout() {
+		t.Fatalf("new connection during the blackhole: got %v, want a timeout", err)
+	}
+	p.Set(Pass, 0)
+	// Connections that lost bytes are closed on heal; new ones work.
+	_ = c.c.SetDeadline(time.Now().Add(2 * time.Second))
+	if _, err := c.r.ReadString('\n'); err == nil {
+		t.Fatal("a blackholed connection delivered data after the heal")
+	} else if ne, ok := err.(net.Error); ok && ne.Timeout() {
+		t.Fatal("a blackholed connection was not closed on heal")
+	}
+	c3 := dial(t, p)
+	if got, err := c3.roundTrip("after", 2*time.Second); err != nil || got != "after" {
+		t.Fatalf("after healing: got %q, %v", got, err)
+	}
+	waitFor(t, func() bool { return p.Conns() == 1 }, "closed connections to leave the proxy")
+}
+
+func waitFor(t *testing.T, cond func() bool, what string) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func lsn(s string) pglogrepl.LSN {
+	l, err := pglogrepl.ParseLSN(s)
+	if err != nil {
+		panic(err)
+	}
+	return l
+}
+
+func TestWitnessParser(t *testing.T) {
+	var w WitnessParser
+	feed := func(l string, xid uint32, data string) []WitnessRow { return w.Feed(lsn(l), xid, data) }
+	if got := feed("0/100", 7, "BEGIN 7"); got != nil {
+		t.Fatalf("BEGIN: %v", got)
+	}
+	feed("0/110", 7, "table public.outbox: INSERT: work_id[text]:'w-0-1' kind[text]:'order' payload[jsonb]:'{}'")
+	// Interleaved transaction (only possible across calls, but harmless).
+	feed("0/120", 8, "table public.outbox: INSERT: work_id[text]:'w-1-1' kind[text]:'mail'")
+	feed("0/130", 7, "table public.outbox: UPDATE: work_id[text]:'w-0-0' state[text]:'published'")
+	feed("0/140", 7, "table public.other: INSERT: work_id[text]:'not-outbox'")
+	got := feed("0/150", 7, "COMMIT 7")
+	want := []WitnessRow{{ID: "w-0-1", End: lsn("0/150")}}
+	if !slices.Equal(got, want) {
+		t.Fatalf("COMMIT 7: got %v, want %v", got, want)
+	}
+	got = feed("0/160", 8, "COMMIT 8")
+	if !slices.Equal(got, []WitnessRow{{ID: "w-1-1", End: lsn("0/160")}}) {
+		t.Fatalf("COMMIT 8: got %v", got)
+	}
+}
+
+func TestLedgerG3(t *testing.T) {
+	l := NewLedger()
+	l.AddWitness([]WitnessRow{{"w-0-1", lsn("0/100")}, {"w-0-2", lsn("0/100")}, {"w-0-3", lsn("0/200")}, {"w-0-4", lsn("0/300")}})
+	l.AddMsg("w-0-1", 1)
+	l.AddMsg("w-0-2", 2)
+	// Confirmed at the first transaction's end: both rows are in the stream.
+	if covered, bad := l.CheckG3("k1", lsn("0/100"), 2, nil); covered != 2 || len(bad) != 0 {
+		t.Fatalf("k1: covered %d, violations %v", covered, bad)
+	}
+	// Confirmed past w-0-3, which is in the stream only after the last
+	// sequence read at the check: too early.
+	l.AddMsg("w-0-3", 3)
+	if covered, bad := l.CheckG3("k2", lsn("0/250"), 2, nil); covered != 1 || len(bad) != 1 || !strings.Contains(bad[0], "w-0-3") {
+		t.Fatalf("k2: covered %d, violations %v", covered, bad)
+	}
+	// Covered but still 'ready' is a violation; handed to the poller is not.
+	l.AddWitness([]WitnessRow{{"w-0-5", lsn("0/400")}})
+	covered, bad := l.CheckG3("k3", lsn("0/400"), 3, map[string]string{"w-0-4": "ready", "w-0-5": "scheduled"})
+	if covered != 2 || len(bad) != 1 || !strings.Contains(bad[0], "w-0-4") || !strings.Contains(bad[0], "ready") {
+		t.Fatalf("k3: covered %d, violations %v", covered, bad)
+	}
+	// A witness row re-decoded after a crash is not counted twice; one that
+	// lands before the verified prefix is checked again.
+	l.AddWitness([]WitnessRow{{"w-0-1", lsn("0/100")}, {"w-0-0", lsn("0/050")}})
+	if covered, bad := l.CheckG3("k4", lsn("0/400"), 3, nil); len(bad) != 1 || !strings.Contains(bad[0], "w-0-0") {
+		t.Fatalf("k4: covered %d, violations %v", covered, bad)
+	}
+	f := l.Figures(nil)
+	if f.G3Checks != 4 || f.G3Violations != 3 || f.G3PollerHandoffs != 1 {
+		t.Fatalf("figures: %+v", f)
+	}
+}
+
+func TestLedgerFigures(t *testing.T) {
+	l := NewLedger()
+	l.AddWitness([]WitnessRow{{"w-0-1", lsn("0/100")}, {"w-0-2", lsn("0/100")}, {"w-1-1", lsn("0/200")}})
+	l.AddMsg("w-0-1", 1)
+	l.AddMsg("w-0-1", 2)                                         // stored twice
+	l.AddMsg("rb-0-9", 3)                                        // rolled back, yet published
+	l.AddMsg("w-1-1", 4)                                         // fine
+	l.AddMsg("stranger-1", 5)                                    // nobody committed it
+	f := l.Figures([]string{"w-0-1", "w-0-2", "w-1-1", "w-2-1"}) // w-2-1 acked but not in the witness
+	want := Figures{CommittedRows: 3, StreamMsgs: 5, StreamDistinct: 4, Lost: 1, Phantoms: 1, StoredDuplicates: 1, UnknownMsgs: 1, WitnessGaps: 1}
+	if f.CommittedRows != want.CommittedRows || f.StreamMsgs != want.StreamMsgs || f.StreamDistinct != want.StreamDistinct ||
+		f.Lost != want.Lost || f.Phantoms != want.Phantoms || f.StoredDuplicates != want.StoredDuplicates ||
+		f.UnknownMsgs != want.UnknownMsgs || f.WitnessGaps != want.WitnessGaps {
+		t.Fatalf("figures %+v, want %+v", f, want)
+	}
+	if !slices.Equal(f.LostSample, []string{"w-0-2 (txn end 0/100)"}) || !slices.Equal(f.PhantomSample, []string{"rb-0-9"}) {
+		t.Fatalf("samples: lost %v phantoms %v", f.LostSample, f.PhantomSample)
+	}
+}
+
+func TestReportFailures(t *testing.T) {
+	r := &Report{Seed: 42, Faults: map[string]int{FaultRelayKill: 3}}
+	r.G3Checks = 3
+	if f := r.Failures(); len(f) != 0 {
+		t.Fatalf("clean report fails: %v", f)
+	}
+	if !strings.Contains(r.Table(), "RESULT: ok; seed 42") {
+		t.Fatalf("table:\n%s", r.Table())
+	}
+	r.Lost, r.NotPublished = 2, 1
+	r.Takeovers = []Takeover{{Cause: "sigkill", Seconds: 1.2, OK: true}, {Cause: "partition", Seconds: 61, OK: false}}
+	r.TakeoverFailures = 1
+	f := r.Failures()
+	if len(f) != 3 {
+		t.Fatalf("failures %v, want lost, not published, takeover", f)
+	}
+	tab := r.Table()
+	for _, s := range []string{"RESULT: FAIL", "seed 42", "n=1 min 1.20"} {
+		if !strings.Contains(tab, s) {
+			t.Errorf("table lacks %q:\n%s", s, tab)
+		}
+	}
+}
+
+func TestSchedule(t *testing.T) {
+	a := Schedule(7, AllFaults, 100)
+	if !slices.Equal(a, Schedule(7, AllFaults, 100)) {
+		t.Fatal("the same seed gives another schedule")
+	}
+	round := len(AllFaults) + relayKillWeight - 1
+	seen := map[string]int{}
+	for _, k := range a[:round] {
+		seen[k]++
+	}
+	for _, k := range AllFaults {
+		want := 1
+		if k == FaultRelayKill {
+			want = relayKillWeight
+		}
+		if seen[k] != want {
+			t.Errorf("first round has %s %d times, want %d", k, seen[k], want)
+		}
+	}
+	if err := ValidateFaults([]string{"relay-kill", "nats-cutt"}); err == nil || !strings.Contains(err.Error(), "nats-cutt") {
+		t.Fatalf("ValidateFaults: %v", err)
+	}
+}

@@ -1,0 +1,264 @@
+package chaos
+
+import (
+	"fmt"
+	"regexp"
+	"sort"
+	"strings"
+	"sync"
+
+	"github.com/jackc/pglogrepl"
+)
+
+// Work ids carry who wrote them and whether the transaction was meant to
+// commit, so that a message in the stream can be judged without a lookup:
+// a rolled-back row in the stream is a phantom whatever else is known.
+const (
+	CommitPrefix   = "w-"
+	RollbackPrefix = "rb-"
+)
+
+// WitnessRow is one committed outbox INSERT as the independent test_decoding
+// slot saw it: the row and the end LSN of its transaction.
+type WitnessRow struct {
+	ID  string
+	End pglogrepl.LSN
+}
+
+var insertLine = regexp.MustCompile(`^table [^ ]+\.outbox: INSERT: work_id\[text\]:'([^']*)'`)
+
+// WitnessParser turns test_decoding output (with include-xids) into
+// committed rows. Changes of a transaction are held until its COMMIT line,
+// whose LSN is the transaction's end; a transaction that never commits never
+// shows up in test_decoding at all.
+type WitnessParser struct {
+	pending map[uint32][]string
+}
+
+// Feed takes one row of pg_logical_slot_get_changes(lsn, xid, data) and
+// returns the rows of a transaction when data is its COMMIT.
+func (w *WitnessParser) Feed(lsn pglogrepl.LSN, xid uint32, data string) []WitnessRow {
+	if w.pending == nil {
+		w.pending = map[uint32][]string{}
+	}
+	if m := insertLine.FindStringSubmatch(data); m != nil {
+		w.pending[xid] = append(w.pending[xid], m[1])
+		return nil
+	}
+	if !strings.HasPrefix(data, "COMMIT") {
+		return nil
+	}
+	ids := w.pending[xid]
+	delete(w.pending, xid)
+	rows := make([]WitnessRow, len(ids))
+	for i, id := range ids {
+		rows[i] = WitnessRow{ID: id, End: lsn}
+	}
+	return rows
+}
+
+type streamEntry struct {
+	firstSeq uint64
+	count    int
+}
+
+// Ledger is the checker's memory: every committed row in commit order (from
+// the witness), every message in the stream (by Nats-Msg-Id), and how far G3
+// has been verified. Its methods are safe for concurrent use.
+type Ledger struct {
+	mu        sync.Mutex
+	rows      []WitnessRow // ascending End
+	known     map[string]bool
+	stream    map[string]*streamEntry
+	streamMsg int
+	lastSeq   uint64 // highest stream sequence added
+
+	g3Pos        int          // rows[:g3Pos] were covered by an earlier check and verified
+	late         []WitnessRow // rows that arrived inside rows[:g3Pos], not verified yet
+	g3Checks     int
+	g3Violations []string
+	handoffs     int
+}
+
+// NewLedger returns an empty ledger.
+func NewLedger() *Ledger {
+	return &Ledger{known: map[string]bool{}, stream: map[string]*streamEntry{}}
+}
+
+// AddWitness records committed rows. A row seen before is skipped: after a
+// crash of PostgreSQL the witness slot may decode again what it had already
+// returned, since a SQL-consumed slot's position is saved at checkpoints.
+func (l *Ledger) AddWitness(rows []WitnessRow) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, r := range rows {
+		if l.known[r.ID] {
+			continue
+		}
+		l.known[r.ID] = true
+		n := len(l.rows)
+		if n == 0 || l.rows[n-1].End <= r.End {
+			l.rows = append(l.rows, r)
+			continue
+		}
+		// Out of order only if decoding restarted mid-way; keep the slice
+		// sorted because the G3 check walks it as a prefix.
+		i := sort.Search(n, func(i int) bool { return l.rows[i].End > r.End })
+		l.rows = append(l.rows, WitnessRow{})
+		copy(l.rows[i+1:], l.rows[i:])
+		l.rows[i] = r
+		if i < l.g3Pos {
+			// Inside the verified prefix no prefix walk would reach it:
+			// the next check verifies it on its own.
+			l.g3Pos++
+			l.late = append(l.late, r)
+		}
+	}
+}
+
+// AddMsg records one stored message.
+func (l *Ledger) AddMsg(id string, seq uint64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.streamMsg++
+	l.lastSeq = max(l.lastSeq, seq)
+	e := l.stream[id]
+	if e == nil {
+		l.stream[id] = &streamEntry{firstSeq: seq, count: 1}
+		return
+	}
+	e.count++
+	e.firstSeq = min(e.firstSeq, seq)
+}
+
+// LastSeq is the highest stream sequence recorded.
+func (l *Ledger) LastSeq() uint64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.lastSeq
+}
+
+// CheckG3 verifies one observation of the relay's slot: confirmed was read
+// first, then the states of the rows not published (unsettled: work_id ->
+// state) and the stream's last sequence, and the witness and the ledger's
+// stream were read up to at least those points. Every committed row whose
+// transaction ended at or before confirmed must then be settled: in the
+// stream at or below lastSeq and marked published, or handed to the poller
+// (scheduled, running, failed), which G7 allows for rows the broker refused.
+// It returns how many rows this check newly covered and the violations.
+func (l *Ledger) CheckG3(label string, confirmed pglogrepl.LSN, lastSeq uint64, unsettled map[string]string) (covered int, violations []string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.g3Checks++
+	check := func(r WitnessRow) {
+		covered++
+		state, unsettledRow := unsettled[r.ID]
+		e := l.stream[r.ID]
+		inStream := e != nil && e.firstSeq <= lastSeq
+		switch {
+		case unsettledRow && state == "ready":
+			violations = append(violations, fmt.Sprintf("%s: %s (txn end %s) covered by confirmed_flush_lsn %s but still 'ready'", label, r.ID, r.End, confirmed))
+		case unsettledRow:
+			l.handoffs++
+		case !inStream:
+			violations = append(violations, fmt.Sprintf("%s: %s (txn end %s) covered by confirmed_flush_lsn %s but not in the stream at or below seq %d", label, r.ID, r.End, confirmed, lastSeq))
+		}
+	}
+	var later []WitnessRow
+	for _, r := range l.late {
+		if r.End <= confirmed {
+			check(r)
+		} else {
+			later = append(later, r)
+		}
+	}
+	l.late = later
+	i := l.g3Pos
+	for ; i < len(l.rows) && l.rows[i].End <= confirmed; i++ {
+		check(l.rows[i])
+	}
+	l.g3Pos = i
+	l.g3Violations = append(l.g3Violations, violations...)
+	return covered, violations
+}
+
+// Figures are the end-of-run counts from the ledger.
+type Figures struct {
+	CommittedRows     int      `json:"committed_rows"`
+	StreamMsgs        int      `json:"stream_msgs"`
+	StreamDistinct    int      `json:"stream_distinct_ids"`
+	Lost              int      `json:"lost"`
+	Phantoms          int      `json:"phantoms"`
+	StoredDuplicates  int      `json:"stored_duplicates"`
+	UnknownMsgs       int      `json:"unknown_msgs"`
+	WitnessGaps       int      `json:"witness_gaps"`
+	G3Checks          int      `json:"g3_checks"`
+	G3Violations      int      `json:"g3_violations"`
+	G3PollerHandoffs  int      `json:"g3_poller_handoffs"`
+	LostSample        []string `json:"lost_sample,omitempty"`
+	PhantomSample     []string `json:"phantom_sample,omitempty"`
+	DuplicateSample   []string `json:"duplicate_sample,omitempty"`
+	G3ViolationSample []string `json:"g3_violation_sample,omitempty"`
+	WitnessGapSample  []string `json:"witness_gap_sample,omitempty"`
+	UnknownMsgSample  []string `json:"unknown_msg_sample,omitempty"`
+}
+
+const sampleSize = 20
+
+func addSample(s *[]string, v string) {
+	if len(*s) < sampleSize {
+		*s = append(*s, v)
+	}
+}
+
+// Figures compares the committed rows with the stream. acked are the work
+// ids whose commit the producers saw succeed: each must be in the witness,
+// or the witness (and so every other figure) is incomplete.
+func (l *Ledger) Figures(acked []string) Figures {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	f := Figures{
+		CommittedRows:    len(l.rows),
+		StreamMsgs:       l.streamMsg,
+		StreamDistinct:   len(l.stream),
+		G3Checks:         l.g3Checks,
+		G3Violations:     len(l.g3Violations),
+		G3PollerHandoffs: l.handoffs,
+	}
+	for _, v := range l.g3Violations {
+		addSample(&f.G3ViolationSample, v)
+	}
+	for _, id := range acked {
+		if !l.known[id] {
+			f.WitnessGaps++
+			addSample(&f.WitnessGapSample, id)
+		}
+	}
+	for _, r := range l.rows {
+		if l.stream[r.ID] == nil {
+			f.Lost++
+			addSample(&f.LostSample, fmt.Sprintf("%s (txn end %s)", r.ID, r.End))
+		}
+	}
+	ids := make([]string, 0, len(l.stream))
+	for id := range l.stream {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	for _, id := range ids {
+		e := l.stream[id]
+		if e.count > 1 {
+			f.StoredDuplicates += e.count - 1
+			addSample(&f.DuplicateSample, fmt.Sprintf("%s stored %d times", id, e.count))
+		}
+		switch {
+		case strings.HasPrefix(id, RollbackPrefix):
+			f.Phantoms++
+			addSample(&f.PhantomSample, id)
+		case !l.known[id]:
+			f.UnknownMsgs++
+			addSample(&f.UnknownMsgSample, id)
+		}
+	}
+	return f
+}

@@ -1,0 +1,229 @@
+package chaos
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// activeRelay is the instance whose walsender streams the slot, with that
+// walsender's pid; when none does (between sessions) it is the primary
+// with pid 0.
+func (r *runner) activeRelay(ctx context.Context) (*relayInst, int32, error) {
+	s, err := r.readSlot(ctx)
+	if err != nil {
+		return nil, 0, err
+	}
+	for _, ri := range r.relays {
+		if s.pid != 0 && s.app == ri.appName {
+			return ri, s.pid, nil
+		}
+	}
+	return r.relays[r.primary], 0, nil
+}
+
+func (r *runner) count(kind string) {
+	r.mu.Lock()
+	r.report.Faults[kind]++
+	r.mu.Unlock()
+}
+
+func (r *runner) skip(kind, why string) {
+	r.mu.Lock()
+	r.report.FaultsSkipped[kind]++
+	r.mu.Unlock()
+	r.logf("fault %s skipped: %s", kind, why)
+}
+
+// inject applies one fault and heals it before returning: faults never
+// overlap, so every observation (a G3 check, a takeover time) has one
+// cause. An error means the run cannot go on (a server will not start
+// again), not that the relay misbehaved: that is measured, not returned.
+func (r *runner) inject(ctx context.Context, kind string, n int) error {
+	hold := r.between(time.Second, r.cfg.MaxHold)
+	label := fmt.Sprintf("#%d %s", n, kind)
+	switch kind {
+	case FaultRelayKill:
+		ri, pid, err := r.activeRelay(ctx)
+		if err != nil {
+			return err
+		}
+		if !ri.running() {
+			r.skip(kind, "relay not running")
+			return nil
+		}
+		if err := ri.kill(); err != nil {
+			return err
+		}
+		r.count(kind)
+		r.logf("fault %s: SIGKILL relay %s (walsender %d)", label, ri.name, pid)
+		if err := r.g3Check(ctx, label, pid); err != nil {
+			return err
+		}
+		r.pause(ctx, r.between(0, 2*time.Second))
+		return ri.start()
+
+	case FaultNATSKill:
+		if err := r.ns.Kill(); err != nil {
+			return err
+		}
+		r.count(kind)
+		r.logf("fault %s: SIGKILL nats-server for %v", label, hold)
+		r.pause(ctx, hold)
+		return r.ns.Start()
+
+	case FaultPGRestartFast, FaultPGRestartImmed:
+		mode := "fast"
+		if kind == FaultPGRestartImmed {
+			mode = "immediate"
+		}
+		r.count(kind)
+		r.logf("fault %s: PostgreSQL restart -m %s", label, mode)
+		return r.pg.Restart(mode)
+
+	case FaultPGTermWalsender, FaultPGTermConns:
+		backend := "walsender"
+		if kind == FaultPGTermConns {
+			backend = "client backend"
+		}
+		var pids []int32
+		err := r.withDB(ctx, func(c *pgx.Conn) error {
+			rows, err := c.Query(ctx, `SELECT pid FROM pg_stat_activity
+				WHERE backend_type = $1 AND application_name LIKE 'chaos-relay-%' AND pg_terminate_backend(pid)`, backend)
+			if err != nil {
+				return err
+			}
+			pids, err = pgx.CollectRows(rows, pgx.RowTo[int32])
+			return err
+		})
+		if err != nil {
+			return fmt.Errorf("pg_terminate_backend: %w", err)
+		}
+		if len(pids) == 0 {
+			r.skip(kind, "no "+backend+" of a relay found")
+			return nil
+		}
+		r.count(kind)
+		r.logf("fault %s: pg_terminate_backend of the relay's %s pids %v", label, backend, pids)
+		return nil
+
+	case FaultNATSCut, FaultPGCut, FaultNATSLatency, FaultPGLatency:
+		ri, _, err := r.activeRelay(ctx)
+		if err != nil {
+			return err
+		}
+		p := ri.nsProxy
+		if kind == FaultPGCut || kind == FaultPGLatency {
+			p = ri.pgProxy
+		}
+		mode, delay := Cut, time.Duration(0)
+		if kind == FaultNATSLatency || kind == FaultPGLatency {
+			mode, delay = Latency, time.Duration(20+r.rng.IntN(280))*time.Millisecond
+			hold = r.between(2*time.Second, 2*r.cfg.MaxHold)
+		}
+		r.count(kind)
+		r.logf("fault %s: relay %s proxy %s (delay %v) for %v", label, ri.name, mode, delay, hold)
+		p.Set(mode, delay)
+		r.pause(ctx, hold)
+		p.Set(Pass, 0)
+		return nil
+
+	case FaultTakeoverKill, FaultTakeoverPartition:
+		return r.takeoverFault(ctx, kind, label)
+	}
+	return fmt.Errorf("unknown fault %q", kind)
+}
+
+// takeoverFault runs the standby beside the active relay, then kills the
+// active one or cuts it off from both servers without closing anything (a
+// partition), and measures until the standby's walsender holds the slot.
+// After a SIGKILL the walsender exits at once; after a partition it holds
+// the slot until wal_sender_timeout passes without a reply.
+func (r *runner) takeoverFault(ctx context.Context, kind, label string) error {
+	var act *relayInst
+	var pid int32
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var err error
+		if act, pid, err = r.activeRelay(ctx); err != nil {
+			return err
+		}
+		if pid != 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			r.skip(kind, "no relay streams the slot")
+			return nil
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	other, otherIdx := r.relays[0], 0
+	if other == act {
+		other, otherIdx = r.relays[1], 1
+	}
+	if err := other.start(); err != nil {
+		return err
+	}
+	// Long enough for the standby to be past its start-up checks and
+	// retrying START_REPLICATION.
+	r.pause(ctx, r.between(2*time.Second, 4*time.Second))
+	r.count(kind)
+	cause := "sigkill"
+	t0 := time.Now()
+	if kind == FaultTakeoverKill {
+		if err := act.kill(); err != nil {
+			return err
+		}
+	} else {
+		cause = "partition"
+		act.pgProxy.Set(Blackhole, 0)
+		act.nsProxy.Set(Blackhole, 0)
+	}
+	limit := time.Minute + r.cfg.WalSenderTimeout
+	ok := false
+	for time.Since(t0) < limit && ctx.Err() == nil {
+		s, err := r.readSlot(ctx)
+		if err != nil {
+			return err
+		}
+		if s.pid != 0 && s.app == other.appName {
+			ok = true
+			break
+		}
+		time.Sleep(25 * time.Millisecond)
+	}
+	took := time.Since(t0)
+	r.mu.Lock()
+	r.takeover = append(r.takeover, Takeover{Cause: cause, Seconds: took.Seconds(), OK: ok})
+	r.mu.Unlock()
+	r.logf("fault %s: relay %s -> %s took over after %.2fs (ok %v)", label, act.name, other.name, took.Seconds(), ok)
+	if kind == FaultTakeoverKill {
+		if err := r.g3Check(ctx, label, pid); err != nil {
+			return err
+		}
+		if err := act.start(); err != nil {
+			return err
+		}
+	} else {
+		act.pgProxy.Set(Pass, 0)
+		act.nsProxy.Set(Pass, 0)
+	}
+	// The old active one comes back as a standby for a while, then leaves
+	// with SIGTERM; the new one runs on alone.
+	r.pause(ctx, r.between(time.Second, 3*time.Second))
+	if err := act.stop(15 * time.Second); err != nil {
+		r.logf("%v", err)
+	}
+	if ok {
+		r.primary = otherIdx
+	} else {
+		// Without a takeover the run continues with the instance that is
+		// still there.
+		if err := act.start(); err != nil {
+			return err
+		}
+	}
+	return nil
+}

@@ -1,0 +1,140 @@
+package chaos
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+	"time"
+)
+
+// Takeover is one measured hand-over of the slot from the active relay to
+// the standby.
+type Takeover struct {
+	Cause   string  `json:"cause"` // "sigkill" or "partition"
+	Seconds float64 `json:"seconds"`
+	OK      bool    `json:"ok"`
+}
+
+// Report is the outcome of one chaos run.
+type Report struct {
+	Seed             uint64    `json:"seed"`
+	Command          string    `json:"command"`
+	Started          time.Time `json:"started"`
+	LoadSeconds      float64   `json:"load_seconds"`
+	DrainSeconds     float64   `json:"drain_seconds"`
+	WalSenderTimeout string    `json:"wal_sender_timeout"`
+	Figures
+	CommittedTxns    int64          `json:"committed_txns"`
+	RolledBackRows   int64          `json:"rolled_back_rows"`
+	RolledBackTxns   int64          `json:"rolled_back_txns"`
+	UnknownCommits   int64          `json:"commits_with_unknown_outcome"`
+	NotPublished     int            `json:"not_published_after_drain"`
+	MaxSlotLagBytes  int64          `json:"max_slot_lag_bytes"`
+	Takeovers        []Takeover     `json:"takeovers"`
+	TakeoverFailures int            `json:"takeover_failures"`
+	Faults           map[string]int `json:"faults"`
+	FaultsSkipped    map[string]int `json:"faults_skipped,omitempty"`
+	RelayStarts      int            `json:"relay_starts"`
+	RelayExits       int            `json:"relay_unexpected_exits"`
+	RelayPanics      int            `json:"relay_panics_or_races"`
+	RelayPanicSample []string       `json:"relay_panic_sample,omitempty"`
+	WorkDir          string         `json:"work_dir,omitempty"`
+}
+
+// Failures lists every figure that must be zero and is not.
+func (r *Report) Failures() []string {
+	var out []string
+	check := func(name string, v int) {
+		if v != 0 {
+			out = append(out, fmt.Sprintf("%s = %d (must be 0)", name, v))
+		}
+	}
+	check("lost", r.Lost)
+	check("phantoms", r.Phantoms)
+	check("stored duplicates", r.StoredDuplicates)
+	check("not published after drain", r.NotPublished)
+	check("G3 violations", r.G3Violations)
+	check("unknown messages", r.UnknownMsgs)
+	check("witness gaps", r.WitnessGaps)
+	check("takeover failures", r.TakeoverFailures)
+	check("relay panics or races", r.RelayPanics)
+	if r.G3Checks == 0 {
+		out = append(out, "G3 checks = 0 (the run never checked G3)")
+	}
+	return out
+}
+
+// Table renders the report for people: one figure per line, must-be-zero
+// figures marked.
+func (r *Report) Table() string {
+	var b strings.Builder
+	row := func(name, value, note string) {
+		fmt.Fprintf(&b, "| %-34s | %-34s | %s\n", name, value, note)
+	}
+	must := func(v int) string {
+		if v == 0 {
+			return "must be 0: ok"
+		}
+		return "must be 0: FAIL"
+	}
+	fmt.Fprintf(&b, "chaos run: seed %d (replay: -seed %d), load %.0fs, drain %.1fs, wal_sender_timeout %s\n",
+		r.Seed, r.Seed, r.LoadSeconds, r.DrainSeconds, r.WalSenderTimeout)
+	row("figure", "value", "")
+	row("committed rows (txns)", fmt.Sprintf("%d (%d)", r.CommittedRows, r.CommittedTxns), fmt.Sprintf("%d commits with unknown outcome, resolved by the witness", r.UnknownCommits))
+	row("rolled-back rows (txns)", fmt.Sprintf("%d (%d)", r.RolledBackRows, r.RolledBackTxns), "")
+	row("messages in the stream (distinct)", fmt.Sprintf("%d (%d)", r.StreamMsgs, r.StreamDistinct), "")
+	row("lost", fmt.Sprint(r.Lost), must(r.Lost))
+	row("phantoms", fmt.Sprint(r.Phantoms), must(r.Phantoms))
+	row("stored duplicates", fmt.Sprint(r.StoredDuplicates), must(r.StoredDuplicates))
+	row("unknown messages", fmt.Sprint(r.UnknownMsgs), must(r.UnknownMsgs))
+	row("witness gaps", fmt.Sprint(r.WitnessGaps), must(r.WitnessGaps))
+	row("rows not published after drain", fmt.Sprint(r.NotPublished), must(r.NotPublished))
+	row("max slot lag seen (bytes)", fmt.Sprint(r.MaxSlotLagBytes), "")
+	row("G3 checks", fmt.Sprint(r.G3Checks), fmt.Sprintf("%d covered rows handed to the poller", r.G3PollerHandoffs))
+	row("G3 violations", fmt.Sprint(r.G3Violations), must(r.G3Violations))
+	row("takeover after SIGKILL (s)", takeoverSummary(r.Takeovers, "sigkill"), "")
+	row("takeover after partition (s)", takeoverSummary(r.Takeovers, "partition"), "")
+	row("takeover failures", fmt.Sprint(r.TakeoverFailures), must(r.TakeoverFailures))
+	row("relay starts (unexpected exits)", fmt.Sprintf("%d (%d)", r.RelayStarts, r.RelayExits), "")
+	row("relay panics or data races", fmt.Sprint(r.RelayPanics), must(r.RelayPanics))
+	kinds := make([]string, 0, len(r.Faults))
+	total := 0
+	for k, n := range r.Faults {
+		kinds = append(kinds, k)
+		total += n
+	}
+	sort.Strings(kinds)
+	row("faults injected", fmt.Sprint(total), "")
+	for _, k := range kinds {
+		note := ""
+		if s := r.FaultsSkipped[k]; s > 0 {
+			note = fmt.Sprintf("%d more skipped (no active relay)", s)
+		}
+		row("  "+k, fmt.Sprint(r.Faults[k]), note)
+	}
+	for _, s := range [][]string{r.LostSample, r.PhantomSample, r.DuplicateSample, r.G3ViolationSample, r.WitnessGapSample, r.UnknownMsgSample, r.RelayPanicSample} {
+		for _, v := range s {
+			fmt.Fprintf(&b, "  evidence: %s\n", v)
+		}
+	}
+	if f := r.Failures(); len(f) > 0 {
+		fmt.Fprintf(&b, "RESULT: FAIL (%s); seed %d\n", strings.Join(f, "; "), r.Seed)
+	} else {
+		fmt.Fprintf(&b, "RESULT: ok; seed %d\n", r.Seed)
+	}
+	return b.String()
+}
+
+func takeoverSummary(ts []Takeover, cause string) string {
+	var v []float64
+	for _, t := range ts {
+		if t.Cause == cause && t.OK {
+			v = append(v, t.Seconds)
+		}
+	}
+	if len(v) == 0 {
+		return "-"
+	}
+	sort.Float64s(v)
+	return fmt.Sprintf("n=%d min %.2f med %.2f max %.2f", len(v), v[0], v[len(v)/2], v[len(v)-1])
+}

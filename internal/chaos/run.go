@@ -1,0 +1,821 @@
+// Package chaos is a repeatable chaos run of the relay: real PostgreSQL and
+// NATS (internal/testenv), the relay binary as child processes behind TCP
+// proxies of its own, a producer load with rolled-back transactions mixed
+// in, and faults at seeded random moments. An independent test_decoding
+// slot (the witness) records every committed row and its transaction's end
+// LSN, so that G3 can be checked after every SIGKILL and G1/G2/G5 at the
+// end, without trusting anything the relay says about itself.
+//
+// The checker logic (Ledger, WitnessParser, Report) and the Proxy are plain
+// Go and tested on their own; Run is driven by cmd/outbox-chaos.
+package chaos
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
+)
+
+// Fault kinds, as named in -faults.
+const (
+	FaultRelayKill         = "relay-kill"
+	FaultNATSKill          = "nats-kill"
+	FaultPGRestartFast     = "pg-restart-fast"
+	FaultPGRestartImmed    = "pg-restart-immediate"
+	FaultPGTermWalsender   = "pg-terminate-walsender"
+	FaultPGTermConns       = "pg-terminate-conns"
+	FaultNATSCut           = "nats-cut"
+	FaultPGCut             = "pg-cut"
+	FaultNATSLatency       = "nats-latency"
+	FaultPGLatency         = "pg-latency"
+	FaultTakeoverKill      = "takeover-kill"
+	FaultTakeoverPartition = "takeover-partition"
+)
+
+// AllFaults are the kinds a run uses when -faults is not given. Each round
+// of the schedule is a seeded permutation of the enabled kinds in which
+// relay-kill appears relayKillWeight times.
+var AllFaults = []string{
+	FaultRelayKill, FaultNATSKill, FaultPGRestartFast, FaultPGRestartImmed,
+	FaultPGTermWalsender, FaultPGTermConns, FaultNATSCut, FaultPGCut,
+	FaultNATSLatency, FaultPGLatency, FaultTakeoverKill, FaultTakeoverPartition,
+}
+
+const relayKillWeight = 3
+
+// Config is one run's settings.
+type Config struct {
+	Duration         time.Duration // how long the load and the faults last
+	Seed             uint64
+	Rate             int // committed rows per second over all producers
+	Rows             int // stop the load after this many committed rows (0: Duration decides)
+	Producers        int
+	Faults           []string
+	MinGap, MaxGap   time.Duration // pause between two faults
+	MaxHold          time.Duration // longest outage; keep it well below the duplicate window
+	WalSenderTimeout time.Duration
+	DrainTimeout     time.Duration
+	Race             bool   // build the relay with -race
+	RelayBin         string // use this binary instead of building one
+	Keep             bool   // keep the work directory even when the run passes
+	Command          string // recorded in the report
+	Log              io.Writer
+}
+
+func (c *Config) defaults() {
+	def := func(d *time.Duration, v time.Duration) {
+		if *d <= 0 {
+			*d = v
+		}
+	}
+	def(&c.Duration, 2*time.Minute)
+	def(&c.MinGap, 500*time.Millisecond)
+	def(&c.MaxGap, 3*time.Second)
+	def(&c.MaxHold, 5*time.Second)
+	def(&c.WalSenderTimeout, 5*time.Second)
+	def(&c.DrainTimeout, 3*time.Minute)
+	if c.Rate <= 0 {
+		c.Rate = 400
+	}
+	if c.Producers <= 0 {
+		c.Producers = 4
+	}
+	if len(c.Faults) == 0 {
+		c.Faults = AllFaults
+	}
+	if c.Log == nil {
+		c.Log = io.Discard
+	}
+}
+
+// ValidateFaults rejects unknown fault names, so a typo in -faults does not
+// silently run fewer faults.
+func ValidateFaults(names []string) error {
+	known := map[string]bool{}
+	for _, f := range AllFaults {
+		known[f] = true
+	}
+	for _, n := range names {
+		if !known[n] {
+			return fmt.Errorf("unknown fault %q (known: %s)", n, strings.Join(AllFaults, ","))
+		}
+	}
+	return nil
+}
+
+// Schedule returns the first n fault kinds of the seeded schedule.
+func Schedule(seed uint64, enabled []string, n int) []string {
+	rng := rand.New(rand.NewPCG(seed, 2))
+	var out []string
+	for len(out) < n {
+		var round []string
+		for _, f := range enabled {
+			k := 1
+			if f == FaultRelayKill {
+				k = relayKillWeight
+			}
+			for range k {
+				round = append(round, f)
+			}
+		}
+		rng.Shuffle(len(round), func(i, j int) { round[i], round[j] = round[j], round[i] })
+		out = append(out, round...)
+	}
+	return out[:n]
+}
+
+const (
+	dbName      = "chaos"
+	slotName    = "chaos_relay"
+	witnessSlot = "chaos_witness"
+	publication = "outbox_relay"
+	streamName  = "CHAOS"
+	subjPrefix  = "chaos."
+)
+
+type runner struct {
+	cfg     Config
+	rng     *rand.Rand
+	start   time.Time
+	workDir string
+	pg      *testenv.Postgres
+	ns      *testenv.NATS
+	dbURL   string
+	js      jetstream.JetStream
+	nc      *nats.Conn
+	ledger  *Ledger
+	relays  [2]*relayInst
+	primary int // the instance that runs between takeover faults
+
+	witnessMu sync.Mutex
+	witness   WitnessParser
+	streamMu  sync.Mutex
+
+	maxLag atomic.Int64
+
+	mu       sync.Mutex
+	report   Report
+	takeover []Takeover
+}
+
+func (r *runner) logf(format string, args ...any) {
+	fmt.Fprintf(r.cfg.Log, "chaos t+%6.1fs  %s\n", time.Since(r.start).Seconds(), fmt.Sprintf(format, args...))
+}
+
+// Run performs one chaos run and returns its report. An error means the run
+// could not be carried out (a server would not start, the relay would not
+// build); what the run found is in the report.
+func Run(ctx context.Context, cfg Config) (*Report, error) {
+	cfg.defaults()
+	if err := ValidateFaults(cfg.Faults); err != nil {
+		return nil, err
+	}
+	r := &runner{cfg: cfg, rng: rand.New(rand.NewPCG(cfg.Seed, 1)), start: time.Now(), ledger: NewLedger()}
+	r.report = Report{Seed: cfg.Seed, Command: cfg.Command, Started: r.start, WalSenderTimeout: cfg.WalSenderTimeout.String(),
+		Faults: map[string]int{}, FaultsSkipped: map[string]int{}}
+	r.logf("seed %d; faults %s", cfg.Seed, strings.Join(cfg.Faults, ","))
+	var err error
+	if r.workDir, err = os.MkdirTemp("", "outbox-chaos-"); err != nil {
+		return nil, fmt.Errorf("create work directory: %w", err)
+	}
+	r.report.WorkDir = r.workDir
+	defer r.cleanup()
+	if err := r.setup(ctx); err != nil {
+		return &r.report, err
+	}
+	if err := r.run(ctx); err != nil {
+		return &r.report, err
+	}
+	return &r.report, nil
+}
+
+func (r *runner) setup(ctx context.Context) error {
+	bin := r.cfg.RelayBin
+	var buildErr error
+	var wg sync.WaitGroup
+	if bin == "" {
+		bin = filepath.Join(r.workDir, "outbox-relay")
+		wg.Add(1)
+		go func() { defer wg.Done(); buildErr = buildRelay(bin, r.cfg.Race) }()
+	}
+	var pgErr, nsErr error
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		r.pg, pgErr = testenv.StartPostgres(testenv.PostgresOptions{Conf: map[string]string{
+			"wal_sender_timeout": fmt.Sprintf("%dms", r.cfg.WalSenderTimeout.Milliseconds()),
+		}})
+	}()
+	go func() {
+		defer wg.Done()
+		r.ns, nsErr = testenv.StartNATS(testenv.NATSOptions{SyncAlways: true})
+	}()
+	wg.Wait()
+	if err := errors.Join(buildErr, pgErr, nsErr); err != nil {
+		return err
+	}
+	r.logf("postgres on %d (log %s), nats-server on %d (log %s), relay %s", r.pg.Port(), r.pg.LogPath(), r.ns.Port(), r.ns.LogPath(), bin)
+
+	conn, err := pgx.Connect(ctx, r.pg.URL("postgres"))
+	if err != nil {
+		return fmt.Errorf("connect to postgres: %w", err)
+	}
+	_, err = conn.Exec(ctx, "CREATE DATABASE "+dbName)
+	conn.Close(context.Background())
+	if err != nil {
+		return fmt.Errorf("create database: %w", err)
+	}
+	r.dbURL = r.pg.URL(dbName)
+	env := relayEnv()
+	if out, err := exec.CommandContext(ctx, bin, "migrate", "--database-url", r.dbURL, "--publication", publication).CombinedOutput(); err != nil {
+		return fmt.Errorf("outbox-relay migrate: %w\n%s", err, out)
+	}
+	// The witness exists before the relay's slot and the first row, so it
+	// sees every committed row.
+	if err := r.withDB(ctx, func(c *pgx.Conn) error {
+		_, err := c.Exec(ctx, `SELECT pg_create_logical_replication_slot($1, 'test_decoding')`, witnessSlot)
+		return err
+	}); err != nil {
+		return fmt.Errorf("create witness slot: %w", err)
+	}
+	if r.nc, err = nats.Connect(r.ns.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(200*time.Millisecond)); err != nil {
+		return fmt.Errorf("connect to nats: %w", err)
+	}
+	if r.js, err = jetstream.New(r.nc); err != nil {
+		return fmt.Errorf("jetstream: %w", err)
+	}
+	for i, name := range []string{"a", "b"} {
+		pgp, err := NewProxy(fmt.Sprintf("127.0.0.1:%d", r.pg.Port()))
+		if err != nil {
+			return err
+		}
+		nsp, err := NewProxy(fmt.Sprintf("127.0.0.1:%d", r.ns.Port()))
+		if err != nil {
+			pgp.Close()
+			return err
+		}
+		app := "chaos-relay-" + name
+		r.relays[i] = &relayInst{
+			name: name, appName: app, pgProxy: pgp, nsProxy: nsp, bin: bin, env: env,
+			logPath: filepath.Join(r.workDir, "relay-"+name+".log"),
+			args: []string{
+				"--database-url", fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", pgp.Port(), dbName),
+				"--nats-url", fmt.Sprintf("nats://127.0.0.1:%d", nsp.Port()),
+				"--slot", slotName, "--publication", publication,
+				"--stream", streamName, "--subject-prefix", subjPrefix,
+				"--application-name", app, "--worker-id", app,
+				// Status updates well under wal_sender_timeout/2, as the
+				// operations guide asks.
+				"--status-interval", "500ms", "--ack-timeout", "5s",
+				"--log-format", "json",
+			},
+			onEvent: func(s string) { r.logf("%s", s) },
+		}
+	}
+	return nil
+}
+
+// relayEnv keeps a developer's OUTBOX_RELAY_* settings away from the relays
+// under test.
+func relayEnv() []string {
+	var env []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "OUTBOX_RELAY_") {
+			env = append(env, kv)
+		}
+	}
+	return env
+}
+
+func buildRelay(out string, race bool) error {
+	root, err := testenv.ModuleRoot()
+	if err != nil {
+		return err
+	}
+	args := []string{"build", "-o", out}
+	if race {
+		args = append(args, "-race")
+	}
+	cmd := exec.Command("go", append(args, "./cmd/outbox-relay")...)
+	cmd.Dir = root
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("go %s: %w\n%s", strings.Join(args, " "), err, b)
+	}
+	return nil
+}
+
+func (r *runner) cleanup() {
+	for _, ri := range r.relays {
+		if ri != nil {
+			_ = ri.kill()
+			ri.pgProxy.Close()
+			ri.nsProxy.Close()
+		}
+	}
+	if r.nc != nil {
+		r.nc.Close()
+	}
+	failed := len(r.report.Failures()) > 0
+	if failed || r.cfg.Keep {
+		// testenv removes its directories on Close; the server logs explain
+		// a failure, so keep copies beside the relay logs.
+		for _, p := range []string{r.pgLog(), r.nsLog()} {
+			if p != "" {
+				if b, err := os.ReadFile(p); err == nil {
+					_ = os.WriteFile(filepath.Join(r.workDir, filepath.Base(p)), b, 0o644)
+				}
+			}
+		}
+	}
+	if r.pg != nil {
+		r.pg.Close()
+	}
+	if r.ns != nil {
+		r.ns.Close()
+	}
+	if !failed && !r.cfg.Keep {
+		_ = os.RemoveAll(r.workDir)
+		r.report.WorkDir = ""
+	}
+}
+
+func (r *runner) pgLog() string {
+	if r.pg == nil {
+		return ""
+	}
+	return r.pg.LogPath()
+}
+
+func (r *runner) nsLog() string {
+	if r.ns == nil {
+		return ""
+	}
+	return r.ns.LogPath()
+}
+
+// withDB runs fn on a fresh connection straight to PostgreSQL (not through
+// a proxy), retrying for up to a minute while the server restarts.
+func (r *runner) withDB(ctx context.Context, fn func(*pgx.Conn) error) error {
+	deadline := time.Now().Add(time.Minute)
+	for {
+		err := func() error {
+			cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			defer cancel()
+			c, err := pgx.Connect(cctx, r.dbURL)
+			if err != nil {
+				return err
+			}
+			defer c.Close(context.Background())
+			return fn(c)
+		}()
+		if err == nil || ctx.Err() != nil || time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+type slotInfo struct {
+	exists    bool
+	pid       int32 // 0: not active
+	app       string
+	confirmed pglogrepl.LSN
+}
+
+func (r *runner) readSlot(ctx context.Context) (slotInfo, error) {
+	var s slotInfo
+	err := r.withDB(ctx, func(c *pgx.Conn) error {
+		var pid *int32
+		var app, confirmed *string
+		err := c.QueryRow(ctx, `SELECT s.active_pid, a.application_name, s.confirmed_flush_lsn::text
+			FROM pg_replication_slots s LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid
+			WHERE s.slot_name = $1`, slotName).Scan(&pid, &app, &confirmed)
+		if errors.Is(err, pgx.ErrNoRows) {
+			s = slotInfo{}
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		s = slotInfo{exists: true}
+		if pid != nil {
+			s.pid = *pid
+		}
+		if app != nil {
+			s.app = *app
+		}
+		if confirmed != nil {
+			if s.confirmed, err = pglogrepl.ParseLSN(*confirmed); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	return s, err
+}
+
+// catchUpWitness consumes the witness slot up to the current WAL position.
+func (r *runner) catchUpWitness(ctx context.Context) error {
+	r.witnessMu.Lock()
+	defer r.witnessMu.Unlock()
+	const batch = 20000
+	for {
+		n := 0
+		err := r.withDB(ctx, func(c *pgx.Conn) error {
+			n = 0
+			rows, err := c.Query(ctx, `SELECT lsn::text, xid::text, data FROM pg_logical_slot_get_changes($1, NULL, $2, 'include-xids', '1', 'skip-empty-xacts', '1')`, witnessSlot, batch)
+			if err != nil {
+				return err
+			}
+			defer rows.Close()
+			var got []WitnessRow
+			for rows.Next() {
+				var lsnText, xidText, data string
+				if err := rows.Scan(&lsnText, &xidText, &data); err != nil {
+					return err
+				}
+				n++
+				lsn, err := pglogrepl.ParseLSN(lsnText)
+				if err != nil {
+					return fmt.Errorf("witness lsn %q: %w", lsnText, err)
+				}
+				xid, err := strconv.ParseUint(xidText, 10, 32)
+				if err != nil {
+					return fmt.Errorf("witness xid %q: %w", xidText, err)
+				}
+				got = append(got, r.witness.Feed(lsn, uint32(xid), data)...)
+			}
+			if err := rows.Err(); err != nil {
+				return err
+			}
+			r.ledger.AddWitness(got)
+			return nil
+		})
+		if err != nil {
+			return fmt.Errorf("read witness slot: %w", err)
+		}
+		if n < batch {
+			return nil
+		}
+	}
+}
+
+// streamLastSeq is the stream's last sequence (0 before the relay created it).
+func (r *runner) streamLastSeq(ctx context.Context) (uint64, error) {
+	deadline := time.Now().Add(time.Minute)
+	for {
+		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		s, err := r.js.Stream(cctx, streamName)
+		var info *jetstream.StreamInfo
+		if err == nil {
+			info, err = s.Info(cctx)
+		}
+		cancel()
+		if errors.Is(err, jetstream.ErrStreamNotFound) {
+			return 0, nil
+		}
+		if err == nil {
+			return info.State.LastSeq, nil
+		}
+		if ctx.Err() != nil || time.Now().After(deadline) {
+			return 0, fmt.Errorf("stream %s info: %w", streamName, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// catchUpStream reads the stream's messages (headers only) into the ledger
+// until it holds every sequence up to upto.
+func (r *runner) catchUpStream(ctx context.Context, upto uint64) error {
+	r.streamMu.Lock()
+	defer r.streamMu.Unlock()
+	deadline := time.Now().Add(5 * time.Minute)
+	for r.ledger.LastSeq() < upto {
+		if ctx.Err() != nil || time.Now().After(deadline) {
+			return fmt.Errorf("read stream up to seq %d: at %d: %w", upto, r.ledger.LastSeq(), errors.Join(ctx.Err(), errors.New("deadline")))
+		}
+		err := func() error {
+			cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+			defer cancel()
+			cons, err := r.js.OrderedConsumer(cctx, streamName, jetstream.OrderedConsumerConfig{
+				DeliverPolicy: jetstream.DeliverByStartSequencePolicy,
+				OptStartSeq:   r.ledger.LastSeq() + 1,
+				HeadersOnly:   true,
+			})
+			if err != nil {
+				return err
+			}
+			for r.ledger.LastSeq() < upto {
+				want := int(min(upto-r.ledger.LastSeq(), 2000))
+				batch, err := cons.Fetch(want, jetstream.FetchMaxWait(5*time.Second))
+				if err != nil {
+					return err
+				}
+				got := 0
+				for m := range batch.Messages() {
+					md, err := m.Metadata()
+					if err != nil {
+						return err
+					}
+					r.ledger.AddMsg(m.Headers().Get(jetstream.MsgIDHeader), md.Sequence.Stream)
+					got++
+				}
+				if err := batch.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) {
+					return err
+				}
+				if got == 0 {
+					return fmt.Errorf("no messages after seq %d", r.ledger.LastSeq())
+				}
+			}
+			return nil
+		}()
+		if err != nil {
+			r.logf("reading the stream: %v (retrying)", err)
+			time.Sleep(500 * time.Millisecond)
+		}
+	}
+	return nil
+}
+
+// g3Check reads the relay's slot and checks G3 against it. killedPid is the
+// walsender of a relay just killed: its exit can still apply a status update
+// the relay sent before dying, so the slot is read once it is gone.
+func (r *runner) g3Check(ctx context.Context, label string, killedPid int32) error {
+	if killedPid != 0 {
+		deadline := time.Now().Add(time.Minute)
+		for {
+			s, err := r.readSlot(ctx)
+			if err != nil {
+				return err
+			}
+			if s.pid != killedPid {
+				break
+			}
+			if time.Now().After(deadline) {
+				return fmt.Errorf("%s: walsender %d still holds the slot a minute after its relay was killed", label, killedPid)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	// Order matters: the confirmation first, then what was settled.
+	s, err := r.readSlot(ctx)
+	if err != nil {
+		return err
+	}
+	unsettled := map[string]string{}
+	if err := r.withDB(ctx, func(c *pgx.Conn) error {
+		clear(unsettled)
+		rows, err := c.Query(ctx, `SELECT work_id, state FROM outbox WHERE state <> 'published'`)
+		if err != nil {
+			return err
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var id, st string
+			if err := rows.Scan(&id, &st); err != nil {
+				return err
+			}
+			unsettled[id] = st
+		}
+		return rows.Err()
+	}); err != nil {
+		return fmt.Errorf("%s: read unsettled rows: %w", label, err)
+	}
+	last, err := r.streamLastSeq(ctx)
+	if err != nil {
+		return fmt.Errorf("%s: %w", label, err)
+	}
+	if err := r.catchUpWitness(ctx); err != nil {
+		return fmt.Errorf("%s: %w", label, err)
+	}
+	if err := r.catchUpStream(ctx, last); err != nil {
+		return fmt.Errorf("%s: %w", label, err)
+	}
+	covered, bad := r.ledger.CheckG3(label, s.confirmed, last, unsettled)
+	r.logf("G3 check %s: confirmed_flush_lsn %s, stream last seq %d, %d rows newly covered, %d unsettled rows, %d violations", label, s.confirmed, last, covered, len(unsettled), len(bad))
+	for i, v := range bad {
+		if i == 5 {
+			break
+		}
+		r.logf("  G3 VIOLATION %s", v)
+	}
+	return nil
+}
+
+// sample records the slot's lag and keeps the witness read, so that it
+// neither holds WAL nor grows one huge read at the end.
+func (r *runner) sample(ctx context.Context) {
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	n := 0
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		n++
+		var lag *int64
+		cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+		if c, err := pgx.Connect(cctx, r.dbURL); err == nil {
+			if c.QueryRow(cctx, `SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1`, slotName).Scan(&lag) == nil && lag != nil {
+				for {
+					cur := r.maxLag.Load()
+					if *lag <= cur || r.maxLag.CompareAndSwap(cur, *lag) {
+						break
+					}
+				}
+			}
+			c.Close(context.Background())
+		}
+		cancel()
+		if n%5 == 0 {
+			wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+			_ = r.catchUpWitness(wctx)
+			cancel()
+		}
+		for _, ri := range r.relays {
+			ri.supervise()
+		}
+	}
+}
+
+func (r *runner) run(ctx context.Context) error {
+	a := r.relays[r.primary]
+	if err := a.start(); err != nil {
+		return err
+	}
+	// Producers start once the slot exists: rows committed before it are
+	// the snapshot hand-off's business (G9), not this run's.
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		s, err := r.readSlot(ctx)
+		if err != nil {
+			return err
+		}
+		if s.exists && s.pid != 0 {
+			break
+		}
+		if time.Now().After(deadline) || !a.running() {
+			return fmt.Errorf("the relay did not start streaming slot %s within 2 minutes (log %s)", slotName, a.logPath)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	r.logf("relay %s streams the slot; load starts: %d producers, %d rows/s", a.name, r.cfg.Producers, r.cfg.Rate)
+
+	sctx, stopSampler := context.WithCancel(ctx)
+	var swg sync.WaitGroup
+	swg.Add(1)
+	go func() { defer swg.Done(); r.sample(sctx) }()
+	defer func() { stopSampler(); swg.Wait() }()
+
+	pctx, stopLoad := context.WithCancel(ctx)
+	load := newLoad(r.cfg, r.dbURL)
+	var pwg sync.WaitGroup
+	for p := range r.cfg.Producers {
+		pwg.Add(1)
+		go func() { defer pwg.Done(); load.produce(pctx, p) }()
+	}
+	loadStart := time.Now()
+
+	schedule := Schedule(r.cfg.Seed, r.cfg.Faults, 100000)
+	var faultErr error
+	for i := 0; time.Since(loadStart) < r.cfg.Duration && ctx.Err() == nil && !load.exhausted(); i++ {
+		r.pause(ctx, r.between(r.cfg.MinGap, r.cfg.MaxGap))
+		if time.Since(loadStart) >= r.cfg.Duration || ctx.Err() != nil {
+			break
+		}
+		kind := schedule[i]
+		if err := r.inject(ctx, kind, i+1); err != nil {
+			faultErr = fmt.Errorf("fault #%d %s: %w", i+1, kind, err)
+			r.logf("%v", faultErr)
+			break
+		}
+	}
+	stopLoad()
+	pwg.Wait()
+	r.report.LoadSeconds = time.Since(loadStart).Seconds()
+	r.logf("load stopped: %d rows committed in %d txns, %d rolled back, %d commits with unknown outcome",
+		load.committedRows.Load(), load.committedTxns.Load(), load.rolledRows.Load(), load.unknown.Load())
+
+	drainErr := r.drain(ctx)
+	r.finish(ctx, load)
+	return errors.Join(faultErr, drainErr)
+}
+
+func (r *runner) between(lo, hi time.Duration) time.Duration {
+	if hi <= lo {
+		return lo
+	}
+	return lo + time.Duration(r.rng.Int64N(int64(hi-lo)))
+}
+
+func (r *runner) pause(ctx context.Context, d time.Duration) {
+	select {
+	case <-ctx.Done():
+	case <-time.After(d):
+	}
+}
+
+// heal undoes every fault: proxies back to pass, servers up, the primary
+// relay running and the other one stopped.
+func (r *runner) heal(ctx context.Context) error {
+	for _, ri := range r.relays {
+		ri.pgProxy.Set(Pass, 0)
+		ri.nsProxy.Set(Pass, 0)
+	}
+	var errs []error
+	if err := r.ns.Start(); err != nil && !strings.Contains(err.Error(), "already running") {
+		errs = append(errs, err)
+	}
+	if err := r.pg.Start(); err != nil && !strings.Contains(err.Error(), "already running") {
+		errs = append(errs, err)
+	}
+	if err := r.relays[r.primary].start(); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+func (r *runner) drain(ctx context.Context) error {
+	if err := r.heal(ctx); err != nil {
+		return fmt.Errorf("heal before the drain: %w", err)
+	}
+	if err := r.relays[1-r.primary].stop(15 * time.Second); err != nil {
+		r.logf("%v", err)
+	}
+	start := time.Now()
+	var left int64
+	for {
+		err := r.withDB(ctx, func(c *pgx.Conn) error {
+			return c.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE state <> 'published'`).Scan(&left)
+		})
+		if err == nil && left == 0 {
+			break
+		}
+		if time.Since(start) > r.cfg.DrainTimeout || ctx.Err() != nil {
+			r.logf("drain: %d rows still not published after %v", left, r.cfg.DrainTimeout)
+			break
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	r.report.NotPublished = int(left)
+	r.report.DrainSeconds = time.Since(start).Seconds()
+	r.logf("drain: %d rows not published after %.1fs", left, r.report.DrainSeconds)
+	return nil
+}
+
+func (r *runner) finish(ctx context.Context, load *load) {
+	if err := r.g3Check(ctx, "final", 0); err != nil {
+		r.logf("final G3 check: %v", err)
+	}
+	if err := r.catchUpWitness(ctx); err != nil {
+		r.logf("final witness read: %v", err)
+	}
+	if last, err := r.streamLastSeq(ctx); err != nil {
+		r.logf("final stream read: %v", err)
+	} else if err := r.catchUpStream(ctx, last); err != nil {
+		r.logf("final stream read: %v", err)
+	}
+	r.report.Figures = r.ledger.Figures(load.ackedIDs())
+	r.report.CommittedTxns = load.committedTxns.Load()
+	r.report.RolledBackRows = load.rolledRows.Load()
+	r.report.RolledBackTxns = load.rolledTxns.Load()
+	r.report.UnknownCommits = load.unknown.Load()
+	r.report.MaxSlotLagBytes = r.maxLag.Load()
+	r.report.Takeovers = r.takeover
+	for _, t := range r.takeover {
+		if !t.OK {
+			r.report.TakeoverFailures++
+		}
+	}
+	for _, ri := range r.relays {
+		ri.mu.Lock()
+		r.report.RelayStarts += ri.starts
+		r.report.RelayExits += ri.exits
+		ri.mu.Unlock()
+		for _, l := range scanLog(ri.logPath) {
+			r.report.RelayPanics++
+			addSample(&r.report.RelayPanicSample, l)
+		}
+	}
+	sort.Slice(r.report.Takeovers, func(i, j int) bool { return r.report.Takeovers[i].Cause < r.report.Takeovers[j].Cause })
+}
