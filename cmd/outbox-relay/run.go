@@ -20,6 +20,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 		workerID                                            string
 		lease, backoffMin, backoffMax, pollInterval         time.Duration
 		maxAttempts, pollBatch                              int
+		statsInterval                                       time.Duration
 	)
 	fs.DurationVar(&dupWindow, "duplicate-window", 2*time.Minute, "duplicate window of the stream when the relay creates it")
 	fs.IntVar(&replicas, "stream-replicas", 1, "replicas of the stream when the relay creates it (3 on a JetStream cluster)")
@@ -46,6 +47,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs.DurationVar(&backoffMax, "backoff-max", 5*time.Minute, "upper bound of the retry delay")
 	fs.DurationVar(&pollInterval, "poll-interval", time.Second, "pause between poller claims when the last batch was not full (±50% jitter)")
 	fs.IntVar(&pollBatch, "poll-batch", 100, "rows per poller claim")
+	fs.DurationVar(&statsInterval, "stats-interval", 30*time.Second, "how often the rows-by-state and oldest-eligible metrics are read from the table (one scan of it; 0: never)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -60,7 +62,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	o.DuplicateWindow, o.StreamReplicas, o.AckTimeout = dupWindow, replicas, ackTimeout
 	o.MaxInFlight, o.MaxInFlightBytes = maxInFlight, maxInFlightBytes
 	o.StatusInterval, o.DrainTimeout = statusInterval, drainTimeout
-	o.HTTPAddr, o.AppName, o.NATS = httpAddr, appName, auth
+	o.HTTPAddr, o.AppName, o.NATS, o.StatsInterval = httpAddr, appName, auth, statsInterval
 	o.WorkerID, o.Lease, o.MaxAttempts = workerID, lease, maxAttempts
 	o.BackoffMin, o.BackoffMax, o.PollInterval, o.PollBatch = backoffMin, backoffMax, pollInterval, pollBatch
 	return app.Run(ctx, o, log)

@@ -48,6 +48,9 @@ type Options struct {
 	DrainTimeout     time.Duration
 	HTTPAddr         string
 	AppName          string
+	// StatsInterval paces the table-wide metrics (rows by state, oldest
+	// eligible age); 0 turns them off.
+	StatsInterval time.Duration
 
 	// The fallback poller (zero values take the defaults of `run`).
 	WorkerID     string
@@ -311,6 +314,7 @@ func Run(ctx context.Context, o Options, log zerolog.Logger) error {
 			case <-gctx.Done():
 				return nil
 			case <-time.After(time.Second):
+				m.SlotLagSeconds.Set(r.LagSeconds(time.Now()))
 				st := r.Stats()
 				end, conf := st.ServerWALEnd.Load(), st.Confirmed.Load()
 				m.ServerWALEnd.Set(float64(end))
@@ -322,6 +326,12 @@ func Run(ctx context.Context, o Options, log zerolog.Logger) error {
 			}
 		}
 	})
+	if o.StatsInterval > 0 {
+		g.Go(func() error {
+			tableStats(gctx, store.New(pool, o.Table, o.Policy), m, o.StatsInterval, log)
+			return nil
+		})
+	}
 	g.Go(func() error { return p.Run(gctx) })
 	g.Go(func() error {
 		err := r.Run(gctx)
@@ -336,6 +346,37 @@ func Run(ctx context.Context, o Options, log zerolog.Logger) error {
 		return nil
 	}
 	return err
+}
+
+// tableStats refreshes the table-wide gauges every interval, first at once.
+// A failure is logged once per streak, not per interval.
+func tableStats(ctx context.Context, st *store.Store, m *metrics.Metrics, every time.Duration, log zerolog.Logger) {
+	failing := false
+	for {
+		qctx, cancel := context.WithTimeout(ctx, max(every, 5*time.Second))
+		c, err := st.Counts(qctx)
+		cancel()
+		switch {
+		case ctx.Err() != nil:
+			return
+		case err != nil:
+			if !failing {
+				log.Warn().Str("component", "stats").Err(err).Msg("could not read table metrics; retrying every interval")
+			}
+			failing = true
+		default:
+			failing = false
+			for state, n := range c.ByState {
+				m.RowsByState.WithLabelValues(state).Set(float64(n))
+			}
+			m.OldestEligible.Set(c.OldestEligibleSeconds)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(every):
+		}
+	}
 }
 
 func listenHTTP(addr string, m *metrics.Metrics, r *relay.Relay, pool *pgxpool.Pool, nc *nats.Conn) (*http.Server, net.Listener, error) {

@@ -6,16 +6,21 @@
 // is what makes confirming it safe (G3).
 package checkpoint
 
-import "github.com/jackc/pglogrepl"
+import (
+	"time"
+
+	"github.com/jackc/pglogrepl"
+)
 
 // Txn is one transaction between its BEGIN and the moment the checkpoint
 // passes it.
 type Txn struct {
-	Xid       uint32
-	CommitLSN pglogrepl.LSN
-	endLSN    pglogrepl.LSN
-	pending   int
-	committed bool
+	Xid        uint32
+	CommitLSN  pglogrepl.LSN
+	CommitTime time.Time // for lag in seconds; the checkpoint itself only uses LSNs
+	endLSN     pglogrepl.LSN
+	pending    int
+	committed  bool
 }
 
 // Pending is the number of rows not yet settled.
@@ -89,6 +94,15 @@ func (c *Checkpoint) Advance() (pglogrepl.LSN, bool) {
 
 // Confirmed is the position the slot may be confirmed to.
 func (c *Checkpoint) Confirmed() pglogrepl.LSN { return c.confirmed }
+
+// Oldest is the first transaction not yet passed, nil when there is none:
+// how far behind the slot is, in commit time.
+func (c *Checkpoint) Oldest() *Txn {
+	if c.head < len(c.txns) {
+		return c.txns[c.head]
+	}
+	return nil
+}
 
 // Open is the number of transactions not yet passed.
 func (c *Checkpoint) Open() int { return len(c.txns) - c.head }

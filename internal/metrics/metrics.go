@@ -30,6 +30,7 @@ type Metrics struct {
 	Failures          *prometheus.CounterVec // class (rejected, uncertain), reason
 	RowsByState       *prometheus.GaugeVec
 	OldestEligible    prometheus.Gauge
+	SlotLagSeconds    prometheus.Gauge
 	LeaseRenewals     prometheus.Counter
 	BackfilledRows    prometheus.Counter
 	SlotInvalidations prometheus.Counter
@@ -94,6 +95,9 @@ func New() *Metrics {
 	m.OldestEligible = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "outbox_relay_oldest_eligible_age_seconds", Help: "Age of the oldest row that is due and not published.",
 	})
+	m.SlotLagSeconds = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "outbox_relay_slot_lag_seconds", Help: "Age (from its commit time) of the oldest outbox transaction streamed and not yet confirmed; 0 when caught up.",
+	})
 	m.LeaseRenewals = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "outbox_relay_poller_lease_renewals_total", Help: "Leases the poller extended while a batch waited for acks.",
 	})
@@ -103,7 +107,7 @@ func New() *Metrics {
 	m.SlotInvalidations = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "outbox_relay_slot_invalidations_total", Help: "Times the slot was found invalidated (wal_status lost) and re-created.",
 	})
-	for _, c := range []prometheus.Collector{m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.ServerWALEnd,
+	for _, c := range []prometheus.Collector{m.SlotLagSeconds, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.ServerWALEnd,
 		m.SlotLagBytes, m.InFlight, m.InFlightBytes, m.Handoffs, m.SettleRetries, m.Sessions, m.SlotOwner, m.Claims,
 		m.StaleCompletions, m.Failures, m.RowsByState, m.OldestEligible} {
 		f(c)

@@ -178,7 +178,11 @@ func (l *loop) handleEvent(ctx context.Context, ev replication.Event, confirms c
 	switch ev.Type {
 	case replication.EventBegin:
 		l.cur = l.cp.Begin(ev.Xid, ev.CommitLSN)
+		l.cur.CommitTime = ev.CommitTime
 		l.curCommitTime = ev.CommitTime
+		if l.cp.Open() == 1 {
+			l.r.oldestOpen.Store(ev.CommitTime.UnixNano())
+		}
 		l.curCommitLSN = ev.CommitLSN
 	case replication.EventRow:
 		if l.cur == nil {
@@ -374,6 +378,11 @@ func (l *loop) advance(confirms chan replication.LSN) {
 	if lsn, moved := l.cp.Advance(); moved {
 		l.r.metrics.ConfirmedLSN.Set(float64(lsn))
 		sendConfirm(confirms, lsn)
+		if t := l.cp.Oldest(); t != nil {
+			l.r.oldestOpen.Store(t.CommitTime.UnixNano())
+		} else {
+			l.r.oldestOpen.Store(0)
+		}
 	}
 }
 

@@ -99,6 +99,10 @@ type Relay struct {
 	metrics *metrics.Metrics
 	stats   replication.Stats
 	role    atomic.Int32
+	// oldestOpen is the commit time (unix nanos) of the oldest transaction
+	// streamed and not yet confirmed, 0 when none: kept across sessions, so
+	// the lag keeps growing through an outage.
+	oldestOpen atomic.Int64
 
 	// sleep waits between sessions; tests replace it.
 	sleep func(ctx context.Context, d time.Duration) error
@@ -119,6 +123,16 @@ func New(cfg Config, pool *pgxpool.Pool, sink sinks.Sink, log zerolog.Logger, m 
 
 // Role reports what the CDC path is doing now.
 func (r *Relay) Role() Role { return Role(r.role.Load()) }
+
+// LagSeconds is how long ago the oldest transaction the relay has streamed
+// but not yet confirmed committed; 0 when it has confirmed all it streamed.
+func (r *Relay) LagSeconds(now time.Time) float64 {
+	t := r.oldestOpen.Load()
+	if t == 0 {
+		return 0
+	}
+	return max(0, now.Sub(time.Unix(0, t)).Seconds())
+}
 
 // Stats exposes the stream's positions.
 func (r *Relay) Stats() *replication.Stats { return &r.stats }
