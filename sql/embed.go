@@ -11,3 +11,9 @@ import "embed"
 //
 //go:embed migrations/*.sql
 var Migrations embed.FS
+
+// Roles is the least-privilege role script (a template like the
+// migrations), printed by `outbox-relay migrate --print-grants`.
+//
+//go:embed roles.sql
+var Roles string

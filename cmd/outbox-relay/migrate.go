@@ -15,11 +15,32 @@ import (
 func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var c common
 	var inboxTable string
+	var printGrants bool
+	var roles store.Roles
 	fs := newFlagSet("migrate", "Creates or upgrades the outbox table and its indexes (versioned, idempotent, safe to run concurrently) and the insert-only publication.\n"+
 		"With --inbox, creates a consumer's inbox tables (package inbox) instead, usually in the consumer's own database.", stderr)
 	c.register(fs, false)
 	fs.StringVar(&inboxTable, "inbox", "", "create the inbox table with this name (name or schema.name) and its <name>_fences table for consumers using package inbox, instead of the outbox table and publication")
+	fs.BoolVar(&printGrants, "print-grants", false, "print the least-privilege roles and grants (sql/roles.sql) for --table and exit; run the output as the table's owner")
+	fs.StringVar(&roles.Relay, "relay-role", "outbox_relay", "with --print-grants: the relay's role (LOGIN REPLICATION)")
+	fs.StringVar(&roles.Producer, "producer-role", "outbox_producer", "with --print-grants: the application role that inserts outbox rows")
+	fs.StringVar(&roles.Operator, "operator-role", "outbox_operator", "with --print-grants: the role that runs status, redrive, cancel and prune")
 	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if printGrants {
+		if inboxTable != "" {
+			return fmt.Errorf("--print-grants and --inbox: choose one")
+		}
+		t, err := store.ParseTable(c.table)
+		if err != nil {
+			return err
+		}
+		sql, err := store.Grants(t, roles)
+		if err != nil {
+			return err
+		}
+		_, err = io.WriteString(stdout, sql)
 		return err
 	}
 	if inboxTable != "" {

@@ -162,7 +162,10 @@ func (r *Relay) Preflight(ctx context.Context) error {
 	if err := replication.CheckServer(ctx, r.pool); err != nil {
 		return err
 	}
-	return r.store.Check(ctx)
+	if err := r.store.Check(ctx); err != nil {
+		return err
+	}
+	return r.store.CheckRelayGrants(ctx)
 }
 
 // Run streams until ctx is cancelled, then shuts down gracefully: stop

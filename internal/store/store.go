@@ -112,15 +112,33 @@ func (s *Store) Check(ctx context.Context) error {
 			ErrTableMissing, s.slotsTable())
 	}
 	var canUpdate, canDelete bool
+	var role string
 	err = s.pool.QueryRow(ctx,
-		`SELECT has_table_privilege($1::regclass, 'UPDATE'), has_table_privilege($1::regclass, 'DELETE')`,
-		s.table.String()).Scan(&canUpdate, &canDelete)
+		`SELECT current_user, has_table_privilege($1::regclass, 'UPDATE'), has_table_privilege($1::regclass, 'DELETE')`,
+		s.table.String()).Scan(&role, &canUpdate, &canDelete)
 	if err != nil {
 		return fmt.Errorf("check privileges on %s: %w", s.table.Qualified(), err)
 	}
 	if !canUpdate || (s.policy == PolicyDelete && !canDelete) {
-		return fmt.Errorf("role %s may not update%s rows of %s: GRANT SELECT, UPDATE, DELETE ON %s TO the relay's role (see sql/roles.sql)",
-			"current_user", map[bool]string{true: " or delete", false: ""}[s.policy == PolicyDelete], s.table.Qualified(), s.table.String())
+		return fmt.Errorf("role %s may not update%s rows of %s: GRANT SELECT, UPDATE, DELETE ON %s TO the relay's role (outbox-relay migrate --print-grants prints every grant)",
+			role, map[bool]string{true: " or delete", false: ""}[s.policy == PolicyDelete], s.table.Qualified(), s.table.String())
+	}
+	return nil
+}
+
+// CheckRelayGrants verifies what only the relay needs beyond Check: recording
+// its slot and the backfill marker in <table>_slots.
+func (s *Store) CheckRelayGrants(ctx context.Context) error {
+	var role string
+	var ok bool
+	err := s.pool.QueryRow(ctx, `SELECT current_user, has_table_privilege($1::regclass, 'SELECT')
+		AND has_table_privilege($1::regclass, 'INSERT') AND has_table_privilege($1::regclass, 'UPDATE')`, s.slotsTable()).Scan(&role, &ok)
+	if err != nil {
+		return fmt.Errorf("check privileges on %s: %w", s.slotsTable(), err)
+	}
+	if !ok {
+		return fmt.Errorf("role %s may not record its slot in %s: GRANT SELECT, INSERT, UPDATE ON %s TO %s (outbox-relay migrate --print-grants prints every grant)",
+			role, s.slotsTable(), s.slotsTable(), role)
 	}
 	return nil
 }
