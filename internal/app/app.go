@@ -79,7 +79,7 @@ type NATSAuth struct {
 	Name                  string
 }
 
-func (o *Options) natsOptions(log zerolog.Logger) []nats.Option {
+func (o *Options) natsOptions(log zerolog.Logger) ([]nats.Option, error) {
 	name := o.NATS.Name
 	if name == "" {
 		name = "outbox-relay"
@@ -90,6 +90,11 @@ func (o *Options) natsOptions(log zerolog.Logger) []nats.Option {
 		nats.ReconnectWait(500 * time.Millisecond),
 		nats.ReconnectJitter(250*time.Millisecond, time.Second),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			if err == nil {
+				// Our own Drain or Close at shutdown: nothing went wrong.
+				log.Debug().Msg("NATS connection closed")
+				return
+			}
 			log.Warn().Err(err).Msg("disconnected from NATS")
 		}),
 		nats.ReconnectHandler(func(nc *nats.Conn) {
@@ -107,9 +112,11 @@ func (o *Options) natsOptions(log zerolog.Logger) []nats.Option {
 		opts = append(opts, nats.UserCredentials(a.CredsFile))
 	}
 	if a.NKeyFile != "" {
-		if opt, err := nats.NkeyOptionFromSeed(a.NKeyFile); err == nil {
-			opts = append(opts, opt)
+		opt, err := nats.NkeyOptionFromSeed(a.NKeyFile)
+		if err != nil {
+			return nil, fmt.Errorf("--nats-nkey %s: %w", a.NKeyFile, err)
 		}
+		opts = append(opts, opt)
 	}
 	if a.CAFile != "" {
 		opts = append(opts, nats.RootCAs(a.CAFile))
@@ -117,7 +124,7 @@ func (o *Options) natsOptions(log zerolog.Logger) []nats.Option {
 	if a.CertFile != "" {
 		opts = append(opts, nats.ClientCert(a.CertFile, a.KeyFile))
 	}
-	return opts
+	return opts, nil
 }
 
 // Validate rejects invalid combinations before anything connects.
@@ -134,8 +141,33 @@ func (o *Options) Validate() error {
 	if (o.NATS.CertFile == "") != (o.NATS.KeyFile == "") {
 		return errors.New("--nats-tls-cert and --nats-tls-key go together: give both or neither")
 	}
-	if o.NATS.Token != "" && (o.NATS.User != "" || o.NATS.CredsFile != "") {
-		return errors.New("--nats-token cannot be combined with --nats-user or --nats-creds: choose one way to authenticate")
+	if o.NATS.Token != "" && (o.NATS.User != "" || o.NATS.CredsFile != "" || o.NATS.NKeyFile != "") {
+		return errors.New("--nats-token cannot be combined with --nats-user, --nats-creds or --nats-nkey: choose one way to authenticate")
+	}
+	if o.NATS.Password != "" && o.NATS.User == "" {
+		return errors.New("--nats-password needs --nats-user")
+	}
+	if o.NATS.User != "" && (o.NATS.CredsFile != "" || o.NATS.NKeyFile != "") {
+		return errors.New("--nats-user cannot be combined with --nats-creds or --nats-nkey: choose one way to authenticate")
+	}
+	if o.NATS.CredsFile != "" && o.NATS.NKeyFile != "" {
+		return errors.New("--nats-creds already holds an NKey seed: drop --nats-nkey")
+	}
+	for _, f := range []struct{ flag, path string }{
+		{"--nats-creds", o.NATS.CredsFile}, {"--nats-nkey", o.NATS.NKeyFile}, {"--nats-tls-ca", o.NATS.CAFile},
+		{"--nats-tls-cert", o.NATS.CertFile}, {"--nats-tls-key", o.NATS.KeyFile},
+	} {
+		if f.path == "" {
+			continue
+		}
+		fh, err := os.Open(f.path)
+		if err != nil {
+			return fmt.Errorf("%s: %w", f.flag, err)
+		}
+		fh.Close()
+	}
+	if o.StatusInterval < 0 || o.DrainTimeout < 0 || o.StatsInterval < 0 {
+		return fmt.Errorf("--status-interval %s, --drain-timeout %s, --stats-interval %s: may not be negative", o.StatusInterval, o.DrainTimeout, o.StatsInterval)
 	}
 	if o.AckTimeout <= 0 {
 		return fmt.Errorf("--ack-timeout %s: must be positive (without it a publish can wait forever across a broker loss)", o.AckTimeout)
@@ -220,7 +252,12 @@ func Connect(ctx context.Context, o *Options, log zerolog.Logger) (*pgxpool.Pool
 		pool.Close()
 		return nil, nil, fmt.Errorf("connect to PostgreSQL at %s: %w", target, err)
 	}
-	nc, err := nats.Connect(o.NATSURL, o.natsOptions(log)...)
+	nopts, err := o.natsOptions(log)
+	if err != nil {
+		pool.Close()
+		return nil, nil, err
+	}
+	nc, err := nats.Connect(o.NATSURL, nopts...)
 	if err != nil {
 		pool.Close()
 		return nil, nil, fmt.Errorf("connect to NATS at %s: %w", redactURL(o.NATSURL), err)

@@ -2,10 +2,17 @@ package poller_test
 
 import (
 	"context"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/rs/zerolog"
+
+	"github.com/outbox-relay/outbox-relay/internal/metrics"
 	"github.com/outbox-relay/outbox-relay/internal/poller"
+	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/sinks"
 )
 
@@ -137,4 +144,44 @@ func TestRenewalFindsClaimGone(t *testing.T) {
 	if n := counter(t, am.Published.WithLabelValues("poller", "ok")) + counter(t, am.Published.WithLabelValues("poller", "duplicate")); n != 0 {
 		t.Errorf("worker a recorded %v acks after abandoning its batch, want 0", n)
 	}
+}
+
+// A database outage makes every poll fail; the log carries a few lines per
+// half minute, not one per poll.
+func TestPollFailuresAreRateLimited(t *testing.T) {
+	pool, err := pgxpool.New(context.Background(), "postgres://nobody@127.0.0.1:1/none?connect_timeout=1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	var buf syncBuffer
+	p := poller.New(poller.Config{WorkerID: "w", Lease: time.Second, PollInterval: 10 * time.Millisecond, Batch: 1},
+		store.New(pool, table, store.PolicyMark), nil, zerolog.New(&buf), metrics.New())
+	ctx, cancel := context.WithTimeout(context.Background(), 1500*time.Millisecond)
+	defer cancel()
+	if err := p.Run(ctx); err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Count(buf.String(), "poll failed")
+	t.Logf("%d poll-failure lines in 1.5s", lines)
+	if lines < 1 || lines > 5 {
+		t.Errorf("%d poll-failure lines, want between 1 and 5", lines)
+	}
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }

@@ -62,7 +62,10 @@ type Poller struct {
 	st   *store.Store
 	sink sinks.Sink
 	log  zerolog.Logger
-	m    *metrics.Metrics
+	// noisy logs what can repeat every poll during an outage (poll
+	// failures, stale claims): a few per half minute, not one per poll.
+	noisy zerolog.Logger
+	m     *metrics.Metrics
 }
 
 // New returns a poller; Run starts it.
@@ -79,7 +82,9 @@ func New(cfg Config, st *store.Store, sink sinks.Sink, log zerolog.Logger, m *me
 	if cfg.MaxAttempts < 1 {
 		cfg.MaxAttempts = 1
 	}
-	return &Poller{cfg: cfg, st: st, sink: sink, log: log.With().Str("component", "poller").Str("worker", cfg.WorkerID).Logger(), m: m}
+	l := log.With().Str("component", "poller").Str("worker", cfg.WorkerID).Logger()
+	return &Poller{cfg: cfg, st: st, sink: sink, log: l, m: m,
+		noisy: l.Sample(&zerolog.BurstSampler{Burst: 5, Period: 30 * time.Second})}
 }
 
 func sleep(ctx context.Context, d time.Duration) error {
@@ -150,7 +155,7 @@ func (p *Poller) Run(ctx context.Context) error {
 			if ctx.Err() != nil {
 				return nil
 			}
-			p.log.Warn().Err(err).Msg("poll failed; retrying at the next interval")
+			p.noisy.Warn().Err(err).Msg("poll failed; retrying at the next interval (repeats are sampled)")
 			continue
 		}
 		immediate = n >= p.cfg.Batch
@@ -363,6 +368,6 @@ func (p *Poller) fail(ctx context.Context, c store.Claimed, text string) {
 
 func (p *Poller) stale(op, workID string, gen int64) {
 	p.m.StaleCompletions.WithLabelValues(op).Inc()
-	p.log.Warn().Str("op", op).Str("work_id", workID).Int64("claim_generation", gen).
+	p.noisy.Warn().Str("op", op).Str("work_id", workID).Int64("claim_generation", gen).
 		Msg("claim expired or superseded: the guarded update matched no row; leaving it to the newer claim")
 }

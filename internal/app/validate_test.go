@@ -1,0 +1,69 @@
+package app_test
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/outbox-relay/outbox-relay/internal/app"
+	"github.com/outbox-relay/outbox-relay/internal/store"
+)
+
+// Flags that contradict each other fail before anything connects, with a
+// message naming the flags.
+func TestValidateNamesTheFlag(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "seed.nk")
+	if err := os.WriteFile(file, []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	valid := func() app.Options {
+		return app.Options{
+			NATSURL: "nats://127.0.0.1:4222", Table: store.Table{Schema: "public", Name: "outbox"}, Stream: "OUTBOX",
+			SubjectPrefix: "outbox.", Policy: store.PolicyMark, DuplicateWindow: 2 * time.Minute, AckTimeout: 10 * time.Second,
+			MaxInFlight: 10, MaxInFlightBytes: 1 << 20,
+		}
+	}
+	if o := valid(); o.Validate() != nil {
+		t.Fatalf("the valid options fail: %v", o.Validate())
+	}
+	cases := []struct {
+		name   string
+		change func(*app.Options)
+		want   []string
+	}{
+		{"no nats url", func(o *app.Options) { o.NATSURL = "" }, []string{"--nats-url"}},
+		{"stream with dot", func(o *app.Options) { o.Stream = "A.B" }, []string{"--stream", "A.B"}},
+		{"prefix without dot", func(o *app.Options) { o.SubjectPrefix = "outbox" }, []string{"--subject-prefix"}},
+		{"prefix wildcard", func(o *app.Options) { o.SubjectPrefix = "out.*." }, []string{"--subject-prefix"}},
+		{"cert without key", func(o *app.Options) { o.NATS.CertFile = file }, []string{"--nats-tls-cert", "--nats-tls-key"}},
+		{"token and user", func(o *app.Options) { o.NATS.Token, o.NATS.User = "t", "u" }, []string{"--nats-token", "--nats-user"}},
+		{"password alone", func(o *app.Options) { o.NATS.Password = "p" }, []string{"--nats-password", "--nats-user"}},
+		{"user and creds", func(o *app.Options) { o.NATS.User, o.NATS.CredsFile = "u", file }, []string{"--nats-user", "--nats-creds"}},
+		{"creds and nkey", func(o *app.Options) { o.NATS.CredsFile, o.NATS.NKeyFile = file, file }, []string{"--nats-creds", "--nats-nkey"}},
+		{"missing creds file", func(o *app.Options) { o.NATS.CredsFile = "/nonexistent/x.creds" }, []string{"--nats-creds", "/nonexistent/x.creds"}},
+		{"missing CA", func(o *app.Options) { o.NATS.CAFile = "/nonexistent/ca.pem" }, []string{"--nats-tls-ca"}},
+		{"zero ack timeout", func(o *app.Options) { o.AckTimeout = 0 }, []string{"--ack-timeout"}},
+		{"lease under ack timeout", func(o *app.Options) { o.Lease = 5 * time.Second }, []string{"--lease", "--ack-timeout"}},
+		{"short duplicate window", func(o *app.Options) { o.DuplicateWindow = time.Millisecond }, []string{"--duplicate-window"}},
+		{"no in-flight room", func(o *app.Options) { o.MaxInFlight = 0 }, []string{"--max-in-flight"}},
+		{"backoff min above max", func(o *app.Options) { o.BackoffMin, o.BackoffMax = time.Minute, time.Second }, []string{"--backoff-min", "--backoff-max"}},
+		{"negative stats interval", func(o *app.Options) { o.StatsInterval = -time.Second }, []string{"--stats-interval"}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			o := valid()
+			c.change(&o)
+			err := o.Validate()
+			if err == nil {
+				t.Fatal("Validate accepted it")
+			}
+			for _, w := range c.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("%q does not name %q", err, w)
+				}
+			}
+		})
+	}
+}
