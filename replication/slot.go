@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"strings"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
@@ -16,6 +17,7 @@ import (
 // connection: a pgx.Conn, pgx.Tx or pgxpool.Pool.
 type Querier interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 }
 
@@ -127,6 +129,22 @@ func EnsurePublication(ctx context.Context, q Querier, name, schema, table strin
 	if !hasTable {
 		return fmt.Errorf("publication %s does not include %s: ALTER PUBLICATION %s ADD TABLE %s, or choose another --publication",
 			name, qualified, pgx.Identifier{name}.Sanitize(), qualified)
+	}
+	var others []string
+	rows, err := q.Query(ctx, `SELECT format('%I.%I', schemaname, tablename) FROM pg_catalog.pg_publication_tables
+		WHERE pubname = $1 AND (schemaname, tablename) <> ($2, $3) ORDER BY 1 LIMIT 5`, name, schema, table)
+	if err != nil {
+		return fmt.Errorf("read tables of publication %s: %w", name, err)
+	}
+	if others, err = pgx.CollectRows(rows, pgx.RowTo[string]); err != nil {
+		return fmt.Errorf("read tables of publication %s: %w", name, err)
+	}
+	if len(others) > 0 {
+		// The slot would stream those tables' inserts too: decoded and
+		// dropped by this relay, or, when another relay shares the slot,
+		// confirmed past before that relay published them.
+		return fmt.Errorf("publication %s also publishes %s: the relay needs a publication of %s alone; create one (outbox-relay migrate --publication <new name>) or ALTER PUBLICATION %s DROP TABLE ...",
+			name, strings.Join(others, ", "), qualified, pgx.Identifier{name}.Sanitize())
 	}
 	if !ins || upd || del || trunc {
 		return fmt.Errorf("publication %s must publish inserts only (the relay's own updates would come back through the slot): ALTER PUBLICATION %s SET (publish = 'insert')",

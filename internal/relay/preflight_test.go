@@ -6,9 +6,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/internal/app"
+	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
 
@@ -54,6 +56,47 @@ func TestPreflightErrors(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), "headers") || !strings.Contains(err.Error(), "migrate") {
 			t.Fatalf("err = %v, want one naming the missing column and migrate", err)
 		}
+	})
+
+	t.Run("publication covering other tables", func(t *testing.T) {
+		h := newHarness(t, sharedSetup(t))
+		h.exec(`CREATE TABLE other (id int)`)
+		h.exec(`CREATE PUBLICATION outbox_relay FOR TABLE outbox, other WITH (publish = 'insert')`)
+		err := run(t, h)
+		if err == nil || !strings.Contains(err.Error(), "also publishes public.other") || !strings.Contains(err.Error(), "ALTER PUBLICATION") {
+			t.Fatalf("err = %v, want one naming the other table and the fix", err)
+		}
+	})
+
+	// Two relays for different tables on one slot: the second refuses to
+	// start, since streaming the first one's slot would confirm past rows
+	// it never published.
+	t.Run("slot of another table", func(t *testing.T) {
+		h := newHarness(t, sharedSetup(t))
+		h.start()
+		h.insertRows("a", 3, 3)
+		h.waitPublished(3, 20*time.Second)
+
+		other := store.Table{Schema: "public", Name: "other_outbox"}
+		conn, err := pgx.Connect(context.Background(), h.dbURL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close(context.Background())
+		if _, err := store.Migrate(context.Background(), conn, other); err != nil {
+			t.Fatal(err)
+		}
+		b := h.opts
+		b.Table, b.Publication, b.Started = other, "other_pub", nil
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		err = app.Run(ctx, b, zerolog.Nop())
+		if err == nil || !strings.Contains(err.Error(), "slot outbox_relay exists but was not created for table public.other_outbox") || !strings.Contains(err.Error(), "--slot") {
+			t.Fatalf("err = %v, want one saying the slot belongs to another table", err)
+		}
+		// The first relay is unharmed.
+		h.insertRows("b", 3, 3)
+		h.waitPublished(6, 20*time.Second)
 	})
 
 	t.Run("bad slot name", func(t *testing.T) {

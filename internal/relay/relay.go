@@ -165,7 +165,32 @@ func (r *Relay) Preflight(ctx context.Context) error {
 	if err := r.store.Check(ctx); err != nil {
 		return err
 	}
-	return r.store.CheckRelayGrants(ctx)
+	if err := r.store.CheckRelayGrants(ctx); err != nil {
+		return err
+	}
+	if err := replication.EnsurePublication(ctx, r.pool, r.cfg.Publication, r.cfg.Table.Schema, r.cfg.Table.Name); err != nil {
+		return err
+	}
+	return r.checkSlotOwner(ctx)
+}
+
+// checkSlotOwner refuses a slot that exists but was not created for this
+// table. A slot is one position for one publication's changes: a relay for
+// another table streaming it would confirm past rows it never published, and
+// they would be lost. The relay records every slot it creates in
+// <table>_slots before creating it, so a slot without that record was made
+// for another table, or by hand.
+func (r *Relay) checkSlotOwner(ctx context.Context) error {
+	slot, err := replication.LookupSlot(ctx, r.pool, r.cfg.Slot)
+	if err != nil || !slot.Exists {
+		return err
+	}
+	if _, found, err := r.store.SlotState(ctx, r.cfg.Slot); err != nil || found {
+		return err
+	}
+	return fmt.Errorf("slot %s exists but was not created for table %s (it is not recorded in %s): another relay (another --table) may own it, and sharing a slot loses rows. "+
+		"Choose another --slot, or, if this slot was created by hand for %s, record it: INSERT INTO %s (slot_name) VALUES ('%s')",
+		r.cfg.Slot, r.cfg.Table.Qualified(), r.store.SlotsTable(), r.cfg.Table.Qualified(), r.store.SlotsTable(), r.cfg.Slot)
 }
 
 // Run streams until ctx is cancelled, then shuts down gracefully: stop

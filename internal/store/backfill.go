@@ -28,6 +28,9 @@ type SlotState struct {
 
 func (s *Store) slotsTable() string { return s.table.derived("slots", true) }
 
+// SlotsTable is the quoted name of the table's slot record, for messages.
+func (s *Store) SlotsTable() string { return s.slotsTable() }
+
 // SlotState reads the record of slot; a slot the relay never created has
 // none (zero value, found false).
 func (s *Store) SlotState(ctx context.Context, slot string) (st SlotState, found bool, err error) {
