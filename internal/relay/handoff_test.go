@@ -49,7 +49,7 @@ func TestDelayedRowWaitsForItsTime(t *testing.T) {
 	h.assertExactlyOnce([]string{"later", "now-0"})
 }
 
-// Poison on the CDC path (G7): a 2 MB payload and an invalid subject between
+// Poison on the CDC path (G7): a 2 MB payload, an invalid subject and a 5 KB subject between
 // normal rows. The normal rows arrive in order, the bad ones end failed with
 // a clear reason, and the slot advances past them.
 func TestPoisonRowsDoNotBlock(t *testing.T) {
@@ -59,6 +59,9 @@ func TestPoisonRowsDoNotBlock(t *testing.T) {
 	a := h.insertRows("a", 5, 1)
 	h.exec(`INSERT INTO outbox (work_id, kind, payload) VALUES ('huge', 'x', jsonb_build_object('pad', repeat('x', 2 << 20)))`)
 	h.exec(`INSERT INTO outbox (work_id, kind, subject, payload) VALUES ('badsubj', 'x', 'has space.in it', '{}')`)
+	// Longer than the broker's control line: published, it would close the
+	// relay's NATS connection.
+	h.exec(`INSERT INTO outbox (work_id, kind, subject, payload) VALUES ('longsubj', 'x', 'long.' || repeat('s', 5000), '{}')`)
 	b := h.insertRows("b", 5, 1)
 	ids := append(a, b...)
 	h.waitPublished(10, 20*time.Second)
@@ -70,10 +73,10 @@ func TestPoisonRowsDoNotBlock(t *testing.T) {
 		}
 	}
 	ctx := context.Background()
-	testenv.WaitFor(t, 60*time.Second, "both poison rows failed", func() (bool, error) {
-		return h.countState("failed") == 2, nil
+	testenv.WaitFor(t, 60*time.Second, "the poison rows failed", func() (bool, error) {
+		return h.countState("failed") == 3, nil
 	})
-	for id, want := range map[string]string{"huge": "rejected: max_payload", "badsubj": "rejected: invalid_subject"} {
+	for id, want := range map[string]string{"huge": "rejected: max_payload", "badsubj": "rejected: invalid_subject", "longsubj": "rejected: invalid_subject"} {
 		var lastErr string
 		var attempts int
 		if err := h.pool.QueryRow(ctx, `SELECT last_error, attempts FROM outbox WHERE work_id = $1`, id).Scan(&lastErr, &attempts); err != nil {

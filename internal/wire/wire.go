@@ -21,11 +21,20 @@ const (
 	HeaderClaimGeneration = "Outbox-Claim-Generation"
 )
 
+// MaxSubjectBytes bounds a subject. NATS itself only fails at its control
+// line limit (4 KiB by default), and then by closing the client's connection
+// ("maximum control line exceeded"): one such row would cut the relay off
+// the broker on every retry. 256 bytes leaves room below any server setting.
+const MaxSubjectBytes = 256
+
 // ValidateSubject applies NATS's rules for a publish subject: dot-separated
-// non-empty tokens, no whitespace, no wildcards.
+// non-empty tokens, no whitespace, no wildcards, at most MaxSubjectBytes.
 func ValidateSubject(s string) error {
 	if s == "" {
 		return errors.New("empty subject")
+	}
+	if len(s) > MaxSubjectBytes {
+		return fmt.Errorf("subject %.40q... is %d bytes, over the %d-byte limit (a subject longer than the broker's control line closes the connection)", s, len(s), MaxSubjectBytes)
 	}
 	if strings.ContainsAny(s, " \t\r\n") {
 		return fmt.Errorf("subject %q contains whitespace", s)
