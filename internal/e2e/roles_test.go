@@ -83,6 +83,13 @@ func TestLeastPrivilegeRoles(t *testing.T) {
 	r := newRelay(t, runArgs(asRole(relayRole), env.NATS.URL(), stream, prefix, slot, publication, "--poll-interval", "100ms")...)
 	r.start()
 	waitSlot(t, owner, slot, true, 60*time.Second)
+	// The slot shows as active while it is still being created; rows
+	// committed before its consistent point belong to the backfill.
+	testenv.WaitFor(t, 60*time.Second, "the backfill recorded", func() (bool, error) {
+		var done bool
+		err := owner.QueryRow(ctx, `SELECT count(*) = 1 FROM outbox_slots WHERE slot_name = $1 AND NOT backfill_pending AND backfilled_rows IS NOT NULL`, slot).Scan(&done)
+		return done, err
+	})
 	after := enqueue("after", 20)
 	total := len(before) + len(after)
 	testenv.WaitFor(t, 60*time.Second, fmt.Sprintf("%d rows published", total), func() (bool, error) {
