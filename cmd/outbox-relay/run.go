@@ -21,8 +21,10 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 		lease, backoffMin, backoffMax, pollInterval         time.Duration
 		maxAttempts, pollBatch                              int
 		statsInterval                                       time.Duration
+		createStream                                        bool
 	)
 	fs.DurationVar(&dupWindow, "duplicate-window", 2*time.Minute, "duplicate window of the stream when the relay creates it")
+	fs.BoolVar(&createStream, "create-stream", true, "create --stream when it is missing (false: it must exist, e.g. when operators own stream configuration)")
 	fs.IntVar(&replicas, "stream-replicas", 1, "replicas of the stream when the relay creates it (3 on a JetStream cluster)")
 	fs.DurationVar(&ackTimeout, "ack-timeout", 10*time.Second, "how long a publish waits for the broker's ack before the session restarts")
 	fs.IntVar(&maxInFlight, "max-in-flight", 1024, "messages published and not yet acked")
@@ -59,7 +61,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	o.DuplicateWindow, o.StreamReplicas, o.AckTimeout = dupWindow, replicas, ackTimeout
+	o.DuplicateWindow, o.StreamReplicas, o.AckTimeout, o.NoCreateStream = dupWindow, replicas, ackTimeout, !createStream
 	o.MaxInFlight, o.MaxInFlightBytes = maxInFlight, maxInFlightBytes
 	o.StatusInterval, o.DrainTimeout = statusInterval, drainTimeout
 	o.HTTPAddr, o.AppName, o.NATS, o.StatsInterval = httpAddr, appName, auth, statsInterval

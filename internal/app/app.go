@@ -41,6 +41,7 @@ type Options struct {
 
 	DuplicateWindow  time.Duration
 	StreamReplicas   int
+	NoCreateStream   bool // --create-stream=false: the stream must exist
 	AckTimeout       time.Duration
 	MaxInFlight      int
 	MaxInFlightBytes int
@@ -284,7 +285,8 @@ func Run(ctx context.Context, o Options, log zerolog.Logger) error {
 	if err != nil {
 		return fmt.Errorf("open JetStream: %w", err)
 	}
-	streamCfg := natssink.StreamConfig{Name: o.Stream, SubjectPrefix: o.SubjectPrefix, DuplicateWindow: o.DuplicateWindow, Replicas: o.StreamReplicas}
+	streamCfg := natssink.StreamConfig{Name: o.Stream, SubjectPrefix: o.SubjectPrefix, DuplicateWindow: o.DuplicateWindow,
+		Replicas: o.StreamReplicas, NoCreate: o.NoCreateStream}
 	ensureStream := func(ctx context.Context) error {
 		sctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		defer cancel()
@@ -296,6 +298,11 @@ func Run(ctx context.Context, o Options, log zerolog.Logger) error {
 			log.Info().Str("stream", o.Stream).Str("subjects", o.SubjectPrefix+">").Dur("duplicate_window", info.Config.Duplicates).Msg("created stream")
 		}
 		return nil
+	}
+	// A stream set up wrong fails the start; a broker that is only
+	// unreachable is retried by every session.
+	if err := ensureStream(ctx); errors.Is(err, natssink.ErrStreamConfig) {
+		return err
 	}
 	r := relay.New(relay.Config{
 		DatabaseURL:      o.DatabaseURL,

@@ -789,6 +789,39 @@ func TestBadInputFailsClearly(t *testing.T) {
 			contains: []string{"--database-url", "invalid port"},
 		},
 		{
+			name: "no stream and --create-stream=false",
+			args: func(t *testing.T) []string {
+				stream, prefix := env.StreamName(t)
+				return append([]string{"run"}, runArgs(okDB, natsURL, stream, prefix, uniqueName("e2e_bad"), "outbox_relay", "--create-stream=false")...)
+			},
+			contains: []string{"does not exist and --create-stream=false"},
+		},
+		{
+			name: "stream bound to other subjects",
+			args: func(t *testing.T) []string {
+				stream, prefix := env.StreamName(t)
+				js := connectNATS(t, natsURL)
+				if _, err := js.CreateStream(context.Background(), jetstream.StreamConfig{Name: stream, Subjects: []string{"elsewhere." + stream + ".>"}}); err != nil {
+					t.Fatal(err)
+				}
+				return append([]string{"run"}, runArgs(okDB, natsURL, stream, prefix, uniqueName("e2e_bad"), "outbox_relay")...)
+			},
+			contains: []string{"does not bind", "--subject-prefix"},
+		},
+		{
+			name: "subjects overlap another stream",
+			args: func(t *testing.T) []string {
+				stream, prefix := env.StreamName(t)
+				js := connectNATS(t, natsURL)
+				if _, err := js.CreateStream(context.Background(), jetstream.StreamConfig{Name: stream + "_OTHER", Subjects: []string{prefix + ">"}}); err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = js.DeleteStream(context.Background(), stream+"_OTHER") })
+				return append([]string{"run"}, runArgs(okDB, natsURL, stream, prefix, uniqueName("e2e_bad"), "outbox_relay")...)
+			},
+			contains: []string{"another stream already binds", "--stream"},
+		},
+		{
 			name: "NATS unreachable",
 			args: func(t *testing.T) []string {
 				return base(okDB, fmt.Sprintf("nats://relay:%s@127.0.0.1:%d", password, closedPort(t)))

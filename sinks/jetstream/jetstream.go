@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -108,12 +109,43 @@ type StreamConfig struct {
 	SubjectPrefix   string // the stream binds SubjectPrefix + ">"
 	DuplicateWindow time.Duration
 	Replicas        int
+	NoCreate        bool // a missing stream is an error (--create-stream=false)
 }
 
+// errCodeSubjectOverlap is JetStream's "subjects overlap with an existing
+// stream" (the client library names no constant for it).
+const errCodeSubjectOverlap jetstream.ErrorCode = 10065
+
+// ErrStreamConfig marks a stream setup that no retry can fix: missing with
+// creation off, bound to other subjects, or overlapping another stream.
+var ErrStreamConfig = errors.New("stream configuration")
+
 // EnsureStream creates the stream when it is missing and never changes an
-// existing one: operators own it once it exists. It returns the stream's
-// info either way so the caller can warn about a short duplicate window.
+// existing one: operators own it once it exists. Either way it checks that
+// the stream is the one that binds the prefix's subjects, so rows are not
+// all rejected as "no stream" later. It returns the stream's info so the
+// caller can warn about a short duplicate window.
 func EnsureStream(ctx context.Context, js jetstream.StreamManager, c StreamConfig) (*jetstream.StreamInfo, bool, error) {
+	info, created, err := ensureStream(ctx, js, c)
+	if err != nil {
+		return nil, false, err
+	}
+	probe := c.SubjectPrefix + "outbox_relay_probe"
+	bound, err := js.StreamNameBySubject(ctx, probe)
+	switch {
+	case errors.Is(err, jetstream.ErrStreamNotFound):
+		return nil, false, fmt.Errorf("%w: stream %s does not bind %s> (its subjects: %s): add the subject to it, or set --stream and --subject-prefix to match",
+			ErrStreamConfig, c.Name, c.SubjectPrefix, strings.Join(info.Config.Subjects, ", "))
+	case err != nil:
+		return nil, false, fmt.Errorf("look up the stream bound to %s: %w", probe, err)
+	case bound != c.Name:
+		return nil, false, fmt.Errorf("%w: subjects under %s go to stream %s, not %s: set --stream %s, or change the streams' subjects",
+			ErrStreamConfig, c.SubjectPrefix, bound, c.Name, bound)
+	}
+	return info, created, nil
+}
+
+func ensureStream(ctx context.Context, js jetstream.StreamManager, c StreamConfig) (*jetstream.StreamInfo, bool, error) {
 	st, err := js.Stream(ctx, c.Name)
 	if err == nil {
 		info, err := st.Info(ctx)
@@ -124,6 +156,10 @@ func EnsureStream(ctx context.Context, js jetstream.StreamManager, c StreamConfi
 	}
 	if !errors.Is(err, jetstream.ErrStreamNotFound) {
 		return nil, false, fmt.Errorf("look up stream %s: %w", c.Name, err)
+	}
+	if c.NoCreate {
+		return nil, false, fmt.Errorf("%w: stream %s does not exist and --create-stream=false: create it (bound to %s>) or let the relay create it",
+			ErrStreamConfig, c.Name, c.SubjectPrefix)
 	}
 	replicas := c.Replicas
 	if replicas < 1 {
@@ -139,7 +175,12 @@ func EnsureStream(ctx context.Context, js jetstream.StreamManager, c StreamConfi
 	})
 	if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
 		// Another instance created it first.
-		return EnsureStream(ctx, js, c)
+		return ensureStream(ctx, js, c)
+	}
+	var apiErr *jetstream.APIError
+	if errors.As(err, &apiErr) && apiErr.ErrorCode == errCodeSubjectOverlap {
+		return nil, false, fmt.Errorf("%w: create stream %s for %s>: another stream already binds some of these subjects (%v): use that stream (--stream) or another --subject-prefix",
+			ErrStreamConfig, c.Name, c.SubjectPrefix, err)
 	}
 	if err != nil {
 		return nil, false, fmt.Errorf("create stream %s for %s>: %w", c.Name, c.SubjectPrefix, err)
