@@ -18,6 +18,7 @@ import (
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
+	natsserver "github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
@@ -820,6 +821,22 @@ func TestBadInputFailsClearly(t *testing.T) {
 				return append([]string{"run"}, runArgs(okDB, natsURL, stream, prefix, uniqueName("e2e_bad"), "outbox_relay")...)
 			},
 			contains: []string{"another stream already binds", "--stream"},
+		},
+		{
+			name: "wrong NATS credentials",
+			args: func(t *testing.T) []string {
+				srv, err := natsserver.NewServer(&natsserver.Options{Host: "127.0.0.1", Port: -1, Username: "relay", Password: "right-one", NoLog: true, NoSigs: true})
+				if err != nil {
+					t.Fatal(err)
+				}
+				go srv.Start()
+				t.Cleanup(srv.Shutdown)
+				if !srv.ReadyForConnections(10 * time.Second) {
+					t.Fatal("in-process nats-server not ready")
+				}
+				return base(okDB, fmt.Sprintf("nats://relay:%s@%s", password, srv.Addr()))
+			},
+			contains: []string{"NATS", "uthorization"},
 		},
 		{
 			name: "NATS unreachable",
