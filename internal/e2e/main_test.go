@@ -118,6 +118,7 @@ type relay struct {
 	t       *testing.T
 	bin     string
 	args    []string
+	cmdEnv  []string // added to the environment of each start
 	logPath string
 	starts  int
 	cur     *relayProc
@@ -156,7 +157,7 @@ func (r *relay) start() {
 	defer f.Close()
 	fmt.Fprintf(f, "=== e2e: start #%d at %s ===\n", r.starts, time.Now().Format(time.RFC3339Nano))
 	cmd := exec.Command(r.bin, append([]string{"run"}, r.args...)...)
-	cmd.Env = relayEnv()
+	cmd.Env = relayEnv(r.cmdEnv...)
 	cmd.Stdout, cmd.Stderr = f, f
 	// Do not let a crashed test binary leave a relay streaming the slot.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}

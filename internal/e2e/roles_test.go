@@ -146,3 +146,38 @@ func TestLeastPrivilegeRoles(t *testing.T) {
 		t.Errorf("relay without its outbox_slots grant: exit %d, stderr %q; want non-zero and %q", code, errOut, want)
 	}
 }
+
+// TestLibpqEnvironment: with no --database-url the standard libpq variables
+// (PGHOST, PGPORT, PGUSER, PGDATABASE, ...) choose the database, for the
+// pool and the replication connection alike.
+func TestLibpqEnvironment(t *testing.T) {
+	t.Parallel()
+	env := testenv.Shared(t)
+	dbURL := env.PG.CreateDatabase(t)
+	dbName := dbURL[strings.LastIndex(dbURL, "/")+1 : strings.Index(dbURL, "?")]
+	stream, prefix := env.StreamName(t)
+	slot := uniqueName("e2e_pgenv")
+	pgEnv := []string{"PGHOST=127.0.0.1", fmt.Sprintf("PGPORT=%d", env.PG.Port()), "PGUSER=postgres", "PGDATABASE=" + dbName, "PGSSLMODE=disable"}
+	if code, out, errOut := runCmd(t, pgEnv, "migrate"); code != 0 {
+		t.Fatalf("migrate from PG* variables: exit %d\n%s%s", code, out, errOut)
+	}
+	conn := connectPG(t, dbURL)
+	ctx := context.Background()
+	if _, err := conn.Exec(ctx, `INSERT INTO outbox (work_id, kind, payload) VALUES ('pgenv-1', 'order', '{}')`); err != nil {
+		t.Fatal(err)
+	}
+	args := []string{"--nats-url", env.NATS.URL(), "--slot", slot, "--stream", stream, "--subject-prefix", prefix}
+	r := newRelay(t, args...)
+	r.cmdEnv = pgEnv
+	r.start()
+	testenv.WaitFor(t, 60*time.Second, "the row published", func() (bool, error) {
+		r.requireRunning()
+		var state string
+		err := conn.QueryRow(ctx, `SELECT state FROM outbox WHERE work_id = 'pgenv-1'`).Scan(&state)
+		return state == "published", err
+	})
+	code, out, errOut := runCmd(t, pgEnv, "status", "--slot", slot, "--json")
+	if code != 0 || !strings.Contains(out, `"published": 1`) {
+		t.Errorf("status from PG* variables: exit %d\n%s%s", code, out, errOut)
+	}
+}
