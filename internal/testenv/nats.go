@@ -302,3 +302,11 @@ func (n *NATS) deleteStream(t testing.TB, stream string) {
 		t.Logf("testenv: delete stream %s: %v", stream, err)
 	}
 }
+
+// PID returns the process id of the running nats-server, or 0 when it is not
+// running. Benchmarks read its CPU time from /proc/<pid>/stat.
+func (n *NATS) PID() int {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.proc.pid()
+}

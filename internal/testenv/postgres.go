@@ -487,3 +487,11 @@ func dropSlots(ctx context.Context, conn *pgx.Conn, dbname string) error {
 		}
 	}
 }
+
+// PID returns the process id of the running postmaster, or 0 when it is not
+// running. Benchmarks use it to tell the server's processes from others.
+func (p *Postgres) PID() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.proc.pid()
+}

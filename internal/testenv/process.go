@@ -128,3 +128,12 @@ func isAddrInUse(log string) bool {
 	l := strings.ToLower(log)
 	return strings.Contains(l, "address already in use") || strings.Contains(l, "could not bind")
 }
+
+// pid returns the process id of a running child, or 0 when c is nil or
+// has exited.
+func (c *child) pid() int {
+	if c == nil || c.exited() {
+		return 0
+	}
+	return c.cmd.Process.Pid
+}

@@ -1,0 +1,58 @@
+// Command outbox-bench is the end-to-end benchmark: it starts its own
+// PostgreSQL (wal_level=logical, fsync on) and nats-server (file storage),
+// measures the ceilings, the relay's CDC and poller paths and a naive polling
+// publisher on the same servers, and prints a table. See docs/benchmarks.md.
+//
+//	go run ./cmd/outbox-bench -rows 100000 -rows-per-tx 100 -producers 4 -rounds 3
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/outbox-relay/outbox-relay/internal/bench"
+)
+
+func main() {
+	if len(os.Args) > 1 && os.Args[1] == "naive-publish" {
+		if err := bench.NaiveMain(os.Args[2:]); err != nil {
+			fmt.Fprintln(os.Stderr, "naive-publish:", err)
+			os.Exit(1)
+		}
+		return
+	}
+	var c bench.Config
+	var cases string
+	fs := flag.NewFlagSet("outbox-bench", flag.ExitOnError)
+	fs.IntVar(&c.Rows, "rows", 100_000, "rows per case")
+	fs.IntVar(&c.RowsPerTx, "rows-per-tx", 100, "rows per producer transaction (1, 10, 100)")
+	fs.IntVar(&c.Payload, "payload", 200, "payload bytes (200, 2048, 65536)")
+	fs.IntVar(&c.Producers, "producers", 4, "producer connections")
+	fs.Float64Var(&c.Rate, "rate", 0, "live cases: target rows/s, open loop (0 = as fast as possible)")
+	fs.Float64Var(&c.LiveSeconds, "live-seconds", 10, "live cases with -rate: insert at most rate × this many seconds of rows")
+	fs.StringVar(&c.Policy, "policy", "mark", "after the ack: mark or delete (relay and polling publisher alike)")
+	fs.IntVar(&c.Rounds, "rounds", 1, "rounds, alternating CDC and polling first; the table shows the median round")
+	fs.StringVar(&cases, "cases", strings.Join(bench.AllCases, ","), "comma-separated cases to run")
+	fs.DurationVar(&c.PollInterval, "poll-interval", 100*time.Millisecond, "polling publisher's and relay poller's pause when a batch is not full")
+	fs.StringVar(&c.NaiveMode, "naive-mode", "async", "polling publisher: async (publish the batch, then wait for every ack) or sync")
+	fs.Float64Var(&c.IdleSeconds, "idle-seconds", 10, "idle case: seconds with no traffic (plus 11 s for PostgreSQL's counters)")
+	fs.StringVar(&c.RelayBin, "relay-bin", "", "outbox-relay binary to run (default: built from this module)")
+	fs.StringVar(&c.JSONPath, "json", "", "write all results as JSON here")
+	fs.StringVar(&c.PlotPath, "plot", "", "write a PNG here: latency histogram and throughput over time of the live cases")
+	fs.StringVar(&c.CPUProfile, "cpuprofile", "", "run one more CDC backlog drain with the relay in-process and write its CPU profile here")
+	_ = fs.Parse(os.Args[1:])
+	c.Cases = strings.Split(cases, ",")
+	c.Out, c.Log = os.Stdout, os.Stderr
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	if err := bench.Run(ctx, c); err != nil {
+		fmt.Fprintln(os.Stderr, "outbox-bench:", err)
+		os.Exit(1)
+	}
+}

@@ -1,0 +1,395 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+const (
+	slotName     = "outbox_relay"
+	relayAppName = "outbox-bench-relay"
+)
+
+type bench struct {
+	cfg     Config
+	s       *servers
+	dir     string
+	self    string
+	payload string
+}
+
+// path is one way rows get from the table to the stream: the relay's CDC
+// path, the relay's poller, or the naive polling publisher.
+type path struct {
+	kind      string // cdc, poller, naive
+	db, url   string
+	stream    string
+	prefix    string
+	table     string // for the producers' INSERT
+	state     string // inserted state; "" = default ready
+	remaining string // SQL: rows not published yet
+	start     func() (*proc, error)
+}
+
+func caseKind(k string) string {
+	switch k {
+	case CDCBacklog, CDCLive:
+		return "cdc"
+	case PollerBacklog, PollerLive:
+		return "poller"
+	case PollBacklog, PollLive:
+		return "naive"
+	}
+	return ""
+}
+
+func (b *bench) names(k string, round int) (db, stream, prefix string) {
+	flat := strings.ReplaceAll(k, "-", "_")
+	return fmt.Sprintf("b%d_%s", round, flat), strings.ToUpper(fmt.Sprintf("b%d_%s", round, flat)),
+		fmt.Sprintf("b%d.%s.", round, strings.ReplaceAll(k, "-", ""))
+}
+
+func (b *bench) relayArgs(p *path, poll time.Duration) []string {
+	return []string{"run",
+		"--database-url", p.url, "--nats-url", b.s.nats.URL(),
+		"--stream", p.stream, "--subject-prefix", p.prefix, "--on-publish", b.cfg.Policy,
+		"--poll-interval", poll.String(), "--stats-interval", "0",
+		"--application-name", relayAppName, "--worker-id", "bench", "--log-level", "warn",
+	}
+}
+
+func (b *bench) migrate(url string) error {
+	cmd := exec.Command(b.cfg.RelayBin, "migrate", "--database-url", url)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("outbox-relay migrate: %w: %s", err, out)
+	}
+	return nil
+}
+
+// setup creates the case's database and stream. For the relay's paths it
+// starts the relay once, so the slot and the stream exist before any row is
+// inserted (rows committed before the slot would go to the poller, G9), and
+// stops it again.
+func (b *bench) setup(ctx context.Context, k string, round int) (*path, error) {
+	db, stream, prefix := b.names(k, round)
+	url, err := b.s.createDB(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	p := &path{kind: caseKind(k), db: db, url: url, stream: stream, prefix: prefix}
+	logPath := filepath.Join(b.dir, db+".log")
+	switch p.kind {
+	case "cdc", "poller":
+		if err := b.migrate(url); err != nil {
+			return p, err
+		}
+		p.table = "outbox"
+		poll := time.Second // the default of `run`: the CDC cases keep the poller as deployed
+		p.remaining = `SELECT count(*) FROM outbox WHERE state = 'ready'`
+		if p.kind == "poller" {
+			p.state = "scheduled"
+			poll = b.cfg.PollInterval
+			p.remaining = `SELECT count(*) FROM outbox WHERE state IN ('scheduled', 'running')`
+		}
+		p.start = func() (*proc, error) {
+			return startProc("relay", logPath, b.cfg.RelayBin, b.relayArgs(p, poll)...)
+		}
+		pr, err := p.start()
+		if err != nil {
+			return p, err
+		}
+		_, werr := b.s.walsenderPID(ctx, db, slotName, 60*time.Second)
+		for werr == nil {
+			if _, err := b.s.js.Stream(ctx, stream); err == nil {
+				break
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		if err := pr.stop(); err != nil || werr != nil {
+			return p, errors.Join(werr, err)
+		}
+	case "naive":
+		if _, err := b.s.admin.Exec(ctx, "SELECT 1"); err != nil {
+			return p, err
+		}
+		conn, err := pgx.Connect(ctx, url)
+		if err != nil {
+			return p, err
+		}
+		_, err = conn.Exec(ctx, naiveTable)
+		conn.Close(context.Background())
+		if err != nil {
+			return p, fmt.Errorf("create naive_outbox: %w", err)
+		}
+		if err := b.createStream(ctx, stream, prefix); err != nil {
+			return p, err
+		}
+		p.table = "naive_outbox"
+		p.remaining = `SELECT count(*) FROM naive_outbox WHERE state = 'ready'`
+		p.start = func() (*proc, error) {
+			return startProc("naive publisher", logPath, b.self, "naive-publish",
+				"-database-url", url, "-nats-url", b.s.nats.URL(), "-subject", prefix+"bench",
+				"-poll-interval", b.cfg.PollInterval.String(), "-policy", b.cfg.Policy, "-mode", b.cfg.NaiveMode)
+		}
+	default:
+		if err := b.migrate(url); err != nil {
+			return p, err
+		}
+	}
+	return p, nil
+}
+
+// createStream makes a stream like the one the relay creates: file storage,
+// one replica, 2 minute duplicate window.
+func (b *bench) createStream(ctx context.Context, name, prefix string) error {
+	_, err := b.s.js.CreateStream(ctx, jetstream.StreamConfig{
+		Name: name, Subjects: []string{prefix + ">"}, Storage: jetstream.FileStorage,
+		Replicas: 1, Duplicates: 2 * time.Minute,
+	})
+	if err != nil {
+		return fmt.Errorf("create stream %s: %w", name, err)
+	}
+	return nil
+}
+
+func (b *bench) teardown(p *path) {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	if p == nil {
+		return
+	}
+	b.s.deleteStream(ctx, p.stream)
+	if err := b.s.dropDB(ctx, p.db); err != nil {
+		fmt.Fprintf(os.Stderr, "outbox-bench: %v\n", err)
+	}
+}
+
+func (b *bench) newLoad(p *path, rows int, rate float64) *load {
+	return &load{
+		url: p.url, table: p.table, state: p.state, rows: rows, rowsPerTx: b.cfg.RowsPerTx,
+		producers: b.cfg.Producers, rate: rate, payload: b.payload, base: time.Now(),
+	}
+}
+
+func (b *bench) runCase(ctx context.Context, k string, round int) (r Result, err error) {
+	p, err := b.setup(ctx, k, round)
+	defer b.teardown(p)
+	if err != nil {
+		return r, err
+	}
+	switch k {
+	case CeilingPG:
+		r, err = b.ceilingPG(ctx, p)
+	case CeilingJS:
+		r, err = b.ceilingJS(ctx, p)
+	case CDCBacklog, PollerBacklog, PollBacklog:
+		r, err = b.backlog(ctx, p)
+	case CDCLive, PollerLive, PollLive:
+		r, err = b.live(ctx, p)
+	}
+	r.Case, r.Round = k, round
+	return r, err
+}
+
+func (b *bench) ceilingPG(ctx context.Context, p *path) (Result, error) {
+	p.table = "outbox"
+	machine := newCPUMeter(MachineBusy)
+	l := b.newLoad(p, b.cfg.Rows, 0)
+	el, err := l.run(ctx)
+	if err != nil {
+		return Result{}, err
+	}
+	rate := float64(l.rows) / el.Seconds()
+	return Result{Rows: l.rows, Seconds: el.Seconds(), MsgsPerSec: rate, InsertRate: rate, MachineBusy: machine.delta()}, nil
+}
+
+func (b *bench) ceilingJS(ctx context.Context, p *path) (Result, error) {
+	if err := b.createStream(ctx, p.stream, p.prefix); err != nil {
+		return Result{}, err
+	}
+	natsCPU := newCPUMeter(pidCPU(b.s.nats.PID()))
+	machine := newCPUMeter(MachineBusy)
+	data := []byte(b.payload)
+	subject := p.prefix + "bench"
+	n := b.cfg.Rows
+	start := time.Now()
+	futs := make([]jetstream.PubAckFuture, 0, n)
+	for i := range n {
+		f, err := b.s.js.PublishMsgAsync(&nats.Msg{Subject: subject, Data: data, Header: nats.Header{"Nats-Msg-Id": []string{workID(i)}}})
+		if err != nil {
+			return Result{}, fmt.Errorf("publish: %w", err)
+		}
+		futs = append(futs, f)
+	}
+	select {
+	case <-b.s.js.PublishAsyncComplete():
+	case <-time.After(5 * time.Minute):
+		return Result{}, errors.New("acks not complete after 5m")
+	}
+	el := time.Since(start)
+	for _, f := range futs {
+		select {
+		case err := <-f.Err():
+			return Result{}, fmt.Errorf("publish: %w", err)
+		default:
+		}
+	}
+	return Result{Rows: n, Seconds: el.Seconds(), MsgsPerSec: float64(n) / el.Seconds(),
+		NATSCPU: natsCPU.delta(), MachineBusy: machine.delta()}, nil
+}
+
+// waitDrained waits until the stream holds n messages and then until no
+// row is left unpublished; it returns both times.
+func (b *bench) waitDrained(ctx context.Context, p *path, n int, pr *proc, timeout time.Duration) (acked, settled time.Time, err error) {
+	conn, err := pgx.Connect(ctx, p.url)
+	if err != nil {
+		return acked, settled, err
+	}
+	defer conn.Close(context.Background())
+	deadline := time.Now().Add(timeout)
+	for {
+		got, err := b.s.streamMsgs(ctx, p.stream)
+		if err != nil {
+			return acked, settled, err
+		}
+		if got >= uint64(n) {
+			acked = time.Now()
+			break
+		}
+		if pr != nil && pr.exited() {
+			return acked, settled, fmt.Errorf("%s exited: %v (log %s)", pr.name, pr.err, pr.log)
+		}
+		if time.Now().After(deadline) {
+			return acked, settled, fmt.Errorf("stream %s holds %d of %d messages after %v", p.stream, got, n, timeout)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	for {
+		var left int64
+		if err := conn.QueryRow(ctx, p.remaining).Scan(&left); err != nil {
+			return acked, settled, err
+		}
+		if left == 0 {
+			return acked, time.Now(), nil
+		}
+		if time.Now().After(deadline) {
+			return acked, settled, fmt.Errorf("%d rows not published after %v", left, timeout)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func drainTimeout(n int) time.Duration { return max(2*time.Minute, time.Duration(n/500)*time.Second) }
+
+// backlog commits all rows first, then starts the publisher and times it
+// from its start to the last row published.
+func (b *bench) backlog(ctx context.Context, p *path) (Result, error) {
+	l := b.newLoad(p, b.cfg.Rows, 0)
+	el, err := l.run(ctx)
+	if err != nil {
+		return Result{}, err
+	}
+	r := Result{Rows: l.rows, InsertRate: float64(l.rows) / el.Seconds()}
+	natsCPU := newCPUMeter(pidCPU(b.s.nats.PID()))
+	machine := newCPUMeter(MachineBusy)
+	t0 := time.Now()
+	pr, err := p.start()
+	if err != nil {
+		return r, err
+	}
+	defer pr.stop() //nolint:errcheck // stopped below; this covers the error paths
+	wsPID := 0
+	if p.kind != "naive" {
+		if wsPID, err = b.s.walsenderPID(ctx, p.db, slotName, 60*time.Second); err != nil {
+			return r, err
+		}
+	}
+	acked, settled, err := b.waitDrained(ctx, p, l.rows, pr, drainTimeout(l.rows))
+	if err != nil {
+		return r, err
+	}
+	r.Seconds = settled.Sub(t0).Seconds()
+	r.MsgsPerSec = float64(l.rows) / r.Seconds
+	r.Extra = map[string]float64{"acked_seconds": acked.Sub(t0).Seconds()}
+	if r.PubCPUSeconds, r.PubPeakRSSMB, err = pr.usage(); err != nil {
+		return r, err
+	}
+	r.PubCPUPerMsgUS = r.PubCPUSeconds / float64(l.rows) * 1e6
+	if wsPID != 0 {
+		// A new walsender started with this relay: all its CPU is this drain's.
+		r.WalsenderCPU, _ = ProcCPU(wsPID)
+	}
+	r.NATSCPU, r.MachineBusy = natsCPU.delta(), machine.delta()
+	return r, pr.stop()
+}
+
+// live runs the producers and the publisher together; a consumer on the
+// stream times each row from its COMMIT to its arrival.
+func (b *bench) live(ctx context.Context, p *path) (Result, error) {
+	n := b.cfg.liveRows()
+	pr, err := p.start()
+	if err != nil {
+		return Result{}, err
+	}
+	defer pr.stop() //nolint:errcheck // stopped below; this covers the error paths
+	wsPID := 0
+	if p.kind != "naive" {
+		if wsPID, err = b.s.walsenderPID(ctx, p.db, slotName, 60*time.Second); err != nil {
+			return Result{}, err
+		}
+	}
+	time.Sleep(300 * time.Millisecond) // let the publisher connect and settle
+	l := b.newLoad(p, n, b.cfg.Rate)
+	col, err := collect(ctx, b.s.js, p.stream, l.base, n)
+	if err != nil {
+		return Result{}, err
+	}
+	pubCPU := newCPUMeter(pidCPU(pr.pid()))
+	wsCPU := newCPUMeter(pidCPU(wsPID))
+	natsCPU := newCPUMeter(pidCPU(b.s.nats.PID()))
+	machine := newCPUMeter(MachineBusy)
+	el, err := l.run(ctx)
+	if err != nil {
+		return Result{}, err
+	}
+	if err := col.wait(ctx, drainTimeout(n)); err != nil {
+		return Result{}, err
+	}
+	if _, _, err := b.waitDrained(ctx, p, n, pr, drainTimeout(n)); err != nil {
+		return Result{}, err
+	}
+	_, last := firstLast(col.recvNs)
+	r := Result{Rows: n, InsertRate: float64(n) / el.Seconds()}
+	r.Seconds = time.Duration(last).Seconds()
+	r.MsgsPerSec = float64(n) / r.Seconds
+	lat := latencies(l.commitNs, col.recvNs)
+	sum := Summarize(lat)
+	r.Latency = &sum
+	r.Latencies = make([]float64, len(lat))
+	for i, d := range lat {
+		r.Latencies[i] = float64(d) / float64(time.Millisecond)
+	}
+	r.Throughput = throughput(col.recvNs)
+	r.PubCPUSeconds = pubCPU.delta()
+	r.PubCPUPerMsgUS = r.PubCPUSeconds / float64(n) * 1e6
+	if _, rss, err := pr.usage(); err == nil {
+		r.PubPeakRSSMB = rss
+	} else {
+		return r, err
+	}
+	if wsPID != 0 {
+		r.WalsenderCPU = wsCPU.delta()
+	}
+	r.NATSCPU, r.MachineBusy = natsCPU.delta(), machine.delta()
+	return r, pr.stop()
+}

@@ -1,0 +1,175 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime/pprof"
+	"syscall"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/outbox-relay/outbox-relay/internal/app"
+	"github.com/outbox-relay/outbox-relay/internal/store"
+)
+
+// IdleResult is what the relay does with no outbox traffic, its poller
+// paused (--poll-interval 1h) and table metrics off (--stats-interval 0).
+type IdleResult struct {
+	Seconds float64 `json:"seconds"`
+	// Transactions committed or rolled back in the relay's database over the
+	// window (pg_stat_database; the window includes 11 s for backends to
+	// flush their counters).
+	Xacts int64 `json:"xacts"`
+	// Backends of the relay (by application_name) whose state changed in the
+	// window: any query moves state_change.
+	BackendsActive int     `json:"backends_with_activity"`
+	Backends       int     `json:"backends"`
+	RelayCPU       float64 `json:"relay_cpu_seconds"`
+	WalsenderCPU   float64 `json:"walsender_cpu_seconds"`
+}
+
+type activity map[int32]time.Time
+
+func (b *bench) activity(ctx context.Context, db string) (activity, int64, error) {
+	rows, err := b.s.admin.Query(ctx, `SELECT pid, coalesce(state_change, backend_start) FROM pg_stat_activity
+		WHERE datname = $1 AND application_name = $2`, db, relayAppName)
+	if err != nil {
+		return nil, 0, err
+	}
+	a := activity{}
+	for rows.Next() {
+		var pid int32
+		var t time.Time
+		if err := rows.Scan(&pid, &t); err != nil {
+			return nil, 0, err
+		}
+		a[pid] = t
+	}
+	if err := rows.Err(); err != nil {
+		return nil, 0, err
+	}
+	var x int64
+	err = b.s.admin.QueryRow(ctx, `SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = $1`, db).Scan(&x)
+	return a, x, err
+}
+
+func (b *bench) idle(ctx context.Context) (IdleResult, error) {
+	var ir IdleResult
+	p, err := b.setup(ctx, CDCLive, 0)
+	defer b.teardown(p)
+	if err != nil {
+		return ir, err
+	}
+	args := b.relayArgs(p, time.Hour)
+	pr, err := startProc("relay", filepath.Join(b.dir, "idle.log"), b.cfg.RelayBin, args...)
+	if err != nil {
+		return ir, err
+	}
+	defer pr.stop() //nolint:errcheck // stopped below; this covers the error paths
+	wsPID, err := b.s.walsenderPID(ctx, p.db, slotName, 60*time.Second)
+	if err != nil {
+		return ir, err
+	}
+	// Some traffic first, so the idle time follows real work.
+	l := b.newLoad(p, 1000, 0)
+	if _, err := l.run(ctx); err != nil {
+		return ir, err
+	}
+	if _, _, err := b.waitDrained(ctx, p, 1000, pr, time.Minute); err != nil {
+		return ir, err
+	}
+	time.Sleep(11 * time.Second) // counters of the work above reach pg_stat_database
+	a0, x0, err := b.activity(ctx, p.db)
+	if err != nil {
+		return ir, err
+	}
+	relayCPU := newCPUMeter(pidCPU(pr.pid()))
+	wsCPU := newCPUMeter(pidCPU(wsPID))
+	win := time.Duration(b.cfg.IdleSeconds*float64(time.Second)) + 11*time.Second
+	time.Sleep(win)
+	a1, x1, err := b.activity(ctx, p.db)
+	if err != nil {
+		return ir, err
+	}
+	ir.Seconds, ir.Xacts, ir.Backends = win.Seconds(), x1-x0, len(a1)
+	for pid, t := range a1 {
+		if t0, ok := a0[pid]; !ok || !t0.Equal(t) {
+			ir.BackendsActive++
+		}
+	}
+	ir.RelayCPU, ir.WalsenderCPU = relayCPU.delta(), wsCPU.delta()
+	return ir, pr.stop()
+}
+
+func rusageCPU() (float64, error) {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0, err
+	}
+	tv := func(t syscall.Timeval) float64 { return float64(t.Sec) + float64(t.Usec)/1e6 }
+	return tv(ru.Utime) + tv(ru.Stime), nil
+}
+
+// profiledBacklog is the CDC backlog case with the relay running inside
+// this process (app.Run, as `outbox-relay run` does) under the CPU profiler;
+// its CPU is this process's rusage delta, which also holds the benchmark's
+// own polling of the stream and the table during the drain.
+func (b *bench) profiledBacklog(ctx context.Context) (Result, error) {
+	r := Result{Case: "cdc-backlog-inprocess"}
+	p, err := b.setup(ctx, CDCBacklog, 99)
+	defer b.teardown(p)
+	if err != nil {
+		return r, err
+	}
+	l := b.newLoad(p, b.cfg.Rows, 0)
+	el, err := l.run(ctx)
+	if err != nil {
+		return r, err
+	}
+	r.Rows, r.InsertRate = l.rows, float64(l.rows)/el.Seconds()
+	logf, err := os.Create(filepath.Join(b.dir, "inprocess.log"))
+	if err != nil {
+		return r, err
+	}
+	defer logf.Close()
+	tbl, _ := store.ParseTable("outbox")
+	pol, _ := store.ParsePolicy(b.cfg.Policy)
+	o := app.Options{
+		DatabaseURL: p.url, NATSURL: b.s.nats.URL(), Table: tbl, Slot: slotName, Publication: "outbox_relay",
+		Stream: p.stream, SubjectPrefix: p.prefix, Policy: pol,
+		DuplicateWindow: 2 * time.Minute, StreamReplicas: 1, AckTimeout: 10 * time.Second,
+		MaxInFlight: 1024, MaxInFlightBytes: 4 << 20, StatusInterval: 2 * time.Second, DrainTimeout: 10 * time.Second,
+		AppName: relayAppName, WorkerID: "bench", PollInterval: time.Second,
+	}
+	f, err := os.Create(b.cfg.CPUProfile)
+	if err != nil {
+		return r, err
+	}
+	defer f.Close()
+	cpu0, _ := rusageCPU()
+	if err := pprof.StartCPUProfile(f); err != nil {
+		return r, err
+	}
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	t0 := time.Now()
+	go func() { done <- app.Run(rctx, o, zerolog.New(logf).Level(zerolog.WarnLevel)) }()
+	_, settled, err := b.waitDrained(ctx, p, l.rows, nil, drainTimeout(l.rows))
+	cpu1, _ := rusageCPU()
+	pprof.StopCPUProfile()
+	cancel()
+	if rerr := <-done; rerr != nil && err == nil {
+		err = fmt.Errorf("relay: %w", rerr)
+	}
+	if err != nil {
+		return r, err
+	}
+	r.Seconds = settled.Sub(t0).Seconds()
+	r.MsgsPerSec = float64(l.rows) / r.Seconds
+	r.PubCPUSeconds = cpu1 - cpu0
+	r.PubCPUPerMsgUS = r.PubCPUSeconds / float64(l.rows) * 1e6
+	return r, nil
+}

@@ -1,0 +1,120 @@
+package bench
+
+import (
+	"bufio"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+)
+
+// clockTicks is USER_HZ, the unit of the times in /proc; 100 on every Linux
+// architecture Go runs on here.
+const clockTicks = 100
+
+// ProcCPU returns a process's user+system CPU seconds from /proc/<pid>/stat.
+func ProcCPU(pid int) (float64, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	return parseStatCPU(string(b))
+}
+
+// parseStatCPU reads utime and stime (fields 14 and 15) from a stat line.
+// The command name (field 2) may hold spaces and parentheses, so fields are
+// counted from the last ')'.
+func parseStatCPU(s string) (float64, error) {
+	i := strings.LastIndexByte(s, ')')
+	if i < 0 {
+		return 0, fmt.Errorf("parse /proc stat: no ')' in %q", s)
+	}
+	f := strings.Fields(s[i+1:])
+	// f[0] is field 3 (state); utime is field 14, stime 15.
+	if len(f) < 13 {
+		return 0, fmt.Errorf("parse /proc stat: %d fields after the name", len(f))
+	}
+	u, err1 := strconv.ParseUint(f[11], 10, 64)
+	st, err2 := strconv.ParseUint(f[12], 10, 64)
+	if err1 != nil || err2 != nil {
+		return 0, fmt.Errorf("parse /proc stat: utime %q stime %q", f[11], f[12])
+	}
+	return float64(u+st) / clockTicks, nil
+}
+
+// ProcPeakRSS returns VmHWM, the process's peak resident set, in MiB.
+func ProcPeakRSS(pid int) (float64, error) {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		line := sc.Text()
+		if v, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			kb, err := strconv.ParseFloat(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 64)
+			if err != nil {
+				return 0, fmt.Errorf("parse VmHWM %q: %w", v, err)
+			}
+			return kb / 1024, nil
+		}
+	}
+	return 0, fmt.Errorf("no VmHWM in /proc/%d/status", pid)
+}
+
+// MachineBusy returns the busy CPU seconds of all cores since boot (every
+// /proc/stat cpu field but idle and iowait).
+func MachineBusy() (float64, error) {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0, err
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	f := strings.Fields(line)
+	if len(f) < 5 || f[0] != "cpu" {
+		return 0, fmt.Errorf("parse /proc/stat: %q", line)
+	}
+	var busy uint64
+	for i, v := range f[1:] {
+		if i == 3 || i == 4 { // idle, iowait
+			continue
+		}
+		if i >= 8 { // guest time is already counted in user
+			break
+		}
+		n, err := strconv.ParseUint(v, 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("parse /proc/stat: %q", line)
+		}
+		busy += n
+	}
+	return float64(busy) / clockTicks, nil
+}
+
+// cpuMeter reads a CPU counter at the start of an interval and reports the
+// difference; a process that is gone reads as its last value.
+type cpuMeter struct {
+	read  func() (float64, error)
+	start float64
+	last  float64
+}
+
+func newCPUMeter(read func() (float64, error)) *cpuMeter {
+	m := &cpuMeter{read: read}
+	if v, err := read(); err == nil {
+		m.start, m.last = v, v
+	}
+	return m
+}
+
+func (m *cpuMeter) delta() float64 {
+	if v, err := m.read(); err == nil {
+		m.last = v
+	}
+	return m.last - m.start
+}
+
+func pidCPU(pid int) func() (float64, error) {
+	return func() (float64, error) { return ProcCPU(pid) }
+}

@@ -1,0 +1,69 @@
+package bench
+
+import (
+	"fmt"
+	"strings"
+)
+
+// Render prints the medians as a table, with each path's throughput as a
+// ratio to the ceilings and to the polling publisher, and the producers'
+// insert rate as a ratio to their rate with no relay.
+func Render(rep Report) string {
+	by := map[string]Result{}
+	for _, r := range rep.Medians {
+		by[r.Case] = r
+	}
+	pgCeil, jsCeil := by[CeilingPG].MsgsPerSec, by[CeilingJS].MsgsPerSec
+	baseline := map[string]string{
+		CDCBacklog: PollBacklog, PollerBacklog: PollBacklog,
+		CDCLive: PollLive, PollerLive: PollLive,
+	}
+	header := []string{"case", "rows", "msg/s", "/pg ceil", "/js ceil", "/polling",
+		"insert rows/s", "/no relay", "p50 ms", "p95 ms", "p99 ms", "max ms",
+		"pub CPU s/100k", "pub µs/msg", "pub RSS MB", "walsender CPU s", "nats CPU s", "machine CPU s"}
+	var rows [][]string
+	for _, r := range rep.Medians {
+		row := []string{r.Case, fmt.Sprint(r.Rows), num(r.MsgsPerSec), "-", "-", "-", "-", "-"}
+		if r.Case != CeilingPG && r.Case != CeilingJS {
+			row[3], row[4] = ratio(r.MsgsPerSec, pgCeil), ratio(r.MsgsPerSec, jsCeil)
+			if base, ok := baseline[r.Case]; ok {
+				row[5] = ratio(r.MsgsPerSec, by[base].MsgsPerSec)
+			}
+		}
+		if r.Case != CeilingJS {
+			row[6] = num(r.InsertRate)
+			if r.Case != CeilingPG {
+				row[7] = ratio(r.InsertRate, pgCeil)
+			}
+		}
+		if l := r.Latency; l != nil {
+			row = append(row, num(l.P50), num(l.P95), num(l.P99), num(l.Max))
+		} else {
+			row = append(row, "-", "-", "-", "-")
+		}
+		row = append(row, num(r.CPUPer100k()), num(r.PubCPUPerMsgUS), num(r.PubPeakRSSMB),
+			num(r.WalsenderCPU), num(r.NATSCPU), num(r.MachineBusy))
+		rows = append(rows, row)
+	}
+	var b strings.Builder
+	c := rep.Config
+	fmt.Fprintf(&b, "\nworkload: %d rows (live: %d), %d rows/tx, %d B payload, %d producers, live rate %s, policy %s, %d round(s), polling publisher %s with %v poll interval\n",
+		c.Rows, c.liveRows(), c.RowsPerTx, c.Payload, c.Producers, rateText(c.Rate), c.Policy, c.Rounds, c.NaiveMode, c.PollInterval)
+	fmt.Fprintf(&b, "machine: %s, %s CPUs, %s; load at start %s\n\n", rep.Machine["cpu"], rep.Machine["cpus"], rep.Machine["memory"], rep.Machine["loadavg_at_start"])
+	b.WriteString(FormatTable(header, rows))
+	if ir := rep.Idle; ir != nil {
+		fmt.Fprintf(&b, "\nidle (%.0f s, no traffic, poller paused): %d transactions in the relay's database, %d of %d relay backends active; relay CPU %.2f s, walsender CPU %.2f s\n",
+			ir.Seconds, ir.Xacts, ir.BackendsActive, ir.Backends, ir.RelayCPU, ir.WalsenderCPU)
+	}
+	if p := rep.Profile; p != nil {
+		fmt.Fprintf(&b, "in-process CDC backlog (profiled): %.0f msg/s, process CPU %.2f µs/msg (relay plus the benchmark's polling)\n", p.MsgsPerSec, p.PubCPUPerMsgUS)
+	}
+	return b.String()
+}
+
+func rateText(r float64) string {
+	if r <= 0 {
+		return "max"
+	}
+	return fmt.Sprintf("%.0f rows/s", r)
+}

@@ -1,0 +1,250 @@
+// Package bench is the end-to-end benchmark behind `go run ./cmd/outbox-bench`:
+// on one real PostgreSQL (wal_level=logical, fsync on) and one nats-server
+// (file storage) it measures the ceilings (inserts with no relay, JetStream
+// async publishes with no database), the relay's CDC path and its poller
+// path, and a naive polling publisher, with the relay and the polling
+// publisher as child processes whose CPU and memory are read from /proc.
+package bench
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+)
+
+// Case names, in the order a round runs them (CDC and polling alternate
+// between rounds).
+const (
+	CeilingPG     = "ceiling-pg"
+	CeilingJS     = "ceiling-js"
+	CDCBacklog    = "cdc-backlog"
+	CDCLive       = "cdc-live"
+	PollBacklog   = "poll-backlog"
+	PollLive      = "poll-live"
+	PollerBacklog = "poller-backlog"
+	PollerLive    = "poller-live"
+	Idle          = "idle"
+)
+
+// AllCases is the default -cases.
+var AllCases = []string{CeilingPG, CeilingJS, CDCBacklog, CDCLive, PollBacklog, PollLive, PollerBacklog, PollerLive, Idle}
+
+// Config is the workload and what to run.
+type Config struct {
+	Rows         int
+	RowsPerTx    int
+	Payload      int
+	Producers    int
+	Rate         float64 // rows/s for live cases; 0 = as fast as possible
+	LiveSeconds  float64 // with Rate > 0, live cases insert min(Rows, Rate*LiveSeconds) rows
+	Policy       string  // mark | delete
+	Rounds       int
+	Cases        []string
+	PollInterval time.Duration // naive publisher's and the relay poller's
+	NaiveMode    string        // async | sync
+	IdleSeconds  float64
+	RelayBin     string // built from the module when empty
+	JSONPath     string
+	PlotPath     string
+	CPUProfile   string // profile one in-process CDC backlog drain into this file
+
+	Out io.Writer // the table
+	Log io.Writer // progress
+}
+
+// Report is what -json writes.
+type Report struct {
+	Started  time.Time         `json:"started"`
+	Machine  map[string]string `json:"machine"`
+	Config   Config            `json:"config"`
+	Results  []Result          `json:"results"`
+	Medians  []Result          `json:"medians"`
+	Idle     *IdleResult       `json:"idle,omitempty"`
+	Profile  *Result           `json:"profiled_in_process,omitempty"`
+	Warnings []string          `json:"warnings,omitempty"`
+}
+
+func (c *Config) validate() error {
+	if c.Rows < 1 || c.RowsPerTx < 1 || c.Producers < 1 || c.Payload < 16 || c.Rounds < 1 {
+		return fmt.Errorf("-rows, -rows-per-tx, -producers, -rounds must be positive and -payload at least 16")
+	}
+	if c.Policy != "mark" && c.Policy != "delete" {
+		return fmt.Errorf("-policy %q: want mark or delete", c.Policy)
+	}
+	if c.NaiveMode != "async" && c.NaiveMode != "sync" {
+		return fmt.Errorf("-naive-mode %q: want async or sync", c.NaiveMode)
+	}
+	for _, k := range c.Cases {
+		if !slices.Contains(AllCases, k) {
+			return fmt.Errorf("-cases: unknown case %q (known: %s)", k, strings.Join(AllCases, ","))
+		}
+	}
+	return nil
+}
+
+func (c *Config) liveRows() int {
+	if c.Rate <= 0 || c.LiveSeconds <= 0 {
+		return c.Rows
+	}
+	return min(c.Rows, max(1, int(c.Rate*c.LiveSeconds)))
+}
+
+func (c *Config) logf(format string, args ...any) {
+	if c.Log != nil {
+		fmt.Fprintf(c.Log, "%s "+format+"\n", append([]any{time.Now().Format("15:04:05")}, args...)...)
+	}
+}
+
+// Run runs the benchmark and prints the table.
+func Run(ctx context.Context, cfg Config) error {
+	if err := cfg.validate(); err != nil {
+		return err
+	}
+	dir, err := os.MkdirTemp("", "outbox-bench-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	if cfg.RelayBin == "" {
+		cfg.logf("building cmd/outbox-relay")
+		if cfg.RelayBin, err = buildRelay(dir); err != nil {
+			return err
+		}
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	cfg.logf("starting PostgreSQL (fsync on) and nats-server (file storage)")
+	s, err := startServers(ctx, dir)
+	if err != nil {
+		return err
+	}
+	defer s.close()
+	b := &bench{cfg: cfg, s: s, dir: dir, self: self, payload: makePayload(cfg.Payload)}
+	rep := Report{Started: time.Now().UTC(), Machine: machineInfo(), Config: cfg}
+
+	want := func(k string) bool { return slices.Contains(cfg.Cases, k) }
+	for round := 1; round <= cfg.Rounds; round++ {
+		order := []string{CeilingPG, CeilingJS, CDCBacklog, PollBacklog, PollerBacklog, CDCLive, PollLive, PollerLive}
+		if round%2 == 0 {
+			order = []string{CeilingPG, CeilingJS, PollBacklog, CDCBacklog, PollerBacklog, PollLive, CDCLive, PollerLive}
+		}
+		for _, k := range order {
+			if !want(k) {
+				continue
+			}
+			cfg.logf("round %d: %s", round, k)
+			r, err := b.runCase(ctx, k, round)
+			if err != nil {
+				return fmt.Errorf("round %d, %s: %w", round, k, err)
+			}
+			cfg.logf("round %d: %s: %.0f msg/s in %.2fs", round, k, r.MsgsPerSec, r.Seconds)
+			rep.Results = append(rep.Results, r)
+		}
+	}
+	if want(Idle) {
+		cfg.logf("idle: %gs with no outbox traffic", cfg.IdleSeconds)
+		ir, err := b.idle(ctx)
+		if err != nil {
+			return fmt.Errorf("idle: %w", err)
+		}
+		rep.Idle = &ir
+	}
+	if cfg.CPUProfile != "" {
+		cfg.logf("profiling an in-process CDC backlog drain into %s", cfg.CPUProfile)
+		r, err := b.profiledBacklog(ctx)
+		if err != nil {
+			return fmt.Errorf("profile: %w", err)
+		}
+		rep.Profile = &r
+	}
+	rep.Medians = medians(rep.Results, cfg.Cases)
+	fmt.Fprint(cfg.Out, Render(rep))
+	if cfg.JSONPath != "" {
+		data, err := json.MarshalIndent(rep, "", "  ")
+		if err != nil {
+			return err
+		}
+		if err := os.WriteFile(cfg.JSONPath, append(data, '\n'), 0o644); err != nil {
+			return err
+		}
+	}
+	if cfg.PlotPath != "" {
+		if err := Plot(cfg.PlotPath, rep); err != nil {
+			return fmt.Errorf("plot: %w", err)
+		}
+	}
+	return nil
+}
+
+// medians picks, per case, the round with the median throughput, so each
+// row of the table is one real run.
+func medians(rs []Result, order []string) []Result {
+	var out []Result
+	for _, k := range AllCases {
+		if !slices.Contains(order, k) {
+			continue
+		}
+		var runs []Result
+		var rates []float64
+		for _, r := range rs {
+			if r.Case == k {
+				runs = append(runs, r)
+				rates = append(rates, r.MsgsPerSec)
+			}
+		}
+		if i := MedianIndex(rates); i >= 0 {
+			m := runs[i]
+			m.Extra = cloneExtra(m.Extra)
+			if len(runs) > 1 {
+				m.Extra["rounds"] = float64(len(runs))
+				m.Extra["msgs_per_sec_min"] = slices.Min(rates)
+				m.Extra["msgs_per_sec_max"] = slices.Max(rates)
+			}
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+func cloneExtra(m map[string]float64) map[string]float64 {
+	out := make(map[string]float64, len(m)+3)
+	for k, v := range m {
+		out[k] = v
+	}
+	return out
+}
+
+func machineInfo() map[string]string {
+	m := map[string]string{}
+	if b, err := os.ReadFile("/proc/cpuinfo"); err == nil {
+		n := 0
+		for _, line := range strings.Split(string(b), "\n") {
+			if k, v, ok := strings.Cut(line, ":"); ok {
+				switch strings.TrimSpace(k) {
+				case "model name":
+					m["cpu"] = strings.TrimSpace(v)
+				case "processor":
+					n++
+				}
+			}
+		}
+		m["cpus"] = fmt.Sprint(n)
+	}
+	if b, err := os.ReadFile("/proc/meminfo"); err == nil {
+		line, _, _ := strings.Cut(string(b), "\n")
+		m["memory"] = strings.Join(strings.Fields(line)[1:], " ")
+	}
+	if b, err := os.ReadFile("/proc/loadavg"); err == nil {
+		m["loadavg_at_start"] = strings.TrimSpace(string(b))
+	}
+	m["tmp"] = filepath.Clean(os.TempDir())
+	return m
+}
