@@ -9,9 +9,13 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/rs/zerolog"
+
+	"github.com/outbox-relay/outbox-relay/inbox"
 	"github.com/outbox-relay/outbox-relay/internal/app"
 	"github.com/outbox-relay/outbox-relay/internal/relay"
 	"github.com/outbox-relay/outbox-relay/internal/store"
@@ -122,6 +126,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	}
 
 	seen := map[string]int{}
+	var firstSeq uint64
 	deadline := time.After(30 * time.Second)
 	fmt.Fprintln(stdout)
 	for len(seen) < len(committed) {
@@ -129,6 +134,9 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		case m := <-received:
 			id := m.Headers().Get(jetstream.MsgIDHeader)
 			seen[id]++
+			if md, err := m.Metadata(); err == nil && (firstSeq == 0 || md.Sequence.Stream < firstSeq) {
+				firstSeq = md.Sequence.Stream
+			}
 			fmt.Fprintf(stdout, "\r\033[K  <- %-16s subject=%s lsn=%s  %s\n", id, m.Subject(), m.Headers().Get(relay.HeaderCommitLSN), m.Data())
 			fmt.Fprintf(stdout, "  received %d/%d", len(seen), len(committed))
 		case <-deadline:
@@ -184,6 +192,63 @@ wait:
 		return errors.New("the demo saw a phantom or a loss: please report it")
 	}
 	fmt.Fprintln(stdout, "relay stopped cleanly (slot confirmed past every acked row)")
+	return demoConsumer(ctx, c.databaseURL, js, o.Stream, firstSeq, len(seen), stdout, log)
+}
+
+// demoConsumer is the receiving end: package inbox applies each message's
+// effect once. Every message is delivered twice, by two JetStream consumers,
+// as a redelivery or a republish would: the second delivery changes nothing.
+func demoConsumer(ctx context.Context, dbURL string, js jetstream.JetStream, stream string, firstSeq uint64, n int, stdout io.Writer, log zerolog.Logger) error {
+	fmt.Fprintln(stdout, "\nconsumer: applying each message's effect once with package inbox; every message is delivered twice")
+	pool, err := pgxpool.New(ctx, dbURL)
+	if err != nil {
+		return fmt.Errorf("connect to PostgreSQL: %w", err)
+	}
+	defer pool.Close()
+	if err := inbox.Migrate(ctx, pool, "demo_inbox"); err != nil {
+		return err
+	}
+	if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS demo_effects (
+		work_id text PRIMARY KEY, payload jsonb NOT NULL, applied_at timestamptz NOT NULL DEFAULT clock_timestamp())`); err != nil {
+		return fmt.Errorf("create demo_effects: %w", err)
+	}
+	in, err := inbox.New(pool, inbox.Config{Consumer: "demo", Table: "demo_inbox", Logger: &log})
+	if err != nil {
+		return err
+	}
+	apply := func(ctx context.Context, tx pgx.Tx, m jetstream.Msg) error {
+		_, err := tx.Exec(ctx, `INSERT INTO demo_effects (work_id, payload) VALUES ($1, $2)`, m.Headers().Get(jetstream.MsgIDHeader), m.Data())
+		return err
+	}
+	outcomes := map[inbox.Outcome]int{}
+	for pass := 1; pass <= 2; pass++ {
+		cons, err := js.CreateConsumer(ctx, stream, jetstream.ConsumerConfig{
+			AckPolicy: jetstream.AckExplicitPolicy, DeliverPolicy: jetstream.DeliverByStartSequencePolicy,
+			OptStartSeq: firstSeq, InactiveThreshold: time.Minute,
+		})
+		if err != nil {
+			return fmt.Errorf("create consumer on %s: %w", stream, err)
+		}
+		batch, err := cons.Fetch(n, jetstream.FetchMaxWait(5*time.Second))
+		if err != nil {
+			return fmt.Errorf("fetch from %s: %w", stream, err)
+		}
+		for m := range batch.Messages() {
+			out, err := in.Process(ctx, m, apply)
+			if err != nil {
+				return fmt.Errorf("inbox: %s: %w", m.Headers().Get(jetstream.MsgIDHeader), err)
+			}
+			outcomes[out]++
+			if out == inbox.Applied {
+				fmt.Fprintf(stdout, "  effect applied: %-16s %s\n", m.Headers().Get(jetstream.MsgIDHeader), m.Data())
+			}
+		}
+	}
+	fmt.Fprintf(stdout, "consumer: %d deliveries, %d effects applied, %d duplicates dropped by the inbox\n",
+		outcomes[inbox.Applied]+outcomes[inbox.Duplicate], outcomes[inbox.Applied], outcomes[inbox.Duplicate])
+	if outcomes[inbox.Applied] != n || outcomes[inbox.Duplicate] != n {
+		return fmt.Errorf("the consumer applied %d effects and dropped %d duplicates, want %d of each: please report it", outcomes[inbox.Applied], outcomes[inbox.Duplicate], n)
+	}
 	return nil
 }
 
