@@ -232,6 +232,22 @@ func CreateSlot(ctx context.Context, conn *pgconn.PgConn, name string) (CreatedS
 	return CreatedSlot{ConsistentPoint: lsn, Snapshot: res.SnapshotName}, nil
 }
 
+// SlotLag reads how much WAL the slot holds (the server's WAL position minus
+// its confirmed_flush_lsn) from the catalog, so an instance that is not
+// streaming the slot can still report it. found is false when the slot does
+// not exist.
+func SlotLag(ctx context.Context, q Querier, name string) (lag int64, found bool, err error) {
+	err = q.QueryRow(ctx, `SELECT coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn), 0)::bigint
+		FROM pg_catalog.pg_replication_slots WHERE slot_name = $1`, name).Scan(&lag)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, false, nil
+	}
+	if err != nil {
+		return 0, false, fmt.Errorf("read lag of slot %s: %w", name, err)
+	}
+	return max(lag, 0), true, nil
+}
+
 // DropSlot drops an inactive slot. Used only for a slot PostgreSQL
 // invalidated (wal_status lost), which can never stream again.
 func DropSlot(ctx context.Context, q Querier, name string) error {

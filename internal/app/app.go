@@ -25,6 +25,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/poller"
 	"github.com/outbox-relay/outbox-relay/internal/relay"
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/replication"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
 
@@ -353,19 +354,29 @@ func Run(ctx context.Context, o Options, log zerolog.Logger) error {
 		})
 	}
 	g.Go(func() error {
-		for {
+		for tick := 0; ; tick++ {
 			select {
 			case <-gctx.Done():
 				return nil
 			case <-time.After(time.Second):
-				m.SlotLagSeconds.Set(r.LagSeconds(time.Now()))
+			}
+			m.SlotLagSeconds.Set(r.LagSeconds(time.Now()))
+			if r.Role() == relay.RoleActive {
 				st := r.Stats()
 				end, conf := st.ServerWALEnd.Load(), st.Confirmed.Load()
 				m.ServerWALEnd.Set(float64(end))
-				if end > conf {
-					m.SlotLagBytes.Set(float64(end - conf))
-				} else {
-					m.SlotLagBytes.Set(0)
+				m.SlotLagBytes.Set(float64(end - min(conf, end)))
+				continue
+			}
+			// Not streaming (standby, or the broker or database is
+			// down): the stream's figures are stale; ask the catalog,
+			// which knows the WAL the slot holds whoever owns it.
+			if tick%10 == 0 {
+				qctx, cancel := context.WithTimeout(gctx, 5*time.Second)
+				lag, found, err := replication.SlotLag(qctx, pool, o.Slot)
+				cancel()
+				if err == nil && found {
+					m.SlotLagBytes.Set(float64(lag))
 				}
 			}
 		}

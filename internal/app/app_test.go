@@ -167,6 +167,10 @@ func TestMetricsAfterKnownLoad(t *testing.T) {
 		{"outbox_relay_slot_owner", "", 1},
 		{"outbox_relay_in_flight_messages", "", 0},
 		{"outbox_relay_backfilled_rows_total", "", 0},
+		{"outbox_relay_slots_created_total", "", 1},
+		{"outbox_relay_role", `role="active"`, 1},
+		{"outbox_relay_role", `role="standby"`, 0},
+		{"outbox_relay_dead_letters_total", `class="rejected"`, 1},
 	}
 	for _, c := range checks {
 		if got := metric(body, c.name, c.labels); got != c.want {

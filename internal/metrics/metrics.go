@@ -31,6 +31,9 @@ type Metrics struct {
 	RowsByState       *prometheus.GaugeVec
 	OldestEligible    prometheus.Gauge
 	SlotLagSeconds    prometheus.Gauge
+	Role              *prometheus.GaugeVec // role: 1 for the CDC path's current role
+	SlotsCreated      prometheus.Counter
+	DeadLetters       *prometheus.CounterVec // class: rows the poller moved to failed
 	LeaseRenewals     prometheus.Counter
 	BackfilledRows    prometheus.Counter
 	SlotInvalidations prometheus.Counter
@@ -98,6 +101,15 @@ func New() *Metrics {
 	m.SlotLagSeconds = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "outbox_relay_slot_lag_seconds", Help: "Age (from its commit time) of the oldest outbox transaction streamed and not yet confirmed; 0 when caught up.",
 	})
+	m.Role = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "outbox_relay_role", Help: "1 for the CDC path's current role (starting, active, standby, reconnecting), 0 for the others.",
+	}, []string{"role"})
+	m.SlotsCreated = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "outbox_relay_slots_created_total", Help: "Replication slots this instance created (first start, dropped or invalidated slot); each is followed by a backfill.",
+	})
+	m.DeadLetters = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "outbox_relay_dead_letters_total", Help: "Rows the poller moved to failed, by class (rejected, uncertain).",
+	}, []string{"class"})
 	m.LeaseRenewals = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "outbox_relay_poller_lease_renewals_total", Help: "Leases the poller extended while a batch waited for acks.",
 	})
@@ -107,7 +119,7 @@ func New() *Metrics {
 	m.SlotInvalidations = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "outbox_relay_slot_invalidations_total", Help: "Times the slot was found invalidated (wal_status lost) and re-created.",
 	})
-	for _, c := range []prometheus.Collector{m.SlotLagSeconds, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.ServerWALEnd,
+	for _, c := range []prometheus.Collector{m.SlotLagSeconds, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.ServerWALEnd,
 		m.SlotLagBytes, m.InFlight, m.InFlightBytes, m.Handoffs, m.SettleRetries, m.Sessions, m.SlotOwner, m.Claims,
 		m.StaleCompletions, m.Failures, m.RowsByState, m.OldestEligible} {
 		f(c)

@@ -24,6 +24,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -362,6 +363,8 @@ func (p *Poller) fail(ctx context.Context, c store.Claimed, text string) {
 	case !ok:
 		p.stale("fail", c.WorkID, c.ClaimGeneration)
 	default:
+		class, _, _ := strings.Cut(text, ":")
+		p.m.DeadLetters.WithLabelValues(class).Inc()
 		p.log.Warn().Str("work_id", c.WorkID).Int("attempts", c.Attempts).Str("error", text).Msg("row failed: redrive it once the cause is fixed")
 	}
 }

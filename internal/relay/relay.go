@@ -113,12 +113,14 @@ type Relay struct {
 // cfg.DatabaseURL.
 func New(cfg Config, pool *pgxpool.Pool, sink sinks.Sink, log zerolog.Logger, m *metrics.Metrics) *Relay {
 	cfg.setDefaults()
-	return &Relay{
+	r := &Relay{
 		cfg: cfg, pool: pool, sink: sink, metrics: m,
 		store: store.New(pool, cfg.Table, cfg.Policy),
 		log:   log.With().Str("component", "cdc").Str("slot", cfg.Slot).Logger(),
 		sleep: sleepCtx,
 	}
+	r.setRole(RoleStarting)
+	return r
 }
 
 // Role reports what the CDC path is doing now.
@@ -143,6 +145,18 @@ func (r *Relay) setRole(role Role) {
 		r.metrics.SlotOwner.Set(1)
 	} else {
 		r.metrics.SlotOwner.Set(0)
+	}
+	if role == RoleStandby {
+		// Another instance streams the slot now: the lag of what this
+		// one streamed before is no longer the slot's.
+		r.oldestOpen.Store(0)
+	}
+	for _, x := range []Role{RoleStarting, RoleActive, RoleStandby, RoleReconnecting} {
+		v := 0.0
+		if x == role {
+			v = 1
+		}
+		r.metrics.Role.WithLabelValues(x.String()).Set(v)
 	}
 }
 
@@ -374,6 +388,7 @@ func (r *Relay) ensureSlot(ctx context.Context, conn replication.PgConn) (replic
 		return slot, err
 	}
 	r.log.Info().Str("lsn", created.ConsistentPoint.String()).Msg("created replication slot")
+	r.metrics.SlotsCreated.Inc()
 	n, err := r.store.BackfillFromSnapshot(ctx, r.cfg.Slot, created.Snapshot, created.ConsistentPoint.String())
 	switch {
 	case errors.Is(err, store.ErrBackfillNotPending):
