@@ -46,6 +46,7 @@ func main() {
 	fs.StringVar(&c.JSONPath, "json", "", "write all results as JSON here")
 	fs.StringVar(&c.PlotPath, "plot", "", "write a PNG here: latency histogram and throughput over time of the live cases")
 	fs.StringVar(&c.CPUProfile, "cpuprofile", "", "run one more CDC backlog drain with the relay in-process and write its CPU profile here")
+	fs.StringVar(&c.MemProfile, "memprofile", "", "with -cpuprofile: write the in-process relay's heap profile here at the moment every message is acked")
 	_ = fs.Parse(os.Args[1:])
 	c.Cases = strings.Split(cases, ",")
 	c.Out, c.Log = os.Stdout, os.Stderr

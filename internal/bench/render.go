@@ -18,22 +18,26 @@ func Render(rep Report) string {
 		CDCBacklog: PollBacklog, PollerBacklog: PollBacklog,
 		CDCLive: PollLive, PollerLive: PollLive,
 	}
-	header := []string{"case", "rows", "msg/s", "/pg ceil", "/js ceil", "/polling",
+	rounds := map[string][]string{}
+	for _, r := range rep.Results {
+		rounds[r.Case] = append(rounds[r.Case], num(r.MsgsPerSec))
+	}
+	header := []string{"case", "rows", "msg/s", "rounds", "/pg ceil", "/js ceil", "/polling",
 		"insert rows/s", "/no relay", "p50 ms", "p95 ms", "p99 ms", "max ms",
 		"pub CPU s/100k", "pub µs/msg", "pub RSS MB", "walsender CPU s", "nats CPU s", "machine CPU s"}
 	var rows [][]string
 	for _, r := range rep.Medians {
-		row := []string{r.Case, fmt.Sprint(r.Rows), num(r.MsgsPerSec), "-", "-", "-", "-", "-"}
+		row := []string{r.Case, fmt.Sprint(r.Rows), num(r.MsgsPerSec), strings.Join(rounds[r.Case], " "), "-", "-", "-", "-", "-"}
 		if r.Case != CeilingPG && r.Case != CeilingJS {
-			row[3], row[4] = ratio(r.MsgsPerSec, pgCeil), ratio(r.MsgsPerSec, jsCeil)
+			row[4], row[5] = ratio(r.MsgsPerSec, pgCeil), ratio(r.MsgsPerSec, jsCeil)
 			if base, ok := baseline[r.Case]; ok {
-				row[5] = ratio(r.MsgsPerSec, by[base].MsgsPerSec)
+				row[6] = ratio(r.MsgsPerSec, by[base].MsgsPerSec)
 			}
 		}
 		if r.Case != CeilingJS {
-			row[6] = num(r.InsertRate)
+			row[7] = num(r.InsertRate)
 			if r.Case != CeilingPG {
-				row[7] = ratio(r.InsertRate, pgCeil)
+				row[8] = ratio(r.InsertRate, pgCeil)
 			}
 		}
 		if l := r.Latency; l != nil {
