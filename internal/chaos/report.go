@@ -108,7 +108,7 @@ func (r *Report) Table() string {
 	for _, k := range kinds {
 		note := ""
 		if s := r.FaultsSkipped[k]; s > 0 {
-			note = fmt.Sprintf("%d more skipped (no active relay)", s)
+			note = fmt.Sprintf("%d more skipped (no relay backend to hit)", s)
 		}
 		row("  "+k, fmt.Sprint(r.Faults[k]), note)
 	}
