@@ -62,7 +62,7 @@ CHAOS_FLAGS ?= -duration 30m
 chaos: setup
 	$(GO) run ./cmd/outbox-chaos $(CHAOS_FLAGS)
 
-## chaos-short: about two minutes of the same, every fault kind once; part of `make test`.
+## chaos-short: about 90 seconds of the same (one round of the schedule: normally every fault kind once); part of `make test`.
 chaos-short: setup
 	$(GO) run ./cmd/outbox-chaos -duration 75s -max-gap 2s $(CHAOS_SHORT_FLAGS)
 
