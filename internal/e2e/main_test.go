@@ -10,7 +10,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -26,43 +25,9 @@ import (
 
 func TestMain(m *testing.M) { testenv.Main(m) }
 
-// relayBinary builds cmd/outbox-relay once per test binary (with -race when
-// the tests run with it). The binary goes next to the test binary, which
-// `go test` keeps in its work directory and removes afterwards; testenv.Main
-// ends the process with os.Exit, so there is no later moment to clean up a
-// directory of our own.
-var relayBinary = sync.OnceValues(func() (string, error) {
-	root, err := testenv.ModuleRoot()
-	if err != nil {
-		return "", err
-	}
-	dir := ""
-	if exe, err := os.Executable(); err == nil {
-		dir = filepath.Dir(exe)
-		if f, err := os.CreateTemp(dir, ".probe-"); err == nil {
-			f.Close()
-			os.Remove(f.Name())
-		} else {
-			dir = ""
-		}
-	}
-	if dir == "" {
-		if dir, err = os.MkdirTemp("", "outbox-relay-e2e-"); err != nil {
-			return "", err
-		}
-	}
-	bin := filepath.Join(dir, "outbox-relay")
-	args := []string{"build", "-o", bin}
-	if raceEnabled {
-		args = append(args, "-race")
-	}
-	cmd := exec.Command("go", append(args, "./cmd/outbox-relay")...)
-	cmd.Dir = root
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("go %s: %w\n%s", strings.Join(args, " "), err, out)
-	}
-	return bin, nil
-})
+// relayBinary builds cmd/outbox-relay once per test binary, with -race when
+// the tests run with it.
+func relayBinary() (string, error) { return testenv.RelayBinary(raceEnabled) }
 
 func mustRelayBinary(t testing.TB) string {
 	t.Helper()

@@ -29,41 +29,9 @@ import (
 
 func TestMain(m *testing.M) { testenv.Main(m) }
 
-// relayBinary builds cmd/outbox-relay once, next to the test binary (which
-// go test removes afterwards), with -race when the tests run with it. The
-// pattern of internal/e2e.
-var relayBinary = sync.OnceValues(func() (string, error) {
-	root, err := testenv.ModuleRoot()
-	if err != nil {
-		return "", err
-	}
-	dir := ""
-	if exe, err := os.Executable(); err == nil {
-		dir = filepath.Dir(exe)
-		if f, err := os.CreateTemp(dir, ".probe-"); err == nil {
-			f.Close()
-			os.Remove(f.Name())
-		} else {
-			dir = ""
-		}
-	}
-	if dir == "" {
-		if dir, err = os.MkdirTemp("", "outbox-relay-pipeline-"); err != nil {
-			return "", err
-		}
-	}
-	bin := filepath.Join(dir, "outbox-relay")
-	args := []string{"build", "-o", bin}
-	if raceEnabled {
-		args = append(args, "-race")
-	}
-	cmd := exec.Command("go", append(args, "./cmd/outbox-relay")...)
-	cmd.Dir = root
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("go %s: %w\n%s", strings.Join(args, " "), err, out)
-	}
-	return bin, nil
-})
+// relayBinary builds cmd/outbox-relay once per test binary, with -race when
+// the tests run with it.
+func relayBinary() (string, error) { return testenv.RelayBinary(raceEnabled) }
 
 func mustBinary(t *testing.T) string {
 	t.Helper()

@@ -3,7 +3,6 @@ package poller_test
 import (
 	"context"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -13,6 +12,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
 	"github.com/outbox-relay/outbox-relay/internal/poller"
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/sinks"
 )
 
@@ -154,7 +154,7 @@ func TestPollFailuresAreRateLimited(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	var buf syncBuffer
+	var buf testenv.LogBuffer
 	p := poller.New(poller.Config{WorkerID: "w", Lease: time.Second, PollInterval: 10 * time.Millisecond, Batch: 1},
 		store.New(pool, table, store.PolicyMark), nil, zerolog.New(&buf), metrics.New())
 	ctx, cancel := context.WithTimeout(context.Background(), 1500*time.Millisecond)
@@ -167,21 +167,4 @@ func TestPollFailuresAreRateLimited(t *testing.T) {
 	if lines < 1 || lines > 5 {
 		t.Errorf("%d poll-failure lines, want between 1 and 5", lines)
 	}
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
