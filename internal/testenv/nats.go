@@ -21,6 +21,11 @@ import (
 // NATSOptions configures StartNATS.
 type NATSOptions struct {
 	SyncAlways bool // JetStream sync_interval: always (fsync every write); needs a config file
+
+	// NoAdvertise is for StartNATSCluster only: the servers do not tell
+	// clients the other nodes' client URLs (cluster no_advertise), so a
+	// client that reaches the cluster through proxies stays behind them.
+	NoAdvertise bool
 }
 
 // NATS is a nats-server with JetStream running as a child process. Its store
@@ -33,6 +38,12 @@ type NATS struct {
 	logPath  string
 	port     int
 	args     []string
+
+	// Set for a node of StartNATSCluster: its server_name, and readiness
+	// means accepting clients, because JetStream answers only once the
+	// cluster has a meta leader (NATSCluster.WaitJetStream).
+	serverName  string
+	clusterNode bool
 
 	mu     sync.Mutex
 	proc   *child
@@ -148,6 +159,10 @@ func (n *NATS) Port() int { return n.port }
 // URL returns the client URL.
 func (n *NATS) URL() string { return fmt.Sprintf("nats://127.0.0.1:%d", n.port) }
 
+// ServerName returns the server_name of a cluster node (as in
+// StreamInfo.Cluster.Leader); it is empty for a server from StartNATS.
+func (n *NATS) ServerName() string { return n.serverName }
+
 // LogPath returns the file that collects the server's output.
 func (n *NATS) LogPath() string { return n.logPath }
 
@@ -209,6 +224,9 @@ func (n *NATS) ping(ctx context.Context) error {
 		return fmt.Errorf("connect: %w", err)
 	}
 	defer nc.Close()
+	if n.clusterNode {
+		return nil
+	}
 	js, err := jetstream.New(nc)
 	if err != nil {
 		return fmt.Errorf("jetstream: %w", err)
