@@ -3,6 +3,7 @@
 // an independent test_decoding slot and the stream (see internal/chaos).
 //
 //	go run ./cmd/outbox-chaos -duration 30m -json chaos.json
+//	go run ./cmd/outbox-chaos -cluster 3 -duration 15m   # three-node JetStream cluster, R3 stream
 //
 // It prints one table and exits 1 when a figure that must be zero is not,
 // 2 when the run itself could not be carried out. The seed is always
@@ -38,7 +39,8 @@ func run() int {
 	fs.IntVar(&cfg.Rate, "rate", 400, "committed outbox rows per second over all producers")
 	fs.IntVar(&cfg.Rows, "rows", 0, "stop the load after this many committed rows (0: -duration decides)")
 	fs.IntVar(&cfg.Producers, "producers", 4, "producer connections")
-	fs.StringVar(&faults, "faults", "", "comma-separated fault kinds to enable (default all): "+strings.Join(chaos.AllFaults, ","))
+	fs.StringVar(&faults, "faults", "", "comma-separated fault kinds to enable (default all): "+strings.Join(chaos.AllFaults, ",")+" (and "+chaos.FaultNATSNodeKill+" with -cluster)")
+	fs.IntVar(&cfg.Cluster, "cluster", 0, "run against a JetStream cluster of this many nodes (3: the relay gets every node's URL and --stream-replicas 3; nats-kill then kills one node, and "+chaos.FaultNATSNodeKill+" joins the faults); 0: one nats-server")
 	fs.StringVar(&jsonPath, "json", "", "also write the report as JSON to this file")
 	fs.DurationVar(&cfg.MinGap, "min-gap", 500*time.Millisecond, "shortest pause between two faults")
 	fs.DurationVar(&cfg.MaxGap, "max-gap", 3*time.Second, "longest pause between two faults")

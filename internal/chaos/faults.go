@@ -65,7 +65,13 @@ func (r *runner) inject(ctx context.Context, kind string, n int) error {
 		r.pause(ctx, r.between(0, 2*time.Second))
 		return ri.start()
 
+	case FaultNATSNodeKill:
+		return r.nodeKill(ctx, kind, label, hold)
+
 	case FaultNATSKill:
+		if r.cl != nil {
+			return r.nodeKill(ctx, kind, label, hold)
+		}
 		if err := r.ns.Kill(); err != nil {
 			return err
 		}
@@ -114,7 +120,7 @@ func (r *runner) inject(ctx context.Context, kind string, n int) error {
 		if err != nil {
 			return err
 		}
-		p := ri.nsProxy
+		var p interface{ Set(Mode, time.Duration) } = ri.nsProxy
 		if kind == FaultPGCut || kind == FaultPGLatency {
 			p = ri.pgProxy
 		}

@@ -20,7 +20,7 @@ type relayInst struct {
 	name    string
 	appName string
 	pgProxy *Proxy
-	nsProxy *Proxy
+	nsProxy proxyGroup // one per NATS node
 	bin     string
 	args    []string
 	logPath string

@@ -39,6 +39,12 @@ type Report struct {
 	RelayPanics      int            `json:"relay_panics_or_races"`
 	RelayPanicSample []string       `json:"relay_panic_sample,omitempty"`
 	WorkDir          string         `json:"work_dir,omitempty"`
+
+	// A run against a JetStream cluster (-cluster n).
+	ClusterNodes      int            `json:"cluster_nodes,omitempty"`
+	StreamReplicas    int            `json:"stream_replicas,omitempty"`
+	LeaderChanges     []LeaderChange `json:"node_kills,omitempty"`
+	LeaderTransitions int            `json:"stream_leader_changes_seen,omitempty"`
 }
 
 // Failures lists every figure that must be zero and is not.
@@ -97,6 +103,9 @@ func (r *Report) Table() string {
 	row("takeover failures", fmt.Sprint(r.TakeoverFailures), must(r.TakeoverFailures))
 	row("relay starts (unexpected exits)", fmt.Sprintf("%d (%d)", r.RelayStarts, r.RelayExits), "")
 	row("relay panics or data races", fmt.Sprint(r.RelayPanics), must(r.RelayPanics))
+	if r.ClusterNodes > 0 {
+		r.clusterRows(row)
+	}
 	kinds := make([]string, 0, len(r.Faults))
 	total := 0
 	for k, n := range r.Faults {
@@ -132,6 +141,61 @@ func takeoverSummary(ts []Takeover, cause string) string {
 			v = append(v, t.Seconds)
 		}
 	}
+	return secondsSummary(v)
+}
+
+// clusterRows are the rows of a cluster run: what the node kills did to
+// the stream's leadership.
+func (r *Report) clusterRows(row func(name, value, note string)) {
+	row("nats cluster", fmt.Sprintf("%d nodes, stream R%d", r.ClusterNodes, r.StreamReplicas),
+		"relay via one proxy per node (no_advertise); cut/latency/partition hit all of them")
+	leaderKills, changed, noLeader, notCurrent := 0, 0, 0, 0
+	var elect, catchUp []float64
+	pairs := map[string]int{}
+	for _, lc := range r.LeaderChanges {
+		if lc.WasLeader {
+			leaderKills++
+			if lc.ElectSeconds >= 0 {
+				elect = append(elect, lc.ElectSeconds)
+			} else {
+				noLeader++
+			}
+		}
+		if lc.CatchUpSeconds >= 0 {
+			catchUp = append(catchUp, lc.CatchUpSeconds)
+		} else {
+			notCurrent++
+		}
+		if lc.Before != lc.After {
+			changed++
+		}
+		pairs[fmt.Sprintf("%s->%s", orDash(lc.Before), orDash(lc.After))]++
+	}
+	keys := make([]string, 0, len(pairs))
+	for k := range pairs {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	var ps []string
+	for _, k := range keys {
+		ps = append(ps, fmt.Sprintf("%s x%d", k, pairs[k]))
+	}
+	row("node kills (of the stream leader)", fmt.Sprintf("%d (%d)", len(r.LeaderChanges), leaderKills), "nats-kill and nats-node-kill")
+	row("stream leader changed by a kill", fmt.Sprintf("%d of %d", changed, len(r.LeaderChanges)), "leader before -> after (node back, replicas current): "+strings.Join(ps, ", "))
+	row("new leader after leader kill (s)", secondsSummary(elect), fmt.Sprintf("%d without a new leader within 1 min", noLeader))
+	row("replicas current after restart (s)", secondsSummary(catchUp), fmt.Sprintf("%d not current within 1 min", notCurrent))
+	row("stream leader changes seen", fmt.Sprint(r.LeaderTransitions), "sampled 4 times a second, any cause")
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+func secondsSummary(v []float64) string {
+	v = append([]float64(nil), v...)
 	if len(v) == 0 {
 		return "-"
 	}

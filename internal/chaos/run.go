@@ -73,6 +73,7 @@ type Config struct {
 	MaxHold          time.Duration // longest outage; keep it well below the duplicate window
 	WalSenderTimeout time.Duration
 	DrainTimeout     time.Duration
+	Cluster          int    // 0: one nats-server; n: an n-node JetStream cluster and an R<n> stream
 	Race             bool   // build the relay with -race
 	RelayBin         string // use this binary instead of building one
 	Keep             bool   // keep the work directory even when the run passes
@@ -100,6 +101,9 @@ func (c *Config) defaults() {
 	}
 	if len(c.Faults) == 0 {
 		c.Faults = AllFaults
+		if c.Cluster > 0 {
+			c.Faults = ClusterFaults
+		}
 	}
 	if c.Log == nil {
 		c.Log = io.Discard
@@ -110,12 +114,12 @@ func (c *Config) defaults() {
 // silently run fewer faults.
 func ValidateFaults(names []string) error {
 	known := map[string]bool{}
-	for _, f := range AllFaults {
+	for _, f := range ClusterFaults {
 		known[f] = true
 	}
 	for _, n := range names {
 		if !known[n] {
-			return fmt.Errorf("unknown fault %q (known: %s)", n, strings.Join(AllFaults, ","))
+			return fmt.Errorf("unknown fault %q (known: %s)", n, strings.Join(ClusterFaults, ","))
 		}
 	}
 	return nil
@@ -157,7 +161,8 @@ type runner struct {
 	start   time.Time
 	workDir string
 	pg      *testenv.Postgres
-	ns      *testenv.NATS
+	ns      *testenv.NATS        // one server, when cfg.Cluster is 0
+	cl      *testenv.NATSCluster // otherwise
 	dbURL   string
 	js      jetstream.JetStream
 	nc      *nats.Conn
@@ -188,9 +193,12 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if err := ValidateFaults(cfg.Faults); err != nil {
 		return nil, err
 	}
+	if err := validateCluster(cfg.Cluster, cfg.Faults); err != nil {
+		return nil, err
+	}
 	r := &runner{cfg: cfg, rng: rand.New(rand.NewPCG(cfg.Seed, 1)), start: time.Now(), ledger: NewLedger()}
 	r.report = Report{Seed: cfg.Seed, Command: cfg.Command, Started: r.start, WalSenderTimeout: cfg.WalSenderTimeout.String(),
-		Faults: map[string]int{}, FaultsSkipped: map[string]int{}}
+		Faults: map[string]int{}, FaultsSkipped: map[string]int{}, ClusterNodes: cfg.Cluster}
 	r.logf("seed %d; faults %s", cfg.Seed, strings.Join(cfg.Faults, ","))
 	var err error
 	if r.workDir, err = os.MkdirTemp("", "outbox-chaos-"); err != nil {
@@ -226,13 +234,22 @@ func (r *runner) setup(ctx context.Context) error {
 	}()
 	go func() {
 		defer wg.Done()
+		if r.cfg.Cluster > 0 {
+			// no_advertise: the relay reaches the nodes through its proxies
+			// only, never by the addresses the servers would tell it.
+			r.cl, nsErr = testenv.StartNATSCluster(r.cfg.Cluster, testenv.NATSOptions{SyncAlways: true, NoAdvertise: true})
+			return
+		}
 		r.ns, nsErr = testenv.StartNATS(testenv.NATSOptions{SyncAlways: true})
 	}()
 	wg.Wait()
 	if err := errors.Join(buildErr, pgErr, nsErr); err != nil {
 		return err
 	}
-	r.logf("postgres on %d (log %s), nats-server on %d (log %s), relay %s", r.pg.Port(), r.pg.LogPath(), r.ns.Port(), r.ns.LogPath(), bin)
+	for _, n := range r.natsNodes() {
+		r.logf("nats-server %s on %d (log %s)", n.ServerName(), n.Port(), n.LogPath())
+	}
+	r.logf("postgres on %d (log %s), relay %s", r.pg.Port(), r.pg.LogPath(), bin)
 
 	conn, err := pgx.Connect(ctx, r.pg.URL("postgres"))
 	if err != nil {
@@ -256,7 +273,7 @@ func (r *runner) setup(ctx context.Context) error {
 	}); err != nil {
 		return fmt.Errorf("create witness slot: %w", err)
 	}
-	if r.nc, err = nats.Connect(r.ns.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(200*time.Millisecond)); err != nil {
+	if r.nc, err = nats.Connect(r.natsURLs(), nats.MaxReconnects(-1), nats.ReconnectWait(200*time.Millisecond)); err != nil {
 		return fmt.Errorf("connect to nats: %w", err)
 	}
 	if r.js, err = jetstream.New(r.nc); err != nil {
@@ -267,10 +284,17 @@ func (r *runner) setup(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		nsp, err := NewProxy(fmt.Sprintf("127.0.0.1:%d", r.ns.Port()))
-		if err != nil {
-			pgp.Close()
-			return err
+		var nsp proxyGroup
+		var natsURLs []string
+		for _, n := range r.natsNodes() {
+			p, err := NewProxy(fmt.Sprintf("127.0.0.1:%d", n.Port()))
+			if err != nil {
+				pgp.Close()
+				nsp.Close()
+				return err
+			}
+			nsp = append(nsp, p)
+			natsURLs = append(natsURLs, fmt.Sprintf("nats://127.0.0.1:%d", p.Port()))
 		}
 		app := "chaos-relay-" + name
 		r.relays[i] = &relayInst{
@@ -278,7 +302,7 @@ func (r *runner) setup(ctx context.Context) error {
 			logPath: filepath.Join(r.workDir, "relay-"+name+".log"),
 			args: []string{
 				"--database-url", fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", pgp.Port(), dbName),
-				"--nats-url", fmt.Sprintf("nats://127.0.0.1:%d", nsp.Port()),
+				"--nats-url", strings.Join(natsURLs, ","),
 				"--slot", slotName, "--publication", publication,
 				"--stream", streamName, "--subject-prefix", subjPrefix,
 				"--application-name", app, "--worker-id", app,
@@ -288,6 +312,9 @@ func (r *runner) setup(ctx context.Context) error {
 				"--log-format", "json",
 			},
 			onEvent: func(s string) { r.logf("%s", s) },
+		}
+		if r.cfg.Cluster > 0 {
+			r.relays[i].args = append(r.relays[i].args, "--stream-replicas", strconv.Itoa(r.cfg.Cluster))
 		}
 	}
 	return nil
@@ -337,11 +364,18 @@ func (r *runner) cleanup() {
 	if failed || r.cfg.Keep {
 		// testenv removes its directories on Close; the server logs explain
 		// a failure, so keep copies beside the relay logs.
-		for _, p := range []string{r.pgLog(), r.nsLog()} {
-			if p != "" {
-				if b, err := os.ReadFile(p); err == nil {
-					_ = os.WriteFile(filepath.Join(r.workDir, filepath.Base(p)), b, 0o644)
-				}
+		if p := r.pgLog(); p != "" {
+			if b, err := os.ReadFile(p); err == nil {
+				_ = os.WriteFile(filepath.Join(r.workDir, filepath.Base(p)), b, 0o644)
+			}
+		}
+		for _, n := range r.natsNodes() {
+			name := filepath.Base(n.LogPath())
+			if n.ServerName() != "" {
+				name = n.ServerName() + "-" + name
+			}
+			if b, err := os.ReadFile(n.LogPath()); err == nil {
+				_ = os.WriteFile(filepath.Join(r.workDir, name), b, 0o644)
 			}
 		}
 	}
@@ -350,6 +384,9 @@ func (r *runner) cleanup() {
 	}
 	if r.ns != nil {
 		r.ns.Close()
+	}
+	if r.cl != nil {
+		r.cl.Close()
 	}
 	if !failed && !r.cfg.Keep {
 		_ = os.RemoveAll(r.workDir)
@@ -362,13 +399,6 @@ func (r *runner) pgLog() string {
 		return ""
 	}
 	return r.pg.LogPath()
-}
-
-func (r *runner) nsLog() string {
-	if r.ns == nil {
-		return ""
-	}
-	return r.ns.LogPath()
 }
 
 // withDB runs fn on a fresh connection straight to PostgreSQL (not through
@@ -685,6 +715,10 @@ func (r *runner) run(ctx context.Context) error {
 	var swg sync.WaitGroup
 	swg.Add(1)
 	go func() { defer swg.Done(); r.sample(sctx) }()
+	if r.cl != nil {
+		swg.Add(1)
+		go func() { defer swg.Done(); r.watchLeader(sctx) }()
+	}
 	defer func() { stopSampler(); swg.Wait() }()
 
 	pctx, stopLoad := context.WithCancel(ctx)
@@ -743,7 +777,7 @@ func (r *runner) heal(ctx context.Context) error {
 		ri.nsProxy.Set(Pass, 0)
 	}
 	var errs []error
-	if err := r.ns.Start(); err != nil && !strings.Contains(err.Error(), "already running") {
+	if err := r.startNATS(ctx); err != nil {
 		errs = append(errs, err)
 	}
 	if err := r.pg.Start(); err != nil && !strings.Contains(err.Error(), "already running") {
