@@ -4,7 +4,7 @@ GO      ?= go
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 BIN     := bin/outbox-relay
 
-.PHONY: setup test build demo fmt-check docker clean chaos chaos-short
+.PHONY: setup test build demo fmt-check docker clean chaos chaos-short chaos-cluster
 
 ## setup: install what demo and test need when it is absent, through apt
 ## (Debian/Ubuntu): PostgreSQL server binaries in /usr/lib/postgresql/<v>/bin
@@ -65,6 +65,14 @@ chaos: setup
 ## chaos-short: about 90 seconds of the same (one round of the schedule: normally every fault kind once); part of `make test`.
 chaos-short: setup
 	$(GO) run ./cmd/outbox-chaos -duration 75s -max-gap 2s $(CHAOS_SHORT_FLAGS)
+
+## chaos-cluster: the chaos run against a three-node JetStream cluster and an
+## R3 stream (-cluster 3): node kills (half of them the stream's leader) on
+## top of the other faults; not part of `make test`. Flags via
+## CHAOS_CLUSTER_FLAGS, e.g. CHAOS_CLUSTER_FLAGS='-duration 30m -seed 42'.
+CHAOS_CLUSTER_FLAGS ?= -duration 15m
+chaos-cluster: setup
+	$(GO) run ./cmd/outbox-chaos -cluster 3 $(CHAOS_CLUSTER_FLAGS)
 
 ## build: build the relay binary into bin/.
 build:
