@@ -47,6 +47,8 @@ func main() {
 	fs.StringVar(&c.PlotPath, "plot", "", "write a PNG here: latency histogram and throughput over time of the live cases")
 	fs.StringVar(&c.CPUProfile, "cpuprofile", "", "run one more CDC backlog drain with the relay in-process and write its CPU profile here")
 	fs.StringVar(&c.MemProfile, "memprofile", "", "with -cpuprofile: write the in-process relay's heap profile here at the moment every message is acked")
+	fs.BoolVar(&c.Keep, "keep", false, "keep the relay's and the polling publisher's logs (their directory is printed)")
+	fs.StringVar(&c.ProfileCase, "profile-case", bench.CDCBacklog, "with -cpuprofile: which case to run with the relay in-process (cdc-backlog or cdc-live)")
 	_ = fs.Parse(os.Args[1:])
 	c.Cases = strings.Split(cases, ",")
 	c.Out, c.Log = os.Stdout, os.Stderr

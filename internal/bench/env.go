@@ -146,6 +146,26 @@ func (s *servers) walsenderPID(ctx context.Context, db, slot string, timeout tim
 	}
 }
 
+// waitSlotInactive waits until no walsender streams the slot.
+func (s *servers) waitSlotInactive(ctx context.Context, db, slot string, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		var active bool
+		err := s.admin.QueryRow(ctx,
+			`SELECT active FROM pg_replication_slots WHERE slot_name = $1 AND database = $2`, slot, db).Scan(&active)
+		if err != nil {
+			return fmt.Errorf("slot %s in %s: %w", slot, db, err)
+		}
+		if !active {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("slot %s in %s still active after %v", slot, db, timeout)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 // proc is a publisher running as a child process (the relay or the polling
 // publisher), so its CPU time and peak RSS can be read from /proc.
 type proc struct {

@@ -142,15 +142,7 @@ func (b *bench) profiledBacklog(ctx context.Context) (Result, error) {
 		return r, err
 	}
 	defer logf.Close()
-	tbl, _ := store.ParseTable("outbox")
-	pol, _ := store.ParsePolicy(b.cfg.Policy)
-	o := app.Options{
-		DatabaseURL: p.url, NATSURL: b.s.nats.URL(), Table: tbl, Slot: slotName, Publication: "outbox_relay",
-		Stream: p.stream, SubjectPrefix: p.prefix, Policy: pol,
-		DuplicateWindow: 2 * time.Minute, StreamReplicas: 1, AckTimeout: 10 * time.Second,
-		MaxInFlight: 1024, MaxInFlightBytes: 4 << 20, StatusInterval: 2 * time.Second, DrainTimeout: 10 * time.Second,
-		AppName: relayAppName, WorkerID: "bench", PollInterval: time.Second,
-	}
+	o := b.appOptions(p)
 	f, err := os.Create(b.cfg.CPUProfile)
 	if err != nil {
 		return r, err
@@ -215,4 +207,74 @@ func execIn(ctx context.Context, url, sql string) error {
 	defer conn.Close(context.Background())
 	_, err = conn.Exec(ctx, sql)
 	return err
+}
+
+// appOptions are the defaults of `outbox-relay run` with the bench's names.
+func (b *bench) appOptions(p *path) app.Options {
+	tbl, _ := store.ParseTable("outbox")
+	pol, _ := store.ParsePolicy(b.cfg.Policy)
+	return app.Options{
+		DatabaseURL: p.url, NATSURL: b.s.nats.URL(), Table: tbl, Slot: slotName, Publication: "outbox_relay",
+		Stream: p.stream, SubjectPrefix: p.prefix, Policy: pol,
+		DuplicateWindow: 2 * time.Minute, StreamReplicas: 1, AckTimeout: 10 * time.Second,
+		MaxInFlight: 1024, MaxInFlightBytes: 4 << 20, StatusInterval: 2 * time.Second, DrainTimeout: 10 * time.Second,
+		AppName: relayAppName, WorkerID: "bench", PollInterval: time.Second,
+	}
+}
+
+// profiledLive is the CDC live case with the relay in this process under
+// the CPU profiler. The profile also holds the producers and the consumer;
+// look at the relay's packages in it (pprof -focus).
+func (b *bench) profiledLive(ctx context.Context) (Result, error) {
+	r := Result{Case: "cdc-live-inprocess"}
+	p, err := b.setup(ctx, CDCLive, 99)
+	defer b.teardown(p)
+	if err != nil {
+		return r, err
+	}
+	logf, err := os.Create(filepath.Join(b.dir, "inprocess.log"))
+	if err != nil {
+		return r, err
+	}
+	defer logf.Close()
+	rctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- app.Run(rctx, b.appOptions(p), zerolog.New(logf).Level(zerolog.WarnLevel)) }()
+	if _, err := b.s.walsenderPID(ctx, p.db, slotName, 60*time.Second); err != nil {
+		return r, err
+	}
+	n := b.cfg.liveRows()
+	l := b.newLoad(p, n, b.cfg.Rate)
+	col, err := collect(ctx, b.s.js, p.stream, l.base, n)
+	if err != nil {
+		return r, err
+	}
+	f, err := os.Create(b.cfg.CPUProfile)
+	if err != nil {
+		return r, err
+	}
+	defer f.Close()
+	if err := pprof.StartCPUProfile(f); err != nil {
+		return r, err
+	}
+	el, err := l.run(ctx)
+	if err == nil {
+		err = col.wait(ctx, drainTimeout(n))
+	}
+	pprof.StopCPUProfile()
+	if err != nil {
+		return r, err
+	}
+	cancel()
+	if rerr := <-done; rerr != nil {
+		return r, fmt.Errorf("relay: %w", rerr)
+	}
+	_, last := firstLast(col.recvNs)
+	r.Rows, r.InsertRate = n, float64(n)/el.Seconds()
+	r.Seconds = time.Duration(last).Seconds()
+	r.MsgsPerSec = float64(n) / r.Seconds
+	sum := Summarize(latencies(l.commitNs, col.recvNs))
+	r.Latency = &sum
+	return r, nil
 }

@@ -60,7 +60,14 @@ func Render(rep Report) string {
 			ir.Seconds, ir.Xacts, ir.BackendsActive, ir.Backends, ir.RelayCPU, ir.WalsenderCPU)
 	}
 	if p := rep.Profile; p != nil {
-		fmt.Fprintf(&b, "in-process CDC backlog (profiled): %.0f msg/s, process CPU %.2f µs/msg (relay plus the benchmark's polling)\n", p.MsgsPerSec, p.PubCPUPerMsgUS)
+		fmt.Fprintf(&b, "%s (relay in-process, profiled): %.0f msg/s", p.Case, p.MsgsPerSec)
+		if p.PubCPUPerMsgUS > 0 {
+			fmt.Fprintf(&b, ", process CPU %.2f µs/msg (relay plus the benchmark's polling)", p.PubCPUPerMsgUS)
+		}
+		if l := p.Latency; l != nil {
+			fmt.Fprintf(&b, ", commit-to-ack p50 %s p99 %s ms", num(l.P50), num(l.P99))
+		}
+		b.WriteString("\n")
 	}
 	return b.String()
 }

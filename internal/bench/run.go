@@ -53,6 +53,8 @@ type Config struct {
 	JSONPath     string
 	PlotPath     string
 	CPUProfile   string // profile one in-process CDC backlog drain into this file
+	Keep         bool   // keep the children's logs
+	ProfileCase  string // cdc-backlog or cdc-live
 	MemProfile   string // and write its heap profile here when every message is acked
 
 	Out io.Writer // the table
@@ -80,6 +82,9 @@ func (c *Config) validate() error {
 	}
 	if c.NaiveMode != "async" && c.NaiveMode != "sync" {
 		return fmt.Errorf("-naive-mode %q: want async or sync", c.NaiveMode)
+	}
+	if c.ProfileCase != CDCBacklog && c.ProfileCase != CDCLive {
+		return fmt.Errorf("-profile-case %q: want %s or %s", c.ProfileCase, CDCBacklog, CDCLive)
 	}
 	for _, k := range c.Cases {
 		if !slices.Contains(AllCases, k) {
@@ -111,7 +116,11 @@ func Run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return err
 	}
-	defer os.RemoveAll(dir)
+	if cfg.Keep {
+		cfg.logf("keeping the relay's and the polling publisher's logs in %s", dir)
+	} else {
+		defer os.RemoveAll(dir)
+	}
 	if cfg.RelayBin == "" {
 		cfg.logf("building cmd/outbox-relay")
 		if cfg.RelayBin, err = buildRelay(dir); err != nil {
@@ -165,8 +174,12 @@ func Run(ctx context.Context, cfg Config) error {
 		rep.Idle = &ir
 	}
 	if cfg.CPUProfile != "" {
-		cfg.logf("profiling an in-process CDC backlog drain into %s", cfg.CPUProfile)
-		r, err := b.profiledBacklog(ctx)
+		cfg.logf("profiling an in-process %s into %s", cfg.ProfileCase, cfg.CPUProfile)
+		profile := b.profiledBacklog
+		if cfg.ProfileCase == CDCLive {
+			profile = b.profiledLive
+		}
+		r, err := profile(ctx)
 		if err != nil {
 			return fmt.Errorf("profile: %w", err)
 		}
