@@ -49,6 +49,7 @@ func main() {
 	fs.StringVar(&c.MemProfile, "memprofile", "", "with -cpuprofile: write the in-process relay's heap profile here at the moment every message is acked")
 	fs.BoolVar(&c.Keep, "keep", false, "keep the relay's and the polling publisher's logs (their directory is printed)")
 	fs.StringVar(&c.ProfileCase, "profile-case", bench.CDCBacklog, "with -cpuprofile: which case to run with the relay in-process (cdc-backlog or cdc-live)")
+	fs.StringVar(&c.RelayPGOptions, "relay-pg-options", "", `experiment: server settings for the relay's sessions (libpq options), e.g. "-c plan_cache_mode=force_custom_plan"`)
 	_ = fs.Parse(os.Args[1:])
 	c.Cases = strings.Split(cases, ",")
 	c.Out, c.Log = os.Stdout, os.Stderr

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -61,11 +62,20 @@ func (b *bench) names(k string, round int) (db, stream, prefix string) {
 
 func (b *bench) relayArgs(p *path, poll time.Duration) []string {
 	return []string{"run",
-		"--database-url", p.url, "--nats-url", b.s.nats.URL(),
+		"--database-url", b.relayURL(p.url), "--nats-url", b.s.nats.URL(),
 		"--stream", p.stream, "--subject-prefix", p.prefix, "--on-publish", b.cfg.Policy,
 		"--poll-interval", poll.String(), "--stats-interval", "0",
 		"--application-name", relayAppName, "--worker-id", "bench", "--log-level", "warn",
 	}
+}
+
+// relayURL adds -relay-pg-options (server settings for the relay's
+// sessions, libpq's options parameter) to a database URL.
+func (b *bench) relayURL(u string) string {
+	if b.cfg.RelayPGOptions == "" {
+		return u
+	}
+	return u + "&options=" + strings.ReplaceAll(url.QueryEscape(b.cfg.RelayPGOptions), "+", "%20")
 }
 
 func (b *bench) migrate(url string) error {

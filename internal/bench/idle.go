@@ -214,7 +214,7 @@ func (b *bench) appOptions(p *path) app.Options {
 	tbl, _ := store.ParseTable("outbox")
 	pol, _ := store.ParsePolicy(b.cfg.Policy)
 	return app.Options{
-		DatabaseURL: p.url, NATSURL: b.s.nats.URL(), Table: tbl, Slot: slotName, Publication: "outbox_relay",
+		DatabaseURL: b.relayURL(p.url), NATSURL: b.s.nats.URL(), Table: tbl, Slot: slotName, Publication: "outbox_relay",
 		Stream: p.stream, SubjectPrefix: p.prefix, Policy: pol,
 		DuplicateWindow: 2 * time.Minute, StreamReplicas: 1, AckTimeout: 10 * time.Second,
 		MaxInFlight: 1024, MaxInFlightBytes: 4 << 20, StatusInterval: 2 * time.Second, DrainTimeout: 10 * time.Second,

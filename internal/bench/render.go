@@ -53,6 +53,9 @@ func Render(rep Report) string {
 	c := rep.Config
 	fmt.Fprintf(&b, "\nworkload: %d rows (live: %d), %d rows/tx, %d B payload, %d producers, live rate %s, policy %s, %d round(s), polling publisher %s with %v poll interval\n",
 		c.Rows, c.liveRows(), c.RowsPerTx, c.Payload, c.Producers, rateText(c.Rate), c.Policy, c.Rounds, c.NaiveMode, c.PollInterval)
+	if c.RelayPGOptions != "" {
+		fmt.Fprintf(&b, "relay sessions run with PostgreSQL options %q\n", c.RelayPGOptions)
+	}
 	fmt.Fprintf(&b, "machine: %s, %s CPUs, %s; load at start %s\n\n", rep.Machine["cpu"], rep.Machine["cpus"], rep.Machine["memory"], rep.Machine["loadavg_at_start"])
 	b.WriteString(FormatTable(header, rows))
 	if ir := rep.Idle; ir != nil {

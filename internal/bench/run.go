@@ -54,8 +54,11 @@ type Config struct {
 	PlotPath     string
 	CPUProfile   string // profile one in-process CDC backlog drain into this file
 	Keep         bool   // keep the children's logs
-	ProfileCase  string // cdc-backlog or cdc-live
-	MemProfile   string // and write its heap profile here when every message is acked
+	// RelayPGOptions are server settings for the relay's sessions, e.g.
+	// "-c plan_cache_mode=force_custom_plan" (an experiment, not a default).
+	RelayPGOptions string
+	ProfileCase    string // cdc-backlog or cdc-live
+	MemProfile     string // and write its heap profile here when every message is acked
 
 	Out io.Writer // the table
 	Log io.Writer // progress
