@@ -18,11 +18,16 @@ func Render(rep Report) string {
 		CDCBacklog: PollBacklog, PollerBacklog: PollBacklog,
 		CDCLive: PollLive, PollerLive: PollLive,
 	}
+	paced := rep.Config.Rate > 0
 	rounds := map[string][]string{}
 	for _, r := range rep.Results {
-		rounds[r.Case] = append(rounds[r.Case], num(r.MsgsPerSec))
+		v := num(medianKey(r, paced))
+		if paced && r.Latency != nil && len(rounds[r.Case]) == 0 {
+			v = "p99 " + v
+		}
+		rounds[r.Case] = append(rounds[r.Case], v)
 	}
-	header := []string{"case", "rows", "msg/s", "rounds", "/pg ceil", "/js ceil", "/polling",
+	header := []string{"case", "rows", "msg/s", "rounds (median of)", "/pg ceil", "/js ceil", "/polling",
 		"insert rows/s", "/no relay", "p50 ms", "p95 ms", "p99 ms", "max ms",
 		"pub CPU s/100k", "pub µs/msg", "pub RSS MB", "walsender CPU s", "nats CPU s", "machine CPU s"}
 	var rows [][]string
