@@ -83,9 +83,10 @@ func (r *runner) natsURLs() string {
 }
 
 // streamCluster is the stream's leader and replicas as the cluster reports
-// them now; an error when it cannot tell within a couple of seconds.
-func (r *runner) streamCluster(ctx context.Context) (*jetstream.ClusterInfo, error) {
-	cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+// them now; an error when it cannot tell within timeout (a stream without a
+// leader does not answer at all).
+func (r *runner) streamCluster(ctx context.Context, timeout time.Duration) (*jetstream.ClusterInfo, error) {
+	cctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	s, err := r.js.Stream(cctx, streamName)
 	if err != nil {
@@ -105,9 +106,9 @@ func (r *runner) streamCluster(ctx context.Context) (*jetstream.ClusterInfo, err
 }
 
 // streamLeader is the stream's leader, "" when there is none or it cannot
-// be told.
-func (r *runner) streamLeader(ctx context.Context) string {
-	ci, err := r.streamCluster(ctx)
+// be told within timeout.
+func (r *runner) streamLeader(ctx context.Context, timeout time.Duration) string {
+	ci, err := r.streamCluster(ctx, timeout)
 	if err != nil {
 		return ""
 	}
@@ -126,7 +127,7 @@ func (r *runner) watchLeader(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		l := r.streamLeader(ctx)
+		l := r.streamLeader(ctx, time.Second)
 		if l == "" || l == last {
 			continue
 		}
@@ -144,7 +145,7 @@ func (r *runner) watchLeader(ctx context.Context) {
 // when it was the leader, starts it again after hold and waits until every
 // replica is current, so that the next fault starts from a whole cluster.
 func (r *runner) nodeKill(ctx context.Context, kind, label string, hold time.Duration) error {
-	before := r.streamLeader(ctx)
+	before := r.streamLeader(ctx, 2*time.Second)
 	var idx int
 	switch {
 	case kind == FaultNATSNodeKill && before != "" && r.rng.IntN(2) == 0:
@@ -171,8 +172,10 @@ func (r *runner) nodeKill(ctx context.Context, kind, label string, hold time.Dur
 	r.count(kind)
 	r.logf("fault %s: SIGKILL nats node %s (stream leader %q) for %v", label, node.ServerName(), before, hold)
 	if lc.WasLeader {
+		// A short timeout: while there is no leader the request goes
+		// unanswered, and the election time is measured to about 0.25s.
 		for time.Since(t0) < time.Minute && ctx.Err() == nil {
-			if l := r.streamLeader(ctx); l != "" && l != lc.Killed {
+			if l := r.streamLeader(ctx, 250*time.Millisecond); l != "" && l != lc.Killed {
 				lc.During = l
 				lc.ElectSeconds = time.Since(t0).Seconds()
 				break
@@ -184,7 +187,7 @@ func (r *runner) nodeKill(ctx context.Context, kind, label string, hold time.Dur
 		}
 		r.logf("fault %s: new stream leader %q after %.2fs", label, lc.During, lc.ElectSeconds)
 	} else {
-		lc.During = r.streamLeader(ctx)
+		lc.During = r.streamLeader(ctx, 2*time.Second)
 	}
 	r.pause(ctx, hold-time.Since(t0))
 	if err := node.Start(); err != nil {
@@ -193,7 +196,7 @@ func (r *runner) nodeKill(ctx context.Context, kind, label string, hold time.Dur
 	t1 := time.Now()
 	lc.CatchUpSeconds = -1
 	for time.Since(t1) < time.Minute && ctx.Err() == nil {
-		ci, err := r.streamCluster(ctx)
+		ci, err := r.streamCluster(ctx, 2*time.Second)
 		if err == nil && ci.Leader != "" && len(ci.Replicas) == r.cl.Len()-1 && replicasCurrent(ci) {
 			lc.CatchUpSeconds = time.Since(t1).Seconds()
 			lc.After = ci.Leader
@@ -202,7 +205,7 @@ func (r *runner) nodeKill(ctx context.Context, kind, label string, hold time.Dur
 		time.Sleep(50 * time.Millisecond)
 	}
 	if lc.After == "" {
-		lc.After = r.streamLeader(ctx)
+		lc.After = r.streamLeader(ctx, 2*time.Second)
 	}
 	r.logf("fault %s: node %s back; replicas current after %.2fs; stream leader %q -> %q", label, lc.Killed, lc.CatchUpSeconds, lc.Before, lc.After)
 	r.mu.Lock()
