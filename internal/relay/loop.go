@@ -109,7 +109,10 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event
 		}
 
 		var evCh <-chan replication.Event
-		if l.blocked == nil && !stopping {
+		// Rows acked and waiting for their mark are bounded too: when the
+		// database marks slower than the broker acks, reading WAL waits,
+		// instead of the queue (and memory) growing with the backlog.
+		if l.blocked == nil && !stopping && len(l.pending)+len(l.retry) < l.r.cfg.MaxUnsettled {
 			evCh = events
 		}
 		select {
@@ -304,7 +307,9 @@ func (l *loop) handleResult(it *item) error {
 	l.r.metrics.CommitToAck.Observe(time.Since(it.commitTime).Seconds())
 	it.settle.Outcome = store.Published
 	it.settle.Seq = it.ack.Sequence
-	it.msg = nil
+	// Only what the mark needs stays: the message and its future (a
+	// channel and a timer each) are garbage from here.
+	it.msg, it.fut = nil, nil
 	l.pending = append(l.pending, it)
 	return nil
 }

@@ -37,6 +37,7 @@ type Config struct {
 	MaxInFlight      int           // messages published and not yet acked
 	MaxInFlightBytes int           // their bytes; keep below the client's reconnect buffer
 	SettleBatch      int           // rows per settle statement
+	MaxUnsettled     int           // rows acked (or handed off) and not yet settled before reading WAL pauses
 	StatusInterval   time.Duration // standby status updates
 	DrainTimeout     time.Duration // how long shutdown waits for in-flight acks
 	RejectRetry      time.Duration // delay before the poller retries a row the broker rejected
@@ -62,7 +63,10 @@ func (c *Config) setDefaults() {
 		c.MaxInFlightBytes = 4 << 20
 	}
 	if c.SettleBatch <= 0 {
-		c.SettleBatch = 2000
+		c.SettleBatch = 1000
+	}
+	if c.MaxUnsettled <= 0 {
+		c.MaxUnsettled = 4 * max(c.SettleBatch, c.MaxInFlight)
 	}
 	if c.Policy == "" {
 		c.Policy = store.PolicyMark

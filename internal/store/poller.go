@@ -104,7 +104,7 @@ func (s *Store) Complete(ctx context.Context, items []Completion, workerID strin
 			WHERE t.work_id = u.work_id AND t.work_id = ANY($1::text[]) AND t.claim_generation = u.gen AND ` + claimGuard + `
 			RETURNING t.work_id`
 	}
-	rows, err := s.pool.Query(ctx, q, args...)
+	rows, err := s.pool.Query(ctx, q, append([]any{unplanned}, args...)...)
 	if err != nil {
 		return nil, fmt.Errorf("complete %d claims in %s: %w", len(items), s.table.Qualified(), err)
 	}
@@ -146,7 +146,7 @@ func (s *Store) RenewClaims(ctx context.Context, items []Completion, workerID st
 			SET lease_until = clock_timestamp() + $4::bigint * interval '1 microsecond'
 		FROM unnest($1::text[], $3::bigint[]) AS u(work_id, gen)
 		WHERE t.work_id = u.work_id AND t.work_id = ANY($1::text[]) AND t.claim_generation = u.gen AND `+claimGuard+`
-		RETURNING t.work_id`, ids, workerID, gens, micros(lease))
+		RETURNING t.work_id`, unplanned, ids, workerID, gens, micros(lease))
 	if err != nil {
 		return nil, fmt.Errorf("renew %d claims in %s: %w", len(items), s.table.Qualified(), err)
 	}

@@ -193,9 +193,9 @@ func (s *Store) SettleRows(ctx context.Context, items []Settle) (settled []bool,
 	}
 	var changed []string
 	var snapText string
-	args := []any{pubIDs, pubSeqs, delayIDs, rejIDs, rejErrs, rejDelay}
+	args := []any{unplanned, pubIDs, pubSeqs, delayIDs, rejIDs, rejErrs, rejDelay}
 	if s.policy == PolicyDelete {
-		args = []any{pubIDs, delayIDs, rejIDs, rejErrs, rejDelay}
+		args = []any{unplanned, pubIDs, delayIDs, rejIDs, rejErrs, rejDelay}
 	}
 	if err := s.pool.QueryRow(ctx, s.settleSQL, args...).Scan(&changed, &snapText); err != nil {
 		return nil, fmt.Errorf("settle %d rows in %s: %w", len(items), s.table.Qualified(), err)
@@ -246,6 +246,15 @@ func buildSettleSQL(t Table, policy Policy) string {
 	SELECT ARRAY(SELECT work_id FROM pub UNION ALL SELECT work_id FROM delayed UNION ALL SELECT work_id FROM rejected),
 		pg_current_snapshot()::text`
 }
+
+// unplanned runs a statement as an unnamed prepared statement, which
+// PostgreSQL plans for the parameters it is given, every time. The batched
+// statements (settle, complete, renew) join arrays of thousands of IDs; a
+// named statement switches to a generic plan after five runs, guesses 10
+// rows for unnest and picks a nested loop whose cost grows with the square
+// of the batch (measured: 0.79 s for 1,000 IDs and 158 s for 20,000, against
+// 38 ms and 236 ms planned per call).
+const unplanned = pgx.QueryExecModeExec
 
 // IsUndefinedTable reports a 42P01 error.
 func IsUndefinedTable(err error) bool {
