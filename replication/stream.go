@@ -86,19 +86,29 @@ func (s *Stream) Run(ctx context.Context, out chan<- Event, confirms <-chan pglo
 	defer ticker.Stop()
 	nextStatus := time.Now().Add(s.cfg.StatusInterval)
 
-	// A receive waits up to a status interval; stop must end that wait at
-	// once, or an idle relay takes that long to shut down. Cancelling only
-	// sets a deadline on the socket, so the connection stays usable for
-	// the last status update.
-	recvCtx, cancelRecv := context.WithCancel(ctx)
-	defer cancelRecv()
+	// A receive waits up to a status interval, through a read deadline on
+	// the socket rather than a context: pgconn watches a cancellable
+	// context with a goroutine per call, and at one call per WAL message
+	// that was the stream's largest cost. Stop (or ctx) must end the wait
+	// at once, or an idle relay takes up to a status interval to shut down:
+	// this goroutine moves the deadline to now, which leaves the
+	// connection usable for the last status update.
+	var interrupted atomic.Bool
+	netConn := s.conn.Conn()
+	watchDone := make(chan struct{})
+	defer close(watchDone)
 	go func() {
 		select {
 		case <-stop:
-			cancelRecv()
-		case <-recvCtx.Done():
+		case <-ctx.Done():
+		case <-watchDone:
+			return
 		}
+		interrupted.Store(true)
+		_ = netConn.SetReadDeadline(time.Now())
 	}()
+	var deadline time.Time
+	defer func() { _ = netConn.SetReadDeadline(time.Time{}) }()
 
 	for {
 		select {
@@ -119,9 +129,18 @@ func (s *Stream) Run(ctx context.Context, out chan<- Event, confirms <-chan pglo
 			nextStatus = time.Now().Add(s.cfg.StatusInterval)
 		}
 
-		rctx, cancel := context.WithDeadline(recvCtx, nextStatus)
-		msg, err := s.conn.ReceiveMessage(rctx)
-		cancel()
+		if !nextStatus.Equal(deadline) {
+			deadline = nextStatus
+			if err := netConn.SetReadDeadline(deadline); err != nil {
+				return fmt.Errorf("set read deadline on slot %s: %w", s.cfg.Slot, err)
+			}
+		}
+		if interrupted.Load() {
+			// The interrupt may have come before the deadline above
+			// replaced it.
+			_ = netConn.SetReadDeadline(time.Now())
+		}
+		msg, err := s.conn.ReceiveMessage(context.Background())
 		if err != nil {
 			select {
 			case <-stop:

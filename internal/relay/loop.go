@@ -50,9 +50,10 @@ type loop struct {
 	inflightBytes int
 	blocked       *item // a row waiting for in-flight capacity
 
-	pending  []*item // acked or handed off, waiting for the settler
-	retry    []*item // settled too early (not visible yet)
-	settling bool
+	pending      []*item   // acked or handed off, waiting for the settler
+	pendingSince time.Time // when the oldest of pending arrived
+	retry        []*item   // settled too early (not visible yet)
+	settling     bool
 
 	queue      chan *item // to the collector, in publish order
 	results    chan *item
@@ -84,6 +85,9 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event
 
 	retryTimer := time.NewTimer(time.Hour)
 	retryTimer.Stop()
+	settleTimer := time.NewTimer(time.Hour)
+	settleTimer.Stop()
+	settleArmed := false
 	var drainDeadline <-chan time.Time
 	stopping := false
 	shutdown := ctx.Done()
@@ -96,7 +100,24 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event
 				return err
 			}
 		}
+		if len(l.pending) > 0 && l.pendingSince.IsZero() {
+			l.pendingSince = time.Now()
+		}
+		// A settle goes out once a batch is full or its oldest row has
+		// waited SettleDelay: at one row per transaction this groups a few
+		// marks per statement instead of one statement per ack. The delay
+		// holds back the mark and the confirmation, never the publish.
+		if !l.settling && len(l.pending) > 0 && !stopping && len(l.pending) < l.r.cfg.SettleBatch {
+			if wait := l.r.cfg.SettleDelay - time.Since(l.pendingSince); wait > 0 {
+				if !settleArmed {
+					settleTimer.Reset(wait)
+					settleArmed = true
+				}
+				goto wait
+			}
+		}
 		if !l.settling && len(l.pending) > 0 {
+			l.pendingSince = time.Time{}
 			n := min(len(l.pending), l.r.cfg.SettleBatch)
 			batch := make([]*item, n)
 			copy(batch, l.pending)
@@ -107,6 +128,7 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event
 		if stopping && l.inflight == 0 && !l.settling && len(l.pending) == 0 && len(l.retry) == 0 {
 			return l.finish(confirms, streamDone)
 		}
+	wait:
 
 		var evCh <-chan replication.Event
 		// Rows acked and waiting for their mark are bounded too: when the
@@ -134,6 +156,8 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event
 		case <-retryTimer.C:
 			l.dueRetries()
 			l.armRetry(retryTimer)
+		case <-settleTimer.C:
+			settleArmed = false
 		case err := <-streamDone:
 			if err == nil {
 				err = errors.New("replication stream ended")

@@ -37,6 +37,7 @@ type Config struct {
 	MaxInFlight      int           // messages published and not yet acked
 	MaxInFlightBytes int           // their bytes; keep below the client's reconnect buffer
 	SettleBatch      int           // rows per settle statement
+	SettleDelay      time.Duration // how long a partial batch waits for more rows before it is settled
 	MaxUnsettled     int           // rows acked (or handed off) and not yet settled before reading WAL pauses
 	StatusInterval   time.Duration // standby status updates
 	DrainTimeout     time.Duration // how long shutdown waits for in-flight acks
@@ -71,6 +72,7 @@ func (c *Config) setDefaults() {
 	if c.Policy == "" {
 		c.Policy = store.PolicyMark
 	}
+	def(&c.SettleDelay, 5*time.Millisecond)
 	def(&c.StatusInterval, 2*time.Second)
 	def(&c.DrainTimeout, 10*time.Second)
 	def(&c.RejectRetry, 5*time.Second)
