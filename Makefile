@@ -4,7 +4,7 @@ GO      ?= go
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 BIN     := bin/outbox-relay
 
-.PHONY: setup test build demo fmt-check docker clean chaos chaos-short chaos-cluster
+.PHONY: setup test build demo fmt-check docker clean chaos chaos-short chaos-cluster bench chaos-cluster
 
 ## setup: install what demo and test need when it is absent, through apt
 ## (Debian/Ubuntu): PostgreSQL server binaries in /usr/lib/postgresql/<v>/bin
@@ -73,6 +73,12 @@ chaos-short: setup
 CHAOS_CLUSTER_FLAGS ?= -duration 15m
 chaos-cluster: setup
 	$(GO) run ./cmd/outbox-chaos -cluster 3 $(CHAOS_CLUSTER_FLAGS)
+
+## bench: the end-to-end benchmark (internal/bench): ceilings, CDC and poller
+## paths, the naive polling publisher, idle cost; flags via BENCH_FLAGS.
+BENCH_FLAGS ?= -rows 100000 -rows-per-tx 100 -payload 200 -producers 4 -policy mark -rounds 3 -json bench.json -plot bench.png
+bench: setup
+	$(GO) run ./cmd/outbox-bench $(BENCH_FLAGS)
 
 ## build: build the relay binary into bin/.
 build:
