@@ -4,7 +4,7 @@ GO      ?= go
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 BIN     := bin/outbox-relay
 
-.PHONY: setup test build demo fmt-check docker clean chaos chaos-short chaos-cluster bench chaos-cluster
+.PHONY: setup test build demo fmt-check docker clean chaos chaos-short chaos-cluster bench
 
 ## setup: install what demo and test need when it is absent, through apt
 ## (Debian/Ubuntu): PostgreSQL server binaries in /usr/lib/postgresql/<v>/bin
