@@ -10,7 +10,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
@@ -163,12 +162,8 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	rep.Slot.Exists, rep.Slot.Active, rep.Slot.ActivePID, rep.Slot.WALStatus = slot.Exists, slot.Active, slot.ActivePID, slot.WALStatus
 	if slot.Exists {
 		rep.Slot.ConfirmedLSN = slot.ConfirmedFlush.String()
-		var cur string
-		if err := pool.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&cur); err != nil {
-			return fmt.Errorf("read current WAL position: %w", err)
-		}
-		if lsn, err := pglogrepl.ParseLSN(cur); err == nil && lsn > slot.ConfirmedFlush {
-			rep.Slot.LagBytes = int64(lsn - slot.ConfirmedFlush)
+		if rep.Slot.LagBytes, _, err = replication.SlotLag(ctx, pool, c.slot); err != nil {
+			return err
 		}
 	}
 	if rep.Counts, err = st.Counts(ctx); err != nil {

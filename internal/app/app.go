@@ -329,7 +329,8 @@ func Run(ctx context.Context, o Options, log zerolog.Logger) error {
 	if err != nil {
 		return fmt.Errorf("open JetStream for the poller: %w", err)
 	}
-	p := poller.New(o.pollerConfig(nc.IsConnected), store.New(pool, o.Table, o.Policy), natssink.New(pjs), log, m)
+	st := store.New(pool, o.Table, o.Policy)
+	p := poller.New(o.pollerConfig(nc.IsConnected), st, natssink.New(pjs), log, m)
 
 	g, gctx := errgroup.WithContext(ctx)
 	if o.HTTPAddr != "" {
@@ -383,7 +384,7 @@ func Run(ctx context.Context, o Options, log zerolog.Logger) error {
 	})
 	if o.StatsInterval > 0 {
 		g.Go(func() error {
-			tableStats(gctx, store.New(pool, o.Table, o.Policy), m, o.StatsInterval, log)
+			tableStats(gctx, st, m, o.StatsInterval, log)
 			return nil
 		})
 	}

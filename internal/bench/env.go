@@ -242,15 +242,6 @@ func (p *proc) usage() (cpu, rssMB float64, err error) {
 
 // buildRelay builds cmd/outbox-relay of the module in the working directory.
 func buildRelay(dir string) (string, error) {
-	root, err := testenv.ModuleRoot()
-	if err != nil {
-		return "", err
-	}
 	out := filepath.Join(dir, "outbox-relay")
-	cmd := exec.Command("go", "build", "-o", out, "./cmd/outbox-relay")
-	cmd.Dir = root
-	if b, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("go build ./cmd/outbox-relay: %w: %s", err, b)
-	}
-	return out, nil
+	return out, testenv.BuildRelay(out, false)
 }

@@ -222,7 +222,7 @@ func (r *runner) setup(ctx context.Context) error {
 	if bin == "" {
 		bin = filepath.Join(r.workDir, "outbox-relay")
 		wg.Add(1)
-		go func() { defer wg.Done(); buildErr = buildRelay(bin, r.cfg.Race) }()
+		go func() { defer wg.Done(); buildErr = testenv.BuildRelay(bin, r.cfg.Race) }()
 	}
 	var pgErr, nsErr error
 	wg.Add(2)
@@ -261,7 +261,7 @@ func (r *runner) setup(ctx context.Context) error {
 		return fmt.Errorf("create database: %w", err)
 	}
 	r.dbURL = r.pg.URL(dbName)
-	env := relayEnv()
+	env := testenv.RelayEnv()
 	if out, err := exec.CommandContext(ctx, bin, "migrate", "--database-url", r.dbURL, "--publication", publication).CombinedOutput(); err != nil {
 		return fmt.Errorf("outbox-relay migrate: %w\n%s", err, out)
 	}
@@ -316,35 +316,6 @@ func (r *runner) setup(ctx context.Context) error {
 		if r.cfg.Cluster > 0 {
 			r.relays[i].args = append(r.relays[i].args, "--stream-replicas", strconv.Itoa(r.cfg.Cluster))
 		}
-	}
-	return nil
-}
-
-// relayEnv keeps a developer's OUTBOX_RELAY_* settings away from the relays
-// under test.
-func relayEnv() []string {
-	var env []string
-	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "OUTBOX_RELAY_") {
-			env = append(env, kv)
-		}
-	}
-	return env
-}
-
-func buildRelay(out string, race bool) error {
-	root, err := testenv.ModuleRoot()
-	if err != nil {
-		return err
-	}
-	args := []string{"build", "-o", out}
-	if race {
-		args = append(args, "-race")
-	}
-	cmd := exec.Command("go", append(args, "./cmd/outbox-relay")...)
-	cmd.Dir = root
-	if b, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("go %s: %w\n%s", strings.Join(args, " "), err, b)
 	}
 	return nil
 }

@@ -40,15 +40,7 @@ func mustRelayBinary(t testing.TB) string {
 
 // relayEnv is the test process's environment without OUTBOX_RELAY_* variables,
 // so a developer's settings cannot leak into the relay under test, plus extra.
-func relayEnv(extra ...string) []string {
-	var env []string
-	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "OUTBOX_RELAY_") {
-			env = append(env, kv)
-		}
-	}
-	return append(env, extra...)
-}
+func relayEnv(extra ...string) []string { return testenv.RelayEnv(extra...) }
 
 var nameSeq atomic.Int64
 

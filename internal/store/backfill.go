@@ -26,10 +26,8 @@ type SlotState struct {
 	InvalidatedCount int
 }
 
-func (s *Store) slotsTable() string { return s.table.derived("slots", true) }
-
-// SlotsTable is the quoted name of the table's slot record, for messages.
-func (s *Store) SlotsTable() string { return s.slotsTable() }
+// SlotsTable is the quoted name of the table's slot record.
+func (s *Store) SlotsTable() string { return s.table.derived("slots", true) }
 
 // SlotState reads the record of slot; a slot the relay never created has
 // none (zero value, found false).
@@ -37,7 +35,7 @@ func (s *Store) SlotState(ctx context.Context, slot string) (st SlotState, found
 	var rows *int64
 	var mode *string
 	err = s.pool.QueryRow(ctx, `SELECT backfill_pending, backfilled_rows, backfill_mode, created_count, invalidated_count
-		FROM `+s.slotsTable()+` WHERE slot_name = $1`, slot).
+		FROM `+s.SlotsTable()+` WHERE slot_name = $1`, slot).
 		Scan(&st.BackfillPending, &rows, &mode, &st.CreatedCount, &st.InvalidatedCount)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return SlotState{Slot: slot}, false, nil
@@ -58,7 +56,7 @@ func (s *Store) SlotState(ctx context.Context, slot string) (st SlotState, found
 // MarkBackfillPending records, durably and before the slot is created, that
 // the rows committed before it still have to be handed over.
 func (s *Store) MarkBackfillPending(ctx context.Context, slot string) error {
-	_, err := s.pool.Exec(ctx, `INSERT INTO `+s.slotsTable()+` AS t (slot_name, backfill_pending, pending_since, created_count)
+	_, err := s.pool.Exec(ctx, `INSERT INTO `+s.SlotsTable()+` AS t (slot_name, backfill_pending, pending_since, created_count)
 		VALUES ($1, true, clock_timestamp(), 1)
 		ON CONFLICT (slot_name) DO UPDATE SET backfill_pending = true,
 			pending_since = CASE WHEN t.backfill_pending THEN t.pending_since ELSE clock_timestamp() END,
@@ -72,7 +70,7 @@ func (s *Store) MarkBackfillPending(ctx context.Context, slot string) error {
 // RecordInvalidation counts an invalidated slot the relay is about to drop
 // and re-create, so status can show it long after the log line scrolled by.
 func (s *Store) RecordInvalidation(ctx context.Context, slot string) error {
-	_, err := s.pool.Exec(ctx, `INSERT INTO `+s.slotsTable()+` AS t (slot_name, invalidated_count, last_invalidated_at)
+	_, err := s.pool.Exec(ctx, `INSERT INTO `+s.SlotsTable()+` AS t (slot_name, invalidated_count, last_invalidated_at)
 		VALUES ($1, 1, clock_timestamp())
 		ON CONFLICT (slot_name) DO UPDATE SET invalidated_count = t.invalidated_count + 1,
 			last_invalidated_at = clock_timestamp()`, slot)
@@ -130,7 +128,7 @@ func (s *Store) BackfillAllReady(ctx context.Context, slot string) (n int64, pen
 		return 0, false, fmt.Errorf("backfill slot %s: begin: %w", slot, err)
 	}
 	defer tx.Rollback(ctx) //nolint:errcheck // rollback after commit is a no-op
-	if err := tx.QueryRow(ctx, `SELECT backfill_pending FROM `+s.slotsTable()+` WHERE slot_name = $1 FOR UPDATE`, slot).
+	if err := tx.QueryRow(ctx, `SELECT backfill_pending FROM `+s.SlotsTable()+` WHERE slot_name = $1 FOR UPDATE`, slot).
 		Scan(&pending); err != nil && !errors.Is(err, pgx.ErrNoRows) {
 		return 0, false, fmt.Errorf("backfill slot %s: read marker: %w", slot, err)
 	}
@@ -157,7 +155,7 @@ func (s *Store) backfillTx(ctx context.Context, tx pgx.Tx, slot, mode, consisten
 	if err != nil {
 		return 0, fmt.Errorf("backfill slot %s: hand ready rows of %s to the poller: %w", slot, s.table.Qualified(), err)
 	}
-	tag, err := tx.Exec(ctx, `UPDATE `+s.slotsTable()+` SET backfill_pending = false, backfilled_at = clock_timestamp(),
+	tag, err := tx.Exec(ctx, `UPDATE `+s.SlotsTable()+` SET backfill_pending = false, backfilled_at = clock_timestamp(),
 			backfilled_rows = $2, backfill_mode = $3, consistent_lsn = nullif($4, '')::pg_lsn
 		WHERE slot_name = $1 AND backfill_pending`, slot, n, mode, consistentLSN)
 	if err != nil {

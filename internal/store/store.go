@@ -104,12 +104,12 @@ func (s *Store) Check(ctx context.Context) error {
 			s.table.Qualified(), strings.Join(missing, ", "))
 	}
 	var slotsTable bool
-	if err := s.pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, s.slotsTable()).Scan(&slotsTable); err != nil {
+	if err := s.pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, s.SlotsTable()).Scan(&slotsTable); err != nil {
 		return fmt.Errorf("check slot state table of %s: %w", s.table.Qualified(), err)
 	}
 	if !slotsTable {
 		return fmt.Errorf("%w: %s (the relay's record of its slots, added in migration 0003): run `outbox-relay migrate` with the same --database-url and --table",
-			ErrTableMissing, s.slotsTable())
+			ErrTableMissing, s.SlotsTable())
 	}
 	var canUpdate, canDelete bool
 	var role string
@@ -132,13 +132,13 @@ func (s *Store) CheckRelayGrants(ctx context.Context) error {
 	var role string
 	var ok bool
 	err := s.pool.QueryRow(ctx, `SELECT current_user, has_table_privilege($1::regclass, 'SELECT')
-		AND has_table_privilege($1::regclass, 'INSERT') AND has_table_privilege($1::regclass, 'UPDATE')`, s.slotsTable()).Scan(&role, &ok)
+		AND has_table_privilege($1::regclass, 'INSERT') AND has_table_privilege($1::regclass, 'UPDATE')`, s.SlotsTable()).Scan(&role, &ok)
 	if err != nil {
-		return fmt.Errorf("check privileges on %s: %w", s.slotsTable(), err)
+		return fmt.Errorf("check privileges on %s: %w", s.SlotsTable(), err)
 	}
 	if !ok {
 		return fmt.Errorf("role %s may not record its slot in %s: GRANT SELECT, INSERT, UPDATE ON %s TO %s (outbox-relay migrate --print-grants prints every grant)",
-			role, s.slotsTable(), s.slotsTable(), role)
+			role, s.SlotsTable(), s.SlotsTable(), role)
 	}
 	return nil
 }

@@ -22,10 +22,7 @@ func RelayBinary(race bool) (string, error) {
 }
 
 func buildRelay(race bool) (string, error) {
-	root, err := ModuleRoot()
-	if err != nil {
-		return "", err
-	}
+	var err error
 	dir := ""
 	if exe, err := os.Executable(); err == nil {
 		dir = filepath.Dir(exe)
@@ -42,14 +39,36 @@ func buildRelay(race bool) (string, error) {
 		}
 	}
 	bin := filepath.Join(dir, "outbox-relay")
-	args := []string{"build", "-o", bin}
+	return bin, BuildRelay(bin, race)
+}
+
+// BuildRelay builds cmd/outbox-relay of this module into out, with -race
+// when race is set.
+func BuildRelay(out string, race bool) error {
+	root, err := ModuleRoot()
+	if err != nil {
+		return err
+	}
+	args := []string{"build", "-o", out}
 	if race {
 		args = append(args, "-race")
 	}
 	cmd := exec.Command("go", append(args, "./cmd/outbox-relay")...)
 	cmd.Dir = root
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("go %s: %w\n%s", strings.Join(args, " "), err, out)
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("go %s: %w\n%s", strings.Join(args, " "), err, b)
 	}
-	return bin, nil
+	return nil
+}
+
+// RelayEnv is this process's environment without OUTBOX_RELAY_* variables,
+// plus extra: a developer's settings must not leak into relays under test.
+func RelayEnv(extra ...string) []string {
+	var env []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "OUTBOX_RELAY_") {
+			env = append(env, kv)
+		}
+	}
+	return append(env, extra...)
 }
