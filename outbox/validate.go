@@ -3,7 +3,6 @@ package outbox
 import (
 	"encoding/json"
 	"fmt"
-	"strings"
 
 	"github.com/outbox-relay/outbox-relay/internal/wire"
 )
@@ -12,14 +11,11 @@ import (
 // says what to fix. Enqueue calls it; it is exported for callers that build
 // messages long before they enqueue them.
 func (m Message) Validate() error {
-	if m.WorkID == "" {
-		return fmt.Errorf("%w: work_id is empty; give every intention a stable identity derived from the business fact, e.g. order-103-ack", ErrInvalid)
+	if err := wire.ValidateWorkID(m.WorkID); err != nil {
+		return fmt.Errorf("%w: %v", ErrInvalid, err)
 	}
-	if strings.ContainsAny(m.WorkID, "\r\n") {
-		return fmt.Errorf("%w: work_id %q holds a line break; it becomes the Nats-Msg-Id header, whose values may not", ErrInvalid, m.WorkID)
-	}
-	if m.Kind == "" {
-		return fmt.Errorf("%w: work_id %q: kind is empty; say what the work is, e.g. order.received", ErrInvalid, m.WorkID)
+	if err := wire.ValidateKind(m.Kind); err != nil {
+		return fmt.Errorf("%w: work_id %q: %v", ErrInvalid, m.WorkID, err)
 	}
 	if m.Subject != "" {
 		if err := wire.ValidateSubject(m.Subject); err != nil {

@@ -4,7 +4,8 @@
 --   outbox-relay migrate --print-grants | psql "$OWNER_DATABASE_URL"
 -- Roles are created without passwords; set them out of band
 -- (ALTER ROLE ... PASSWORD, or your secret manager), never in a file.
--- Safe to run again: existing roles are kept, grants are idempotent.
+-- Safe to run again: existing roles are kept, grants are idempotent, and a
+-- run over an older version of this script narrows what it granted before.
 
 -- The relay: streams the slot (REPLICATION), marks or deletes rows, records
 -- its slot and the backfill marker. It needs no ownership: migrate (run as
@@ -21,15 +22,31 @@ GRANT SELECT, UPDATE, DELETE ON {{.Table}} TO {{.Relay}};
 GRANT SELECT, INSERT, UPDATE ON {{.Companion "slots"}} TO {{.Relay}};
 
 -- The producer: the application role that writes the outbox row in its own
--- transaction. INSERT, and SELECT of the columns package outbox compares when
--- a work_id is enqueued twice (RETURNING and the conflict check).
+-- transaction. INSERT only on the columns a producer means to set; every
+-- other column keeps its default. A table-wide INSERT would let it write a row
+-- already 'published' (with a made-up stream_seq) or 'running' under a lease
+-- that never ends, rows that are never delivered and that no operator command
+-- can cancel, or one with a forged redrive audit. The REVOKE first makes
+-- a re-run on an install that had the table-wide grant end in the same state
+-- (revoking a table privilege also revokes it on every column).
 DO $do$ BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = {{.ProducerLit}}) THEN
         CREATE ROLE {{.Producer}} LOGIN;
     END IF;
 END $do$;
 GRANT USAGE ON SCHEMA {{.Schema}} TO {{.Producer}};
-GRANT INSERT ON {{.Table}} TO {{.Producer}};
+REVOKE INSERT ON {{.Table}} FROM {{.Producer}};
+-- available_at is the producer's: a ready row due later is delayed delivery.
+-- Columns producers set that a later migration adds (aggregate_type,
+-- aggregate_id, aggregate_seq for ordering; expires_at for deadlines) are
+-- granted here together with that migration, never before it exists.
+GRANT INSERT (work_id, kind, subject, payload, headers, available_at) ON {{.Table}} TO {{.Producer}};
+-- SELECT of what package outbox reads back: work_id for RETURNING and the
+-- conflict target, kind, subject and payload to tell a repeat of the same
+-- intention from a conflicting one. That lets any producer read every row's
+-- payload: producers that must not read each other's work need separate
+-- outbox tables (docs/operations.md, Security). Not state, attempts or
+-- errors: those are the relay's and the operator's.
 GRANT SELECT (work_id, kind, subject, payload) ON {{.Table}} TO {{.Producer}};
 
 -- The operator: runs status, redrive, cancel and prune. No REPLICATION.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"sync"
 	"time"
 
@@ -20,6 +21,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/relay"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 )
 
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -94,9 +96,14 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	}
 	fmt.Fprintf(stdout, "relay streaming slot %s into stream %s\n\n", o.Slot, o.Stream)
 
-	nc, err := nats.Connect(c.natsURL)
+	scrub := app.NewNATSScrubber(c.natsURL, app.NATSAuth{})
+	// Where nats.go's default handler prints asynchronous errors (not the
+	// stderr writer, which the main goroutine writes unguarded), but scrubbed.
+	nc, err := nats.Connect(c.natsURL, nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
+		fmt.Fprintf(os.Stderr, "NATS: %v\n", scrub.Err(err))
+	}))
 	if err != nil {
-		return fmt.Errorf("connect to NATS: %w", err)
+		return fmt.Errorf("connect to NATS at %s: %w", app.RedactNATSURLs(c.natsURL), scrub.Err(err))
 	}
 	defer nc.Close()
 	js, err := jetstream.New(nc)
@@ -137,7 +144,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 			if md, err := m.Metadata(); err == nil && (firstSeq == 0 || md.Sequence.Stream < firstSeq) {
 				firstSeq = md.Sequence.Stream
 			}
-			fmt.Fprintf(stdout, "\r\033[K  <- %-16s subject=%s lsn=%s  %s\n", id, m.Subject(), m.Headers().Get(relay.HeaderCommitLSN), m.Data())
+			fmt.Fprintf(stdout, "\r\033[K  <- %-16s subject=%s lsn=%s  %s\n", id, m.Subject(), m.Headers().Get(wire.HeaderCommitLSN), m.Data())
 			fmt.Fprintf(stdout, "  received %d/%d", len(seen), len(committed))
 		case <-deadline:
 			return fmt.Errorf("only %d of %d committed rows reached the stream within 30s", len(seen), len(committed))

@@ -27,9 +27,9 @@ Ready, scheduled, running and failed rows are never deleted. The <table>_redrive
 	if *olderThan == "" {
 		return fmt.Errorf("--older-than is required, e.g. --older-than 7d")
 	}
-	age, err := parseAge(*olderThan)
-	if err != nil || age <= 0 {
-		return fmt.Errorf("--older-than %q: want a positive age like 168h or 7d", *olderThan)
+	age, err := parseAge("older-than", *olderThan)
+	if err != nil {
+		return err
 	}
 	if *batch <= 0 {
 		return fmt.Errorf("--batch %d: must be positive", *batch)

@@ -8,13 +8,14 @@ import (
 	"io"
 	"os"
 	"os/user"
-	"strconv"
 	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outbox-relay/outbox-relay/internal/app"
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/termsafe"
 )
 
 // listed is how many work IDs a report names before it says "and N more":
@@ -86,33 +87,20 @@ func (o *opFlags) request(fs *flag.FlagSet, a store.Action) (store.OpRequest, er
 	return r, nil
 }
 
-// parseSince reads --since: an age (a Go duration, or whole days like 7d)
-// or an RFC3339 time.
+// parseSince reads --since: an RFC3339 time, or an age (a Go duration, or
+// whole days like 7d) before now.
 func parseSince(s string) (time.Time, time.Duration, error) {
-	if d, err := parseAge(s); err == nil {
-		if d <= 0 {
-			return time.Time{}, 0, fmt.Errorf("--since %q: want a positive age", s)
-		}
-		return time.Time{}, d, nil
+	if t, err := time.Parse(time.RFC3339Nano, s); err == nil {
+		return t, 0, nil
 	}
-	t, err := time.Parse(time.RFC3339Nano, s)
-	if err != nil {
+	d, err := parseAge("since", s)
+	if errors.As(err, new(ageSyntaxError)) {
 		return time.Time{}, 0, fmt.Errorf("--since %q: want an age like 24h or 7d, or an RFC3339 time like 2024-05-01T00:00:00Z", s)
 	}
-	return t, 0, nil
-}
-
-// parseAge is time.ParseDuration plus whole days ("7d"), the unit retention
-// is usually thought in.
-func parseAge(s string) (time.Duration, error) {
-	if n, ok := strings.CutSuffix(s, "d"); ok {
-		days, err := strconv.Atoi(n)
-		if err != nil {
-			return 0, fmt.Errorf("%q: want whole days like 7d", s)
-		}
-		return time.Duration(days) * 24 * time.Hour, nil
+	if err != nil {
+		return time.Time{}, 0, err
 	}
-	return time.ParseDuration(s)
+	return time.Time{}, d, nil
 }
 
 // defaultBy is user@host: enough to find the person behind a redrive when
@@ -172,6 +160,9 @@ attempts reset to 0, who, when and why recorded on the row and in the <table>_re
 	if err != nil {
 		return err
 	}
+	if err := app.ValidateStream(o.stream); err != nil {
+		return err
+	}
 	if *stagger < 0 {
 		return fmt.Errorf("--stagger %s: must not be negative", *stagger)
 	}
@@ -184,7 +175,7 @@ attempts reset to 0, who, when and why recorded on the row and in the <table>_re
 	window, windowFrom := *dupWindow, "--duplicate-window"
 	if o.natsURL != "" {
 		if si := readStream(ctx, o.natsURL, o.stream); si.Error != "" {
-			fmt.Fprintf(stderr, "stream %s: %s; using --duplicate-window %s\n", o.stream, si.Error, window)
+			fmt.Fprintf(stderr, "stream %s: %s; using --duplicate-window %s\n", o.stream, termsafe.String(si.Error), window)
 		} else {
 			window, windowFrom = time.Duration(si.DuplicateWindowSeconds*float64(time.Second)), "stream "+o.stream
 		}
@@ -212,6 +203,9 @@ attempts reset to 0, who, when and why recorded on the row and in the <table>_re
 }
 
 // report prints what an operator command changed and what it refused.
+// Work IDs, kinds and the rest come from rows that producers wrote, so every
+// such value goes through termsafe: printed raw, a work ID holding "\r\n" or
+// an escape sequence could erase this report and forge another.
 func report(w io.Writer, t store.Table, req store.OpRequest, res store.OpResult) {
 	ids := make([]string, len(res.Changed))
 	for i, c := range res.Changed {
@@ -225,7 +219,8 @@ func report(w io.Writer, t store.Table, req store.OpRequest, res store.OpResult)
 	if res.DryRun {
 		prefix = "dry run, nothing changed: "
 	}
-	fmt.Fprintf(w, "%s%s %d rows %s in %s (by %s, reason %q)", prefix, verbed(res.Action, res.DryRun), len(ids), what, t.Qualified(), req.By, req.Reason)
+	fmt.Fprintf(w, "%s%s %d rows %s in %s (by %s, reason %q)", prefix, verbed(res.Action, res.DryRun), len(ids), what,
+		termsafe.String(t.Qualified()), termsafe.String(req.By), req.Reason)
 	if len(ids) > 0 {
 		fmt.Fprintf(w, ": %s", idList(ids))
 	}
@@ -237,7 +232,7 @@ func report(w io.Writer, t store.Table, req store.OpRequest, res store.OpResult)
 				fmt.Fprintf(w, "  ... and %d more\n", len(res.Refused)-listed)
 				break
 			}
-			fmt.Fprintf(w, "  %s: %s\n", r.WorkID, r.Why(res.Action))
+			fmt.Fprintf(w, "  %s: %s\n", termsafe.String(r.WorkID), termsafe.String(r.Why(res.Action)))
 		}
 	}
 }
@@ -257,7 +252,7 @@ func verbed(a store.Action, dry bool) string {
 func describeFilter(s store.Selection) string {
 	d := "in state " + s.State
 	if s.Kind != "" {
-		d += " of kind " + s.Kind
+		d += " of kind " + termsafe.String(s.Kind)
 	}
 	if !s.Since.IsZero() {
 		d += " created since " + s.Since.UTC().Format(time.RFC3339)
@@ -271,11 +266,12 @@ func describeFilter(s store.Selection) string {
 	return d
 }
 
+// idList names work IDs for a human, escaped (see report).
 func idList(ids []string) string {
 	if len(ids) <= listed {
-		return strings.Join(ids, ", ")
+		return strings.Join(termsafe.Strings(ids), ", ")
 	}
-	return strings.Join(ids[:listed], ", ") + fmt.Sprintf(" and %d more", len(ids)-listed)
+	return strings.Join(termsafe.Strings(ids[:listed]), ", ") + fmt.Sprintf(" and %d more", len(ids)-listed)
 }
 
 // refusedErr makes a refused work ID an exit status: a script that asked

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/internal/app"
+	"github.com/outbox-relay/outbox-relay/internal/config"
 )
 
 func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
@@ -22,8 +23,10 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 		maxAttempts, pollBatch                              int
 		statsInterval                                       time.Duration
 		createStream                                        bool
+		allowStreams                                        config.List
 	)
 	fs.DurationVar(&dupWindow, "duplicate-window", 2*time.Minute, "duplicate window of the stream when the relay creates it")
+	fs.Var(&allowStreams, "allow-stream", "a further stream a row's subject column may name; repeat or comma-separate (default: only --stream; a subject no allowed stream binds is refused)")
 	fs.BoolVar(&createStream, "create-stream", true, "create --stream when it is missing (false: it must exist, e.g. when operators own stream configuration)")
 	fs.IntVar(&replicas, "stream-replicas", 1, "replicas of the stream when the relay creates it (3 on a JetStream cluster)")
 	fs.DurationVar(&ackTimeout, "ack-timeout", 10*time.Second, "how long a publish waits for the broker's ack before the session restarts")
@@ -61,6 +64,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	o.AllowStreams = allowStreams
 	o.DuplicateWindow, o.StreamReplicas, o.AckTimeout, o.NoCreateStream = dupWindow, replicas, ackTimeout, !createStream
 	o.MaxInFlight, o.MaxInFlightBytes = maxInFlight, maxInFlightBytes
 	o.StatusInterval, o.DrainTimeout = statusInterval, drainTimeout

@@ -15,7 +15,9 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/outbox-relay/outbox-relay/internal/app"
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/termsafe"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
 
@@ -60,26 +62,31 @@ type streamReport struct {
 
 // readStream reads the stream's state and configuration. Any failure is
 // reported in Error, not returned: status and redrive are still useful with
-// the broker down.
+// the broker down. Error is printed, so it is scrubbed of the URL's
+// credentials (nats.go's and net/url's errors can quote the URL).
 func readStream(ctx context.Context, url, name string) streamReport {
 	r := streamReport{Name: name}
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	nc, err := nats.Connect(url, nats.Name("outbox-relay status"), nats.Timeout(3*time.Second), nats.MaxReconnects(0))
-	if err != nil {
-		r.Error = "cannot connect to NATS: " + err.Error()
+	scrub := app.NewNATSScrubber(url, app.NATSAuth{})
+	fail := func(what string, err error) streamReport {
+		r.Error = what + ": " + scrub.Err(err).Error()
 		return r
+	}
+	nc, err := nats.Connect(url, nats.Name("outbox-relay status"), nats.Timeout(3*time.Second), nats.MaxReconnects(0),
+		// Not the default handler: it prints to stderr unscrubbed.
+		nats.ErrorHandler(func(*nats.Conn, *nats.Subscription, error) {}))
+	if err != nil {
+		return fail("cannot connect to NATS at "+app.RedactNATSURLs(url), err)
 	}
 	defer nc.Close()
 	js, err := jetstream.New(nc)
 	if err != nil {
-		r.Error = "JetStream: " + err.Error()
-		return r
+		return fail("JetStream", err)
 	}
 	s, err := js.Stream(ctx, name)
 	if err != nil {
-		r.Error = "cannot read stream: " + err.Error()
-		return r
+		return fail("cannot read stream", err)
 	}
 	info := s.CachedInfo()
 	r.Messages, r.Bytes = info.State.Msgs, info.State.Bytes
@@ -137,6 +144,9 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	fs.StringVar(&c.stream, "stream", "OUTBOX", "JetStream stream the relay publishes to")
 	dupWindow := fs.Duration("duplicate-window", 2*time.Minute, "the stream's duplicate window, for the replay warning when the stream is not read")
 	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if err := app.ValidateStream(c.stream); err != nil {
 		return err
 	}
 	t, err := store.ParseTable(c.table)
@@ -223,7 +233,8 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		}
 		sort.Strings(reasons)
 		for _, r := range reasons {
-			fmt.Fprintf(stdout, "  %-40s %d\n", r, rep.FailedByReason[r])
+			// r is read from last_error, which rows carry: escape it.
+			fmt.Fprintf(stdout, "  %-40s %d\n", termsafe.String(r), rep.FailedByReason[r])
 		}
 	}
 	for _, w := range rep.Warnings {

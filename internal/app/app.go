@@ -8,7 +8,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"net/http"
 	"os"
 	"strings"
@@ -17,7 +16,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/rs/zerolog"
 	"golang.org/x/sync/errgroup"
 
@@ -38,7 +36,10 @@ type Options struct {
 	Publication   string
 	Stream        string
 	SubjectPrefix string
-	Policy        store.Policy
+	// AllowStreams are streams besides Stream that a row's subject column
+	// may name (run --allow-stream); every other subject is refused.
+	AllowStreams []string
+	Policy       store.Policy
 
 	DuplicateWindow  time.Duration
 	StreamReplicas   int
@@ -53,6 +54,9 @@ type Options struct {
 	// StatsInterval paces the table-wide metrics (rows by state, oldest
 	// eligible age); 0 turns them off.
 	StatsInterval time.Duration
+	// HTTP bounds the --http-addr server; zero fields take the Default*
+	// values of http.go.
+	HTTP HTTPLimits
 
 	// The fallback poller (zero values take the defaults of `run`).
 	WorkerID     string
@@ -86,6 +90,9 @@ func (o *Options) natsOptions(log zerolog.Logger) ([]nats.Option, error) {
 	if name == "" {
 		name = "outbox-relay"
 	}
+	// Every handler scrubs: nats.go's own redaction hides passwords but not
+	// a token in the user position, and its errors may quote the URL.
+	scrub := NewNATSScrubber(o.NATSURL, o.NATS)
 	opts := []nats.Option{
 		nats.Name(name),
 		nats.MaxReconnects(-1),
@@ -97,10 +104,19 @@ func (o *Options) natsOptions(log zerolog.Logger) ([]nats.Option, error) {
 				log.Debug().Msg("NATS connection closed")
 				return
 			}
-			log.Warn().Err(err).Msg("disconnected from NATS")
+			log.Warn().Err(scrub.Err(err)).Msg("disconnected from NATS")
 		}),
 		nats.ReconnectHandler(func(nc *nats.Conn) {
-			log.Info().Str("server", nc.ConnectedUrlRedacted()).Msg("reconnected to NATS")
+			log.Info().Str("server", scrub.Scrub(RedactNATSURLs(nc.ConnectedUrl()))).Msg("reconnected to NATS")
+		}),
+		// Without a handler nats.go prints asynchronous errors to stderr
+		// as they are, outside the log and its redaction.
+		nats.ErrorHandler(func(_ *nats.Conn, sub *nats.Subscription, err error) {
+			ev := log.Warn().Err(scrub.Err(err))
+			if sub != nil {
+				ev = ev.Str("subject", sub.Subject)
+			}
+			ev.Msg("NATS error")
 		}),
 	}
 	a := o.NATS
@@ -134,8 +150,25 @@ func (o *Options) Validate() error {
 	if o.NATSURL == "" {
 		return errors.New("--nats-url is empty: give the broker's URL, e.g. nats://127.0.0.1:4222")
 	}
-	if o.Stream == "" || strings.ContainsAny(o.Stream, " .*>\t") {
-		return fmt.Errorf("--stream %q: a JetStream stream name may not be empty or hold spaces, '.', '*' or '>'", o.Stream)
+	// Names first: PostgreSQL and the broker refuse bad ones only once the
+	// relay has connected and started its loops, which then retry forever.
+	if err := replication.ValidateName("slot", o.Slot); err != nil {
+		return err
+	}
+	if err := replication.ValidateName("publication", o.Publication); err != nil {
+		return err
+	}
+	if err := ValidateStream(o.Stream); err != nil {
+		return err
+	}
+	for _, s := range o.AllowStreams {
+		if err := validateStreamName("--allow-stream", s); err != nil {
+			return err
+		}
+	}
+	// Before the general subject rules, so a reserved prefix hears why.
+	if err := checkReservedPrefix(o.SubjectPrefix); err != nil {
+		return err
 	}
 	if !strings.HasSuffix(o.SubjectPrefix, ".") || natssink.ValidateSubject(strings.TrimSuffix(o.SubjectPrefix, ".")) != nil {
 		return fmt.Errorf("--subject-prefix %q: want dot-separated tokens ending in '.', e.g. outbox.", o.SubjectPrefix)
@@ -221,6 +254,12 @@ func (o *Options) pollerConfig(connected func() bool) poller.Config {
 	return c
 }
 
+// sinkOptions says where the sinks may publish: the relay's stream and the
+// streams --allow-stream names.
+func (o *Options) sinkOptions() natssink.Options {
+	return natssink.Options{Stream: o.Stream, SubjectPrefix: o.SubjectPrefix, AllowStreams: o.AllowStreams}
+}
+
 // DefaultWorkerID is hostname-pid: unique per process on a host.
 func DefaultWorkerID() string {
 	h, err := os.Hostname()
@@ -262,13 +301,19 @@ func Connect(ctx context.Context, o *Options, log zerolog.Logger) (*pgxpool.Pool
 	nc, err := nats.Connect(o.NATSURL, nopts...)
 	if err != nil {
 		pool.Close()
-		return nil, nil, fmt.Errorf("connect to NATS at %s: %w", redactURL(o.NATSURL), err)
+		return nil, nil, fmt.Errorf("connect to NATS at %s: %w", RedactNATSURLs(o.NATSURL), NewNATSScrubber(o.NATSURL, o.NATS).Err(err))
 	}
 	return pool, nc, nil
 }
 
 // Run runs the daemon until ctx is cancelled.
 func Run(ctx context.Context, o Options, log zerolog.Logger) error {
+	// Whatever ends the run is printed by the caller: no NATS secret may
+	// ride along on it, from whichever part it came.
+	return NewNATSScrubber(o.NATSURL, o.NATS).Err(run(ctx, o, log))
+}
+
+func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	if err := o.Validate(); err != nil {
 		return err
 	}
@@ -318,7 +363,7 @@ func Run(ctx context.Context, o Options, log zerolog.Logger) error {
 		StatusInterval:   o.StatusInterval,
 		DrainTimeout:     o.DrainTimeout,
 		BeforeSession:    ensureStream,
-	}, pool, natssink.New(js), log, m)
+	}, pool, natssink.New(js, o.sinkOptions()), log, m)
 	if o.Started != nil {
 		o.Started(r)
 	}
@@ -330,11 +375,11 @@ func Run(ctx context.Context, o Options, log zerolog.Logger) error {
 		return fmt.Errorf("open JetStream for the poller: %w", err)
 	}
 	st := store.New(pool, o.Table, o.Policy)
-	p := poller.New(o.pollerConfig(nc.IsConnected), st, natssink.New(pjs), log, m)
+	p := poller.New(o.pollerConfig(nc.IsConnected), st, natssink.New(pjs, o.sinkOptions()), log, m)
 
 	g, gctx := errgroup.WithContext(ctx)
 	if o.HTTPAddr != "" {
-		srv, ln, err := listenHTTP(o.HTTPAddr, m, r, pool, nc)
+		srv, ln, err := listenHTTP(o.HTTPAddr, o.HTTP, m, r, pool, nc)
 		if err != nil {
 			return err
 		}
@@ -433,38 +478,4 @@ func tableStats(ctx context.Context, st *store.Store, m *metrics.Metrics, every 
 		case <-time.After(every):
 		}
 	}
-}
-
-func listenHTTP(addr string, m *metrics.Metrics, r *relay.Relay, pool *pgxpool.Pool, nc *nats.Conn) (*http.Server, net.Listener, error) {
-	mux := http.NewServeMux()
-	mux.Handle("/metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}))
-	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
-		fmt.Fprintln(w, "ok")
-	})
-	mux.HandleFunc("/readyz", func(w http.ResponseWriter, req *http.Request) {
-		role := r.Role()
-		var problems []string
-		if role != relay.RoleActive && role != relay.RoleStandby {
-			problems = append(problems, "cdc: "+role.String())
-		}
-		if !nc.IsConnected() {
-			problems = append(problems, "nats: "+nc.Status().String())
-		}
-		ctx, cancel := context.WithTimeout(req.Context(), 2*time.Second)
-		defer cancel()
-		if err := pool.Ping(ctx); err != nil {
-			problems = append(problems, "postgres: unreachable")
-		}
-		if len(problems) > 0 {
-			w.WriteHeader(http.StatusServiceUnavailable)
-			fmt.Fprintln(w, strings.Join(problems, "; "))
-			return
-		}
-		fmt.Fprintln(w, role.String())
-	})
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		return nil, nil, fmt.Errorf("listen on --http-addr %s: %w", addr, err)
-	}
-	return &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}, ln, nil
 }

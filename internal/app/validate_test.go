@@ -21,6 +21,7 @@ func TestValidateNamesTheFlag(t *testing.T) {
 	valid := func() app.Options {
 		return app.Options{
 			NATSURL: "nats://127.0.0.1:4222", Table: store.Table{Schema: "public", Name: "outbox"}, Stream: "OUTBOX",
+			Slot: "outbox_relay", Publication: "outbox_relay",
 			SubjectPrefix: "outbox.", Policy: store.PolicyMark, DuplicateWindow: 2 * time.Minute, AckTimeout: 10 * time.Second,
 			MaxInFlight: 10, MaxInFlightBytes: 1 << 20,
 		}
@@ -35,6 +36,29 @@ func TestValidateNamesTheFlag(t *testing.T) {
 	}{
 		{"no nats url", func(o *app.Options) { o.NATSURL = "" }, []string{"--nats-url"}},
 		{"stream with dot", func(o *app.Options) { o.Stream = "A.B" }, []string{"--stream", "A.B"}},
+		{"empty stream", func(o *app.Options) { o.Stream = "" }, []string{"--stream", "empty"}},
+		{"stream with slash", func(o *app.Options) { o.Stream = "a/b" }, []string{"--stream", `"a/b"`, "path separator '/'"}},
+		{"stream with backslash", func(o *app.Options) { o.Stream = `a\b` }, []string{"--stream", `path separator '\\'`}},
+		{"stream with star", func(o *app.Options) { o.Stream = "A*" }, []string{"--stream", "'*'"}},
+		{"stream with gt", func(o *app.Options) { o.Stream = "A>" }, []string{"--stream", "'>'"}},
+		{"stream with space", func(o *app.Options) { o.Stream = "A B" }, []string{"--stream", "whitespace"}},
+		{"stream with tab", func(o *app.Options) { o.Stream = "A\tB" }, []string{"--stream", "whitespace"}},
+		{"stream with newline", func(o *app.Options) { o.Stream = "A\nB" }, []string{"--stream", `"A\nB"`, "whitespace"}},
+		{"stream with no-break space", func(o *app.Options) { o.Stream = "A\u00a0B" }, []string{"--stream", "whitespace"}},
+		{"stream with escape", func(o *app.Options) { o.Stream = "A\x1b[2K" }, []string{"--stream", `\x1b`, "non-printing"}},
+		{"stream with bidi control", func(o *app.Options) { o.Stream = "A\u202eB" }, []string{"--stream", "U+202E"}},
+		{"stream not UTF-8", func(o *app.Options) { o.Stream = "A\xffB" }, []string{"--stream", "UTF-8"}},
+		{"stream too long", func(o *app.Options) { o.Stream = strings.Repeat("S", 256) }, []string{"--stream", "256 bytes", "1 to 255 bytes"}},
+		{"allowed stream with slash", func(o *app.Options) { o.AllowStreams = []string{"OK", "a/b"} }, []string{"--allow-stream", `"a/b"`, "path separator"}},
+		{"prefix $JS", func(o *app.Options) { o.SubjectPrefix = "$JS." }, []string{"--subject-prefix", "reserved", "$JS"}},
+		{"prefix $SYS", func(o *app.Options) { o.SubjectPrefix = "$SYS.outbox." }, []string{"--subject-prefix", "reserved"}},
+		{"prefix $KV", func(o *app.Options) { o.SubjectPrefix = "$KV.x." }, []string{"--subject-prefix", "reserved"}},
+		{"prefix _INBOX", func(o *app.Options) { o.SubjectPrefix = "_INBOX." }, []string{"--subject-prefix", "_INBOX", "reply"}},
+		{"prefix under _INBOX", func(o *app.Options) { o.SubjectPrefix = "_INBOX.outbox." }, []string{"--subject-prefix", "_INBOX"}},
+		{"slot with capitals", func(o *app.Options) { o.Slot = "Outbox-Slot" }, []string{"--slot", "Outbox-Slot", "lower-case letters"}},
+		{"empty slot", func(o *app.Options) { o.Slot = "" }, []string{"--slot", "lower-case letters"}},
+		{"slot too long", func(o *app.Options) { o.Slot = strings.Repeat("s", 64) }, []string{"--slot", "1 to 63"}},
+		{"publication with dash", func(o *app.Options) { o.Publication = "out-box" }, []string{"--publication", "out-box", "lower-case letters"}},
 		{"prefix without dot", func(o *app.Options) { o.SubjectPrefix = "outbox" }, []string{"--subject-prefix"}},
 		{"prefix wildcard", func(o *app.Options) { o.SubjectPrefix = "out.*." }, []string{"--subject-prefix"}},
 		{"cert without key", func(o *app.Options) { o.NATS.CertFile = file }, []string{"--nats-tls-cert", "--nats-tls-key"}},
@@ -50,6 +74,23 @@ func TestValidateNamesTheFlag(t *testing.T) {
 		{"no in-flight room", func(o *app.Options) { o.MaxInFlight = 0 }, []string{"--max-in-flight"}},
 		{"backoff min above max", func(o *app.Options) { o.BackoffMin, o.BackoffMax = time.Minute, time.Second }, []string{"--backoff-min", "--backoff-max"}},
 		{"negative stats interval", func(o *app.Options) { o.StatsInterval = -time.Second }, []string{"--stats-interval"}},
+	}
+	// What the server and PostgreSQL accept must still pass.
+	for _, ok := range []func(*app.Options){
+		func(o *app.Options) { o.Stream = "T_orders-v2_1" },
+		func(o *app.Options) { o.Stream = "Bestellungen_ä" },
+		func(o *app.Options) { o.Stream = strings.Repeat("S", 255) },
+		func(o *app.Options) { o.SubjectPrefix = "INBOX.outbox." },
+		func(o *app.Options) { o.SubjectPrefix = "app._INBOX." },
+		func(o *app.Options) { o.SubjectPrefix = "_INBOXES." },
+		func(o *app.Options) { o.SubjectPrefix = "a$b." },
+		func(o *app.Options) { o.Slot = strings.Repeat("s", 63) },
+	} {
+		o := valid()
+		ok(&o)
+		if err := o.Validate(); err != nil {
+			t.Errorf("Validate refused valid options: %v", err)
+		}
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

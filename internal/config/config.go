@@ -96,3 +96,21 @@ func (l *Logging) Logger(w io.Writer) (zerolog.Logger, error) {
 
 // Stderr is where logs go.
 var Stderr io.Writer = os.Stderr
+
+// List is a repeatable flag whose every value may also hold several
+// comma-separated items, so `--x a --x b`, `--x a,b` and the environment
+// variable's `a,b` all mean the same.
+type List []string
+
+// String implements flag.Value.
+func (l *List) String() string { return strings.Join(*l, ",") }
+
+// Set implements flag.Value: it appends, skipping empty items.
+func (l *List) Set(v string) error {
+	for _, item := range strings.Split(v, ",") {
+		if item = strings.TrimSpace(item); item != "" {
+			*l = append(*l, item)
+		}
+	}
+	return nil
+}

@@ -31,8 +31,8 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
-	"github.com/outbox-relay/outbox-relay/internal/relay"
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/sinks"
 )
 
@@ -203,14 +203,14 @@ func (p *Poller) Poll(ctx context.Context) (int, error) {
 			p.fail(wctx, c, fmt.Sprintf("uncertain: lease expired after %d attempts (max attempts reached)", c.Attempts-1))
 			continue
 		}
-		msg, err := relay.BuildMessage(relay.MessageFields{
+		msg, err := wire.BuildMessage(wire.Row{
 			WorkID: c.WorkID, Kind: c.Kind, Subject: c.Subject, Payload: c.Payload, Headers: c.Headers,
 		}, p.cfg.SubjectPrefix, map[string]string{
-			relay.HeaderAttempt:         strconv.Itoa(c.Attempts),
-			relay.HeaderClaimGeneration: strconv.FormatInt(c.ClaimGeneration, 10),
+			wire.HeaderAttempt:         strconv.Itoa(c.Attempts),
+			wire.HeaderClaimGeneration: strconv.FormatInt(c.ClaimGeneration, 10),
 		})
 		if err != nil {
-			batch = append(batch, inflight{c: c, err: &sinks.RejectedError{Reason: "invalid_header", Err: err}})
+			batch = append(batch, inflight{c: c, err: err})
 			continue
 		}
 		f, err := p.sink.Publish(wctx, msg)

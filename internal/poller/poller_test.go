@@ -18,9 +18,9 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
 	"github.com/outbox-relay/outbox-relay/internal/poller"
-	"github.com/outbox-relay/outbox-relay/internal/relay"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/sinks"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
@@ -95,7 +95,7 @@ func (f *fixture) pollerWithSink(id string, cfg poller.Config, wrap func(sinks.S
 	cfg.WorkerID, cfg.SubjectPrefix, cfg.Connected = id, f.prefix, f.nc.IsConnected
 	m := metrics.New()
 	log := zerolog.New(zerolog.NewTestWriter(f.t)).Level(zerolog.WarnLevel)
-	var sink sinks.Sink = natssink.New(js)
+	var sink sinks.Sink = natssink.New(js, natssink.Options{Stream: f.stream, SubjectPrefix: f.prefix})
 	if wrap != nil {
 		sink = wrap(sink)
 	}
@@ -219,11 +219,11 @@ func TestPollersRace(t *testing.T) {
 			got++
 			id := msg.Headers().Get(jetstream.MsgIDHeader)
 			seen[id]++
-			if g := msg.Headers().Get(relay.HeaderClaimGeneration); g != "1" {
-				t.Errorf("%s: %s = %q, want 1", id, relay.HeaderClaimGeneration, g)
+			if g := msg.Headers().Get(wire.HeaderClaimGeneration); g != "1" {
+				t.Errorf("%s: %s = %q, want 1", id, wire.HeaderClaimGeneration, g)
 			}
-			if a := msg.Headers().Get(relay.HeaderAttempt); a != "1" {
-				t.Errorf("%s: %s = %q, want 1", id, relay.HeaderAttempt, a)
+			if a := msg.Headers().Get(wire.HeaderAttempt); a != "1" {
+				t.Errorf("%s: %s = %q, want 1", id, wire.HeaderAttempt, a)
 			}
 			md, err := msg.Metadata()
 			if err != nil {

@@ -11,8 +11,8 @@ import (
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/outbox-relay/outbox-relay/internal/relay"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 )
 
 // producer commits rows in the background until stopped, in transactions of
@@ -211,7 +211,7 @@ func TestStreamedBeforeVisible(t *testing.T) {
 		return h.streamCount() == 2, nil
 	})
 	byID, _ := h.streamMsgs()
-	commitLSN, err := pglogrepl.ParseLSN(byID["invisible"].Header.Get(relay.HeaderCommitLSN))
+	commitLSN, err := pglogrepl.ParseLSN(byID["invisible"].Header.Get(wire.HeaderCommitLSN))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -9,6 +9,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/checkpoint"
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/sinks"
 )
@@ -243,11 +244,12 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row) error {
 		l.pending = append(l.pending, it)
 		return nil
 	}
-	msg, err := BuildMessage(MessageFields{
+	msg, err := wire.BuildMessage(wire.Row{
 		WorkID: row.WorkID, Kind: row.Kind, Subject: row.Subject, Payload: row.Payload, Headers: row.Headers,
 	}, l.r.cfg.SubjectPrefix, CDCHeaders(l.curCommitLSN, l.curCommitTime))
 	if err != nil {
-		l.reject(it, &sinks.RejectedError{Reason: "invalid_header", Err: err})
+		re, _ := sinks.IsRejected(err)
+		l.reject(it, re)
 		return nil
 	}
 	it.msg = msg

@@ -8,8 +8,8 @@ import (
 	"github.com/jackc/pglogrepl"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/outbox-relay/outbox-relay/internal/relay"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 )
 
 // Mina's order 103 and its acknowledgement, committed together: the stream
@@ -65,18 +65,18 @@ func TestOrder103(t *testing.T) {
 	}
 	for k, want := range map[string]string{
 		jetstream.MsgIDHeader: "order-103-ack",
-		relay.HeaderKind:      "order_received",
+		wire.HeaderKind:       "order_received",
 		"traceparent":         "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
 	} {
 		if got := m.Header.Get(k); got != want {
 			t.Errorf("header %s = %q, want %q", k, got, want)
 		}
 	}
-	if _, err := pglogrepl.ParseLSN(m.Header.Get(relay.HeaderCommitLSN)); err != nil {
-		t.Errorf("header %s = %q: %v", relay.HeaderCommitLSN, m.Header.Get(relay.HeaderCommitLSN), err)
+	if _, err := pglogrepl.ParseLSN(m.Header.Get(wire.HeaderCommitLSN)); err != nil {
+		t.Errorf("header %s = %q: %v", wire.HeaderCommitLSN, m.Header.Get(wire.HeaderCommitLSN), err)
 	}
-	if _, err := time.Parse(time.RFC3339Nano, m.Header.Get(relay.HeaderCommitTime)); err != nil {
-		t.Errorf("header %s = %q: %v", relay.HeaderCommitTime, m.Header.Get(relay.HeaderCommitTime), err)
+	if _, err := time.Parse(time.RFC3339Nano, m.Header.Get(wire.HeaderCommitTime)); err != nil {
+		t.Errorf("header %s = %q: %v", wire.HeaderCommitTime, m.Header.Get(wire.HeaderCommitTime), err)
 	}
 	if state != "published" || uint64(seq) != m.Sequence || publishedAt == nil {
 		t.Errorf("row state=%s stream_seq=%d published_at=%v, want published, %d, set", state, seq, publishedAt, m.Sequence)
@@ -130,7 +130,7 @@ func TestStopConfirmsAndRestartResumes(t *testing.T) {
 	// The last transaction's commit record starts at its messages'
 	// Outbox-Commit-LSN; a graceful stop confirms past it.
 	byID, _ := h.streamMsgs()
-	lastCommit, err := pglogrepl.ParseLSN(byID[first[len(first)-1]].Header.Get(relay.HeaderCommitLSN))
+	lastCommit, err := pglogrepl.ParseLSN(byID[first[len(first)-1]].Header.Get(wire.HeaderCommitLSN))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -159,7 +159,7 @@ func TestIdleStopIsPromptWithLongStatusInterval(t *testing.T) {
 		t.Errorf("stop took %s with a 25s status interval, want well under it", took)
 	}
 	byID, _ := h.streamMsgs()
-	lastCommit, err := pglogrepl.ParseLSN(byID[ids[len(ids)-1]].Header.Get(relay.HeaderCommitLSN))
+	lastCommit, err := pglogrepl.ParseLSN(byID[ids[len(ids)-1]].Header.Get(wire.HeaderCommitLSN))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"unicode/utf8"
 )
 
 // Header names of the message format (DESIGN.md, "The message").
@@ -27,8 +28,15 @@ const (
 // the broker on every retry. 256 bytes leaves room below any server setting.
 const MaxSubjectBytes = 256
 
+// ErrReservedSubject marks a subject in the server's own namespaces.
+var ErrReservedSubject = errors.New("reserved subject")
+
 // ValidateSubject applies NATS's rules for a publish subject: dot-separated
-// non-empty tokens, no whitespace, no wildcards, at most MaxSubjectBytes.
+// non-empty tokens, no whitespace or control characters, no wildcards, at
+// most MaxSubjectBytes. It also refuses the server's own namespaces: a
+// subject starting with '$' ($JS.API, $SYS, $KV, ...) is a request to the
+// server (a row with '$JS.API.STREAM.DELETE.OUTBOX' deleted the relay's
+// stream), and _INBOX.* are replies another client waits for.
 func ValidateSubject(s string) error {
 	if s == "" {
 		return errors.New("empty subject")
@@ -36,8 +44,17 @@ func ValidateSubject(s string) error {
 	if len(s) > MaxSubjectBytes {
 		return fmt.Errorf("subject %.40q... is %d bytes, over the %d-byte limit (a subject longer than the broker's control line closes the connection)", s, len(s), MaxSubjectBytes)
 	}
-	if strings.ContainsAny(s, " \t\r\n") {
-		return fmt.Errorf("subject %q contains whitespace", s)
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c <= ' ' || c == 0x7f {
+			return fmt.Errorf("subject %q contains whitespace or a control character", s)
+		}
+	}
+	if !utf8.ValidString(s) {
+		return fmt.Errorf("subject %q is not valid UTF-8", s)
+	}
+	first, _, _ := strings.Cut(s, ".")
+	if strings.HasPrefix(first, "$") || first == "_INBOX" {
+		return fmt.Errorf("%w: subject %q is in the NATS server's own namespace ($... is the server's API, _INBOX.... are replies another client waits for): a row may only publish into a stream", ErrReservedSubject, s)
 	}
 	for _, tok := range strings.Split(s, ".") {
 		switch tok {
@@ -50,14 +67,15 @@ func ValidateSubject(s string) error {
 	return nil
 }
 
-// ValidateHeader checks one of a row's own headers: a name NATS can carry and
-// the relay does not reserve, and a value without line breaks.
+// ValidateHeader checks one of a row's own headers: a name the NATS client
+// accepts (printable ASCII without separators), one the relay does not
+// reserve, and a value that arrives as written (see headerText).
 func ValidateHeader(name, value string) error {
-	if name == "" || strings.ContainsAny(name, ": \t\r\n") {
-		return fmt.Errorf("header name %q: names may not be empty or hold ':' or whitespace", name)
+	if !validHeaderName(name) {
+		return fmt.Errorf("header name %q: names must be 1 to 256 printable ASCII characters without spaces or any of %s", name, headerNameForbidden)
 	}
-	if strings.ContainsAny(value, "\r\n") {
-		return fmt.Errorf("header %q: values may not hold line breaks", name)
+	if err := headerText(value, true); err != nil {
+		return fmt.Errorf("header %q: its value %.60q %v, so it would not arrive as written", name, value, err)
 	}
 	// Nats-* headers steer JetStream itself (expected sequence, rollup,
 	// message ID) and Outbox-* are the relay's; a row must set neither.
@@ -66,4 +84,22 @@ func ValidateHeader(name, value string) error {
 		return fmt.Errorf("header %q: Nats-* and Outbox-* headers are reserved for the broker and the relay; choose another name", name)
 	}
 	return nil
+}
+
+// headerNameForbidden are the printable characters the NATS client refuses
+// in a header name (nats.go's isHeaderKeyValid); past that, names are ASCII
+// 33 to 126.
+const headerNameForbidden = `"()/,:;<=>?@[\]{}`
+
+func validHeaderName(name string) bool {
+	if name == "" || len(name) > 256 {
+		return false
+	}
+	for i := 0; i < len(name); i++ {
+		c := name[i]
+		if c < 33 || c > 126 || strings.IndexByte(headerNameForbidden, c) >= 0 {
+			return false
+		}
+	}
+	return true
 }

@@ -2,38 +2,56 @@ package wire_test
 
 import (
 	"encoding/json"
+	"errors"
+	"net/textproto"
 	"strings"
 	"testing"
+	"unicode/utf8"
 
-	"github.com/outbox-relay/outbox-relay/internal/relay"
 	"github.com/outbox-relay/outbox-relay/internal/wire"
+	"github.com/outbox-relay/outbox-relay/sinks"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
 
-// The producer validates with this package; the relay with its own code.
-// These tests feed both the same cases, so a change to either side that makes
-// them disagree fails here.
-
-func TestSubjectRulesMatchTheSink(t *testing.T) {
-	cases := []string{
-		"", "a", "outbox.order.received", "a.b.c.d", "a b", "a\tb", "a\nb", " a", "a.", ".a", "a..b",
-		"*", ">", "a.*", "a.>", "a.*.b", "a*", "a>", "a.b*", "ä.ö", "a-b_c", "a/b", strings.Repeat("x.", 200) + "y",
-	}
-	for _, s := range cases {
-		ours, theirs := wire.ValidateSubject(s), natssink.ValidateSubject(s)
-		if (ours == nil) != (theirs == nil) {
-			t.Errorf("subject %q: wire says %v, the sink says %v", s, ours, theirs)
+func TestSubjectRules(t *testing.T) {
+	for s, want := range map[string]string{
+		"a": "", "outbox.order.received": "", "a-b_c": "", "a/b": "", "ä.ö": "", "a*": "", "a>": "", "x.$JS": "", "_INBOXES.x": "",
+		"": "empty", "a b": "whitespace", "a\tb": "whitespace", "a\nb": "whitespace", " a": "whitespace", "a\x00b": "control", "a\x7fb": "control",
+		"a.": "empty token", ".a": "empty token", "a..b": "empty token", "*": "wildcard", ">": "wildcard", "a.*.b": "wildcard", "a.>": "wildcard",
+		strings.Repeat("x.", 200) + "y": "byte limit",
+		"$JS.API.STREAM.DELETE.OUTBOX":  "namespace", "$JS.API.STREAM.PURGE.VICTIM": "namespace", "$SYS.REQ.SERVER.PING": "namespace",
+		"$KV.bucket.key": "namespace", "$G": "namespace", "_INBOX.abc": "namespace", "_INBOX": "namespace",
+	} {
+		err := wire.ValidateSubject(s)
+		if want == "" {
+			if err != nil {
+				t.Errorf("subject %q: %v, want valid", s, err)
+			}
+			continue
+		}
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("subject %q: %v, want an error mentioning %q", s, err, want)
+		}
+		if want == "namespace" && !errors.Is(err, wire.ErrReservedSubject) {
+			t.Errorf("subject %q: %v, want ErrReservedSubject", s, err)
+		}
+		// The sink applies the same rule: one definition.
+		if natssink.ValidateSubject(s) == nil {
+			t.Errorf("subject %q: the sink takes it", s)
 		}
 	}
 }
 
-func TestHeaderRulesMatchTheRelay(t *testing.T) {
+// BuildMessage refuses a row's header exactly when ValidateHeader does: the
+// producer (package outbox) refuses what the relay would.
+func TestBuildMessageAgreesWithValidateHeader(t *testing.T) {
 	type hc struct{ name, value string }
 	cases := []hc{
 		{"traceparent", "00-1-2-01"}, {"X-Tenant", "a b"}, {"x", ""}, {"", "v"}, {"a:b", "v"}, {"a b", "v"},
 		{"a\tb", "v"}, {"a\nb", "v"}, {"a", "x\ny"}, {"a", "x\ry"}, {"a", "tab\tok"}, {"Nats-Msg-Id", "v"},
 		{"nats-expected-stream", "v"}, {"NATS-ROLLUP", "all"}, {"Outbox-Kind", "v"}, {"outbox-anything", "v"},
-		{"Natsy", "v"}, {"Outboxed", "v"}, {"X-Nats-Thing", "v"}, {"ümlaut", "v"},
+		{"Natsy", "v"}, {"Outboxed", "v"}, {"X-Nats-Thing", "v"}, {"ümlaut", "v"}, {"a\x01", "v"}, {"a/b", "v"},
+		{"a", " lead"}, {"a", "trail "}, {"a", "x\x00y"}, {"a", "x\x1b[2Ky"}, {"a", "日本"}, {strings.Repeat("h", 257), "v"},
 	}
 	for _, c := range cases {
 		ours := wire.ValidateHeader(c.name, c.value)
@@ -41,20 +59,112 @@ func TestHeaderRulesMatchTheRelay(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		_, theirs := relay.BuildMessage(relay.MessageFields{WorkID: "w", Kind: "k", Payload: []byte(`{}`), Headers: hdr}, "outbox.", nil)
+		_, theirs := wire.BuildMessage(wire.Row{WorkID: "w", Kind: "k", Payload: []byte(`{}`), Headers: hdr}, "outbox.", nil)
 		if (ours == nil) != (theirs == nil) {
-			t.Errorf("header %q=%q: wire says %v, the relay says %v", c.name, c.value, ours, theirs)
+			t.Errorf("header %q=%q: ValidateHeader says %v, BuildMessage says %v", c.name, c.value, ours, theirs)
+		}
+		if re, ok := sinks.IsRejected(theirs); theirs != nil && (!ok || re.Reason != wire.ReasonInvalidHeader) {
+			t.Errorf("header %q=%q: BuildMessage returned %v, want a rejection with reason %s", c.name, c.value, theirs, wire.ReasonInvalidHeader)
 		}
 	}
 }
 
-func TestHeaderNamesMatchTheRelay(t *testing.T) {
-	for ours, theirs := range map[string]string{
-		wire.HeaderKind: relay.HeaderKind, wire.HeaderCommitLSN: relay.HeaderCommitLSN, wire.HeaderCommitTime: relay.HeaderCommitTime,
-		wire.HeaderAttempt: relay.HeaderAttempt, wire.HeaderClaimGeneration: relay.HeaderClaimGeneration,
-	} {
-		if ours != theirs {
-			t.Errorf("wire has %q where the relay has %q", ours, theirs)
-		}
+// The reproductions of issue 16 that BuildMessage decides alone.
+func TestBuildMessageRefusesHostileRows(t *testing.T) {
+	big := map[string]string{}
+	for i := range 100 {
+		big[strings.Repeat("h", 8)+string(rune('a'+i%26))+string(rune('a'+i/26))] = strings.Repeat("v", 1000)
 	}
+	bigHeaders, _ := json.Marshal(big)
+	for _, c := range []struct {
+		name   string
+		row    wire.Row
+		reason string
+	}{
+		{"trailing space", wire.Row{WorkID: "col-x ", Kind: "k"}, wire.ReasonInvalidWorkID},
+		{"trailing newline", wire.Row{WorkID: "col-x\n", Kind: "k"}, wire.ReasonInvalidWorkID},
+		{"leading tab", wire.Row{WorkID: "\tcol-x", Kind: "k"}, wire.ReasonInvalidWorkID},
+		{"blank", wire.Row{WorkID: " ", Kind: "k"}, wire.ReasonInvalidWorkID},
+		{"empty", wire.Row{WorkID: "", Kind: "k"}, wire.ReasonInvalidWorkID},
+		{"70 KB work_id", wire.Row{WorkID: strings.Repeat("w", 70<<10), Kind: "k"}, wire.ReasonInvalidWorkID},
+		{"70 KB kind, explicit subject", wire.Row{WorkID: "w", Kind: strings.Repeat("k", 70<<10), Subject: "outbox.x"}, wire.ReasonInvalidKind},
+		{"kind with CRLF", wire.Row{WorkID: "w", Kind: "k\r\nNats-Rollup: all", Subject: "outbox.x"}, wire.ReasonInvalidKind},
+		{"100 headers of 1,000 bytes", wire.Row{WorkID: "w", Kind: "k", Headers: bigHeaders}, wire.ReasonHeaderTooLarge},
+		{"JetStream API subject", wire.Row{WorkID: "w", Kind: "k", Subject: "$JS.API.STREAM.DELETE.OUTBOX"}, wire.ReasonReservedSubject},
+		{"kind that cannot form a subject", wire.Row{WorkID: "w", Kind: "order received"}, wire.ReasonInvalidSubject},
+		{"inbox subject", wire.Row{WorkID: "w", Kind: "k", Subject: "_INBOX.abc"}, wire.ReasonReservedSubject},
+		{"non-ASCII header name", wire.Row{WorkID: "w", Kind: "k", Headers: []byte(`{"ümlaut":"v"}`)}, wire.ReasonInvalidHeader},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			c.row.Payload = []byte(`{}`)
+			_, err := wire.BuildMessage(c.row, "outbox.", nil)
+			re, ok := sinks.IsRejected(err)
+			if !ok || re.Reason != c.reason {
+				t.Fatalf("BuildMessage = %v, want a rejection with reason %s", err, c.reason)
+			}
+		})
+	}
+}
+
+// FuzzBuildMessage: whatever a row holds, BuildMessage either refuses it
+// with a reason or builds a message that the NATS client sends unchanged:
+// the ID is the work ID, every header value survives the client's trimming
+// and line-break rewriting, every name is one the client accepts, the
+// header block fits the broker's limit, and the subject is a valid one
+// outside the server's namespaces.
+func FuzzBuildMessage(f *testing.F) {
+	for _, s := range [][4]string{
+		{"col-x", "k", "", `{"traceparent":"00-1"}`}, {"col-x ", "k", "", ""}, {"col-x\n", "k", "", ""}, {"\tcol-x", "k", "", ""},
+		{" ", "k", "", ""}, {"w", "k\r\n", "outbox.x", ""}, {"w", "k", "$JS.API.STREAM.DELETE.OUTBOX", ""}, {"w", "k", "_INBOX.x", ""},
+		{"w", "k", "", `{"ü":"v"}`}, {"w", "k", "", `{"a":" v"}`}, {"w", "k", "", `{"a":1}`}, {"w", "$JS.API.INFO", "", ""},
+		{"x\x1b[2K\r\nredrove 0 rows; all good", "k", "", ""}, {"w", "k", "", `{"Nats-Msg-Id":"other"}`},
+	} {
+		f.Add(s[0], s[1], s[2], s[3])
+	}
+	f.Fuzz(func(t *testing.T, workID, kind, subject, headers string) {
+		row := wire.Row{WorkID: workID, Kind: kind, Subject: subject, Payload: []byte(`{}`)}
+		if headers != "" {
+			row.Headers = []byte(headers)
+		}
+		m, err := wire.BuildMessage(row, "outbox.", map[string]string{wire.HeaderAttempt: "1"})
+		if err != nil {
+			if re, ok := sinks.IsRejected(err); !ok || re.Reason == "" {
+				t.Fatalf("error %v is not a rejection with a reason", err)
+			}
+			return
+		}
+		if m.ID != workID {
+			t.Fatalf("message ID %q, want the work ID %q", m.ID, workID)
+		}
+		if err := wire.ValidateSubject(m.Subject); err != nil {
+			t.Fatalf("built a message with subject %q: %v", m.Subject, err)
+		}
+		sent := func(v string) string {
+			return strings.NewReplacer("\r", " ", "\n", " ").Replace(textproto.TrimString(v))
+		}
+		if sent(workID) != workID || !utf8.ValidString(workID) {
+			t.Fatalf("work ID %q would arrive as %q", workID, sent(workID))
+		}
+		for k, vs := range m.Header {
+			if k == "" || strings.ContainsAny(k, "\"()/,:;<=>?@[\\]{} \t\r\n") {
+				t.Fatalf("header name %q would be refused by the client", k)
+			}
+			for _, c := range []byte(k) {
+				if c < 33 || c > 126 {
+					t.Fatalf("header name %q would be refused by the client", k)
+				}
+			}
+			for _, v := range vs {
+				if sent(v) != v {
+					t.Fatalf("header %s=%q would arrive as %q", k, v, sent(v))
+				}
+			}
+		}
+		if m.Header[wire.HeaderKind][0] != kind {
+			t.Fatalf("Outbox-Kind %q, want %q", m.Header[wire.HeaderKind][0], kind)
+		}
+		if n := wire.HeaderBlockSize(m.ID, m.Header); n > wire.MaxHeaderBytes {
+			t.Fatalf("header block of %d bytes", n)
+		}
+	})
 }

@@ -18,28 +18,43 @@ import (
 	"github.com/outbox-relay/outbox-relay/sinks"
 )
 
-// API is the part of JetStream the sink uses: publishing, and a stream lookup
-// to tell "no stream binds this subject" from "JetStream is restarting".
+// API is the part of JetStream the sink uses: publishing, the subjects of
+// the streams it may publish into, and a stream lookup to tell "no stream
+// binds this subject" from "JetStream is restarting".
 type API interface {
 	jetstream.Publisher
 	StreamNameBySubject(ctx context.Context, subject string) (string, error)
+	Stream(ctx context.Context, name string) (jetstream.Stream, error)
 }
 
 // Sink publishes to JetStream.
 type Sink struct {
-	js API
+	js      API
+	binding *binding
 }
 
 var _ sinks.Sink = (*Sink)(nil)
 
-// New returns a sink on js. Create js with jetstream.WithPublishAsyncTimeout:
-// without an ack timeout a future can wait forever across a broker loss.
-func New(js API) *Sink { return &Sink{js: js} }
+// New returns a sink on js that publishes only into the streams o allows.
+// Create js with jetstream.WithPublishAsyncTimeout: without an ack timeout a
+// future can wait forever across a broker loss.
+func New(js API, o Options) *Sink { return &Sink{js: js, binding: newBinding(o)} }
 
 // Publish implements sinks.Sink.
 func (s *Sink) Publish(ctx context.Context, m *sinks.Message) (sinks.Future, error) {
 	if err := ValidateSubject(m.Subject); err != nil {
-		return nil, &sinks.RejectedError{Reason: "invalid_subject", Err: err}
+		reason := wire.ReasonInvalidSubject
+		if errors.Is(err, wire.ErrReservedSubject) {
+			reason = wire.ReasonReservedSubject
+		}
+		return nil, &sinks.RejectedError{Reason: reason, Err: err}
+	}
+	if n := wire.HeaderBlockSize(m.ID, m.Header); n > wire.MaxHeaderBytes {
+		return nil, &sinks.RejectedError{Reason: wire.ReasonHeaderTooLarge, Err: fmt.Errorf(
+			"message %.40q: header block of %d bytes, over JetStream's %d-byte limit", m.ID, n, wire.MaxHeaderBytes)}
+	}
+	if err := s.binding.check(ctx, s.js, m.Subject); err != nil {
+		return nil, err
 	}
 	hdr := nats.Header(m.Header)
 	if hdr == nil {
@@ -84,8 +99,13 @@ func classify(ctx context.Context, js API, subject string, err error) error {
 		return &sinks.RejectedError{Reason: "invalid_header", Err: err}
 	}
 	var apiErr *jetstream.APIError
-	if errors.As(err, &apiErr) && apiErr.ErrorCode == jetstream.JSErrCodeStreamMessageExceedsMaximum {
-		return &sinks.RejectedError{Reason: "max_msg_size", Err: err}
+	if errors.As(err, &apiErr) {
+		switch apiErr.ErrorCode {
+		case jetstream.JSErrCodeStreamMessageExceedsMaximum:
+			return &sinks.RejectedError{Reason: "max_msg_size", Err: err}
+		case errCodeHeaderExceedsMaximum:
+			return &sinks.RejectedError{Reason: wire.ReasonHeaderTooLarge, Err: err}
+		}
 	}
 	if errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, nats.ErrNoResponders) {
 		// No responders also happens while JetStream restarts; only a lookup
@@ -111,6 +131,10 @@ type StreamConfig struct {
 	Replicas        int
 	NoCreate        bool // a missing stream is an error (--create-stream=false)
 }
+
+// errCodeHeaderExceedsMaximum is JetStream's "header size exceeds maximum
+// allowed of 64k": the stream refuses this message's headers on every try.
+const errCodeHeaderExceedsMaximum jetstream.ErrorCode = 10097
 
 // errCodeSubjectOverlap is JetStream's "subjects overlap with an existing
 // stream" (the client library names no constant for it).

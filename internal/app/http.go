@@ -1,0 +1,125 @@
+package app
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/net/netutil"
+
+	"github.com/outbox-relay/outbox-relay/internal/metrics"
+	"github.com/outbox-relay/outbox-relay/internal/relay"
+)
+
+// The --http-addr server serves a scraper and a few probes, never a crowd.
+// Its limits keep a flood of connections (idle keep-alives, clients that
+// never finish a request) from taking the relay's file descriptors and
+// memory: at most DefaultHTTPMaxConns are accepted at once, and each is
+// closed when it idles or stalls, so a slot frees within seconds and the
+// probes get in again. Streaming shares nothing with this server but the
+// process's descriptor table, which the cap protects.
+const (
+	// DefaultHTTPMaxConns is far below any usual descriptor limit (1024 at
+	// the least), so the relay's own database and broker connections always
+	// find descriptors. Connections beyond it wait in the kernel's accept
+	// queue, costing the relay nothing.
+	DefaultHTTPMaxConns = 128
+	// DefaultHTTPReadHeaderTimeout closes a connection that does not finish
+	// its request's headers in time (slowloris), including one that never
+	// sends anything.
+	DefaultHTTPReadHeaderTimeout = 5 * time.Second
+	// DefaultHTTPReadTimeout bounds reading a whole request.
+	DefaultHTTPReadTimeout = 10 * time.Second
+	// DefaultHTTPWriteTimeout bounds a response; /readyz waits at most 2s
+	// for PostgreSQL and /metrics is small.
+	DefaultHTTPWriteTimeout = 30 * time.Second
+	// DefaultHTTPIdleTimeout closes keep-alive connections between
+	// requests. Short: a scraper reconnecting every interval costs less than
+	// idle connections holding slots under the cap.
+	DefaultHTTPIdleTimeout = 15 * time.Second
+	// DefaultHTTPMaxHeaderBytes: probes and scrapers send a few hundred
+	// bytes; the net/http default of 1 MiB per connection only helps a flood.
+	DefaultHTTPMaxHeaderBytes = 8 << 10
+)
+
+// HTTPLimits bounds the --http-addr server. Zero fields take the Default*
+// values; tests set small ones.
+type HTTPLimits struct {
+	MaxConns          int
+	ReadHeaderTimeout time.Duration
+	ReadTimeout       time.Duration
+	WriteTimeout      time.Duration
+	IdleTimeout       time.Duration
+	MaxHeaderBytes    int
+}
+
+func (l HTTPLimits) withDefaults() HTTPLimits {
+	dur := func(d *time.Duration, v time.Duration) {
+		if *d <= 0 {
+			*d = v
+		}
+	}
+	dur(&l.ReadHeaderTimeout, DefaultHTTPReadHeaderTimeout)
+	dur(&l.ReadTimeout, DefaultHTTPReadTimeout)
+	dur(&l.WriteTimeout, DefaultHTTPWriteTimeout)
+	dur(&l.IdleTimeout, DefaultHTTPIdleTimeout)
+	if l.MaxConns <= 0 {
+		l.MaxConns = DefaultHTTPMaxConns
+	}
+	if l.MaxHeaderBytes <= 0 {
+		l.MaxHeaderBytes = DefaultHTTPMaxHeaderBytes
+	}
+	return l
+}
+
+// listenHTTP serves /metrics, /healthz and /readyz on addr. The listener is
+// returned apart from the server so that the caller learns the address
+// before serving (":0" in tests).
+func listenHTTP(addr string, lim HTTPLimits, m *metrics.Metrics, r *relay.Relay, pool *pgxpool.Pool, nc *nats.Conn) (*http.Server, net.Listener, error) {
+	lim = lim.withDefaults()
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+		fmt.Fprintln(w, "ok")
+	})
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, req *http.Request) {
+		role := r.Role()
+		var problems []string
+		if role != relay.RoleActive && role != relay.RoleStandby {
+			problems = append(problems, "cdc: "+role.String())
+		}
+		if !nc.IsConnected() {
+			problems = append(problems, "nats: "+nc.Status().String())
+		}
+		ctx, cancel := context.WithTimeout(req.Context(), 2*time.Second)
+		defer cancel()
+		if err := pool.Ping(ctx); err != nil {
+			problems = append(problems, "postgres: unreachable")
+		}
+		if len(problems) > 0 {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			fmt.Fprintln(w, strings.Join(problems, "; "))
+			return
+		}
+		fmt.Fprintln(w, role.String())
+	})
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, nil, fmt.Errorf("listen on --http-addr %s: %w", addr, err)
+	}
+	srv := &http.Server{
+		Handler:           mux,
+		ReadHeaderTimeout: lim.ReadHeaderTimeout,
+		ReadTimeout:       lim.ReadTimeout,
+		WriteTimeout:      lim.WriteTimeout,
+		IdleTimeout:       lim.IdleTimeout,
+		MaxHeaderBytes:    lim.MaxHeaderBytes,
+	}
+	return srv, netutil.LimitListener(ln, lim.MaxConns), nil
+}

@@ -1,0 +1,195 @@
+package wire
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sort"
+	"unicode/utf8"
+
+	"github.com/outbox-relay/outbox-relay/sinks"
+)
+
+// Row is what a message is built from, on either path (CDC or poller).
+type Row struct {
+	WorkID, Kind, Subject string
+	Payload, Headers      []byte
+}
+
+// Rejection reasons of a row that can never become a message as it is. They
+// end up in last_error ("rejected: <reason>: ...") and in metric labels.
+const (
+	ReasonInvalidWorkID   = "invalid_work_id"
+	ReasonInvalidKind     = "invalid_kind"
+	ReasonInvalidSubject  = "invalid_subject"
+	ReasonInvalidHeader   = "invalid_header"
+	ReasonHeaderTooLarge  = "header_too_large"
+	ReasonReservedSubject = "reserved_subject"
+)
+
+// BuildMessage turns a row into the message the broker stores: the payload's
+// committed text as the data (G4), the subject column or prefix+kind, the
+// row's headers, and the relay's own. extra holds path-specific headers.
+//
+// Everything a header carries is checked to arrive exactly as committed:
+// the client trims and rewrites what it cannot encode, and the broker
+// deduplicates on what arrives, so a work ID that does not survive the trip
+// would be stored as another row's message. The error, always a
+// *sinks.RejectedError, means the row can never be published as it is.
+func BuildMessage(r Row, subjectPrefix string, extra map[string]string) (*sinks.Message, error) {
+	if err := ValidateWorkID(r.WorkID); err != nil {
+		return nil, &sinks.RejectedError{Reason: ReasonInvalidWorkID, Err: err}
+	}
+	if err := ValidateKind(r.Kind); err != nil {
+		return nil, &sinks.RejectedError{Reason: ReasonInvalidKind, Err: fmt.Errorf("row %s: %w", r.WorkID, err)}
+	}
+	subject := r.Subject
+	if subject == "" {
+		subject = subjectPrefix + r.Kind
+	}
+	if err := ValidateSubject(subject); err != nil {
+		reason := ReasonInvalidSubject
+		if errors.Is(err, ErrReservedSubject) {
+			reason = ReasonReservedSubject
+		}
+		return nil, &sinks.RejectedError{Reason: reason, Err: fmt.Errorf("row %s: %w", r.WorkID, err)}
+	}
+	hdr := make(map[string][]string, 5+len(extra))
+	if len(r.Headers) > 0 {
+		var user map[string]any
+		if err := json.Unmarshal(r.Headers, &user); err != nil {
+			return nil, &sinks.RejectedError{Reason: ReasonInvalidHeader, Err: fmt.Errorf("headers of %s are not a JSON object of strings: %w", r.WorkID, err)}
+		}
+		for k, v := range user {
+			s, ok := v.(string)
+			if !ok {
+				return nil, &sinks.RejectedError{Reason: ReasonInvalidHeader, Err: fmt.Errorf("header %q of %s is a JSON %T, not a string", k, r.WorkID, v)}
+			}
+			if err := ValidateHeader(k, s); err != nil {
+				return nil, &sinks.RejectedError{Reason: ReasonInvalidHeader, Err: fmt.Errorf("row %s: %w", r.WorkID, err)}
+			}
+			hdr[k] = []string{s}
+		}
+	}
+	hdr[HeaderKind] = []string{r.Kind}
+	for k, v := range extra {
+		hdr[k] = []string{v}
+	}
+	if n := HeaderBlockSize(r.WorkID, hdr); n > MaxHeaderBytes {
+		return nil, &sinks.RejectedError{Reason: ReasonHeaderTooLarge, Err: fmt.Errorf(
+			"row %s: its headers take %d bytes, over JetStream's %d-byte limit for a message's header block: send fewer or shorter headers (%s)",
+			r.WorkID, n, MaxHeaderBytes, largestHeaders(hdr))}
+	}
+	return &sinks.Message{ID: r.WorkID, Subject: subject, Data: r.Payload, Header: hdr}, nil
+}
+
+// MaxHeaderBytes is the largest header block a JetStream stream stores: more
+// is refused with error 10097 ("header size exceeds maximum allowed of
+// 64k"), on every attempt.
+const MaxHeaderBytes = 65535
+
+// HeaderBlockSize is the size of the header block the NATS client sends for
+// these headers plus the Nats-Msg-Id that the sink adds: "NATS/1.0\r\n",
+// "name: value\r\n" per value, and a closing "\r\n".
+func HeaderBlockSize(msgID string, hdr map[string][]string) int {
+	n := len("NATS/1.0\r\n") + len("\r\n") + len(HeaderMsgID) + len(msgID) + 4
+	for k, vs := range hdr {
+		for _, v := range vs {
+			n += len(k) + len(v) + 4
+		}
+	}
+	return n
+}
+
+func largestHeaders(hdr map[string][]string) string {
+	type kv struct {
+		k string
+		n int
+	}
+	var all []kv
+	for k, vs := range hdr {
+		n := 0
+		for _, v := range vs {
+			n += len(k) + len(v) + 4
+		}
+		all = append(all, kv{k, n})
+	}
+	sort.Slice(all, func(i, j int) bool { return all[i].n > all[j].n || (all[i].n == all[j].n && all[i].k < all[j].k) })
+	s := "largest:"
+	for i, e := range all {
+		if i == 3 {
+			break
+		}
+		s += fmt.Sprintf(" %.40q %d B", e.k, e.n)
+	}
+	return s
+}
+
+// MaxWorkIDBytes bounds a work ID: it is a header value on every message, a
+// primary key here and in the consumer's inbox (B-tree entries must fit a
+// third of a page), and it is printed by operator commands.
+const MaxWorkIDBytes = 1024
+
+// MaxKindBytes bounds a kind, which is a header value and, without an
+// explicit subject, part of the subject (MaxSubjectBytes).
+const MaxKindBytes = 256
+
+// ValidateWorkID checks that a work ID arrives at the broker exactly as
+// committed. The NATS client trims leading and trailing whitespace from
+// header values and turns CR and LF into spaces; the broker deduplicates on
+// what arrives. 'col-x', 'col-x ' and 'col-x\n' would all be stored as one
+// message, and the three later rows marked published with the first one's
+// sequence: intentions lost and recorded as delivered.
+func ValidateWorkID(s string) error {
+	if s == "" {
+		return errors.New("work_id is empty: it is the message ID the broker deduplicates on; derive it from the business fact, e.g. order-103-ack")
+	}
+	if len(s) > MaxWorkIDBytes {
+		return fmt.Errorf("work_id %.40q... is %d bytes, over the %d-byte limit", s, len(s), MaxWorkIDBytes)
+	}
+	if err := headerText(s, false); err != nil {
+		return fmt.Errorf("work_id %q %v, so the Nats-Msg-Id header cannot carry it exactly (the broker would deduplicate it against another ID): use printable characters with no space at either end", s, err)
+	}
+	return nil
+}
+
+// ValidateKind checks a kind: it is carried in the Outbox-Kind header.
+func ValidateKind(s string) error {
+	if s == "" {
+		return errors.New("kind is empty: say what the work is, e.g. order.received")
+	}
+	if len(s) > MaxKindBytes {
+		return fmt.Errorf("kind %.40q... is %d bytes, over the %d-byte limit", s, len(s), MaxKindBytes)
+	}
+	if err := headerText(s, false); err != nil {
+		return fmt.Errorf("kind %q %v, so the %s header cannot carry it exactly: use printable characters with no space at either end", s, err, HeaderKind)
+	}
+	return nil
+}
+
+// headerText checks that s survives as a NATS header value unchanged: valid
+// UTF-8, no control characters (a tab inside only where tabOK), and no
+// leading or trailing whitespace, which the client trims.
+func headerText(s string, tabOK bool) error {
+	if s == "" {
+		return nil
+	}
+	if !utf8.ValidString(s) {
+		return errors.New("is not valid UTF-8")
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c == '\t' && tabOK {
+			continue
+		}
+		if c < 0x20 || c == 0x7f {
+			return fmt.Errorf("holds the control character %q at byte %d", c, i)
+		}
+	}
+	if isSpace(s[0]) || isSpace(s[len(s)-1]) {
+		return errors.New("starts or ends with whitespace")
+	}
+	return nil
+}
+
+func isSpace(c byte) bool { return c == ' ' || c == '\t' }

@@ -1,0 +1,125 @@
+package jetstream_test
+
+import (
+	"context"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/sinks"
+	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
+)
+
+func TestSubjectMatches(t *testing.T) {
+	for _, c := range []struct {
+		filter, subject string
+		want            bool
+	}{
+		{"a.b", "a.b", true}, {"a.b", "a.c", false}, {"a.b", "a.b.c", false}, {"a.b.c", "a.b", false},
+		{"a.*", "a.b", true}, {"a.*", "a.b.c", false}, {"a.*.c", "a.b.c", true}, {"*", "a", true}, {"*", "a.b", false},
+		{"a.>", "a.b", true}, {"a.>", "a.b.c", true}, {"a.>", "a", false}, {">", "a", true}, {">", "a.b", true},
+		{"outbox.>", "outbox.x", true}, {"outbox.>", "outboxx.y", false}, {"a*", "ab", false}, {"a*", "a*", true},
+	} {
+		if got := natssink.SubjectMatches(c.filter, c.subject); got != c.want {
+			t.Errorf("SubjectMatches(%q, %q) = %v, want %v", c.filter, c.subject, got, c.want)
+		}
+	}
+}
+
+// A row's subject reaches only streams the relay may publish to. Issue 16's
+// reproductions: '$JS.API.STREAM.PURGE.VICTIM' purged a stream and
+// '$JS.API.STREAM.DELETE.OUTBOX' deleted the relay's own; a subject a
+// service answers on made the relay send it a request; a subject of another
+// application's stream let a producer write there.
+func TestSinkPublishesOnlyIntoAllowedStreams(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	victim := f.stream + "_VICTIM"
+	if _, err := f.js.CreateStream(ctx, jetstream.StreamConfig{Name: victim, Subjects: []string{victim + ".>"}}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = f.js.DeleteStream(context.Background(), victim) })
+	for i := range 5 {
+		if _, err := f.js.Publish(ctx, victim+".x", []byte{byte('0' + i)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var served atomic.Int32
+	service := f.stream + "_svc.do"
+	sub, err := f.nc.Subscribe(service, func(m *nats.Msg) { served.Add(1); _ = m.Respond([]byte(`{"stream":"x","seq":1}`)) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sub.Unsubscribe() })
+
+	publish := func(s *natssink.Sink, id, subject string) (sinks.Ack, error) {
+		fut, err := s.Publish(ctx, &sinks.Message{ID: id, Subject: subject, Data: []byte(`{}`)})
+		if err != nil {
+			return sinks.Ack{}, err
+		}
+		wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		return fut.Wait(wctx)
+	}
+	own := natssink.New(f.js, natssink.Options{Stream: f.stream, SubjectPrefix: f.prefix})
+	for _, c := range []struct{ subject, reason string }{
+		{"$JS.API.STREAM.PURGE." + victim, "reserved_subject"},
+		{"$JS.API.STREAM.DELETE." + f.stream, "reserved_subject"},
+		{"_INBOX.abc", "reserved_subject"},
+		{service, natssink.ReasonNoStream},
+		{"nobody.binds.this", natssink.ReasonNoStream},
+		{victim + ".y", natssink.ReasonStreamNotAllowed},
+	} {
+		_, err := publish(own, "row-"+c.subject, c.subject)
+		re, ok := sinks.IsRejected(err)
+		if !ok || re.Reason != c.reason {
+			t.Errorf("subject %q: %v, want a rejection with reason %s", c.subject, err, c.reason)
+			continue
+		}
+		if c.reason == natssink.ReasonStreamNotAllowed && !strings.Contains(err.Error(), "--allow-stream "+victim) {
+			t.Errorf("subject %q: %v, want the fix --allow-stream %s", c.subject, err, victim)
+		}
+	}
+	if n := served.Load(); n != 0 {
+		t.Errorf("the service received %d requests from the sink", n)
+	}
+	for _, name := range []string{victim, f.stream} {
+		st, err := f.js.Stream(ctx, name)
+		if err != nil {
+			t.Fatalf("stream %s after the hostile subjects: %v", name, err)
+		}
+		if name == victim && st.CachedInfo().State.Msgs != 5 {
+			t.Errorf("stream %s holds %d messages, want its 5", name, st.CachedInfo().State.Msgs)
+		}
+	}
+
+	// Allowed: the same subject goes through, into that stream.
+	allowing := natssink.New(f.js, natssink.Options{Stream: f.stream, SubjectPrefix: f.prefix, AllowStreams: []string{victim}})
+	ack, err := publish(allowing, "row-allowed", victim+".y")
+	if err != nil || ack.Stream != victim {
+		t.Fatalf("allowed stream: ack %+v, %v; want stored in %s", ack, err, victim)
+	}
+	if ack, err := publish(own, "row-own", f.prefix+"x"); err != nil || ack.Stream != f.stream {
+		t.Fatalf("own prefix: ack %+v, %v", ack, err)
+	}
+	// A subject added to an allowed stream later is taken once the
+	// sink reads the streams again (at most a second after a refusal).
+	extra := f.stream + "_extra.z"
+	if _, err := publish(allowing, "row-extra-1", extra); err == nil {
+		t.Fatal("a subject no stream binds was published")
+	}
+	st, _ := f.js.Stream(ctx, victim)
+	cfg := st.CachedInfo().Config
+	cfg.Subjects = append(cfg.Subjects, extra)
+	if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(1100 * time.Millisecond)
+	if ack, err := publish(allowing, "row-extra-2", extra); err != nil || ack.Stream != victim {
+		t.Fatalf("subject added to an allowed stream: ack %+v, %v", ack, err)
+	}
+}
