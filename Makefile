@@ -48,23 +48,27 @@ setup:
 		useradd --system --user-group --home-dir /var/lib/postgresql --shell /bin/bash postgres; \
 	fi
 
-## test: vet everything, then run every test with the race detector.
+## test: vet everything, then run every test with the race detector: the
+## product's own (unit and integration tests beside each package), then the
+## proof module's (proof/: process-level e2e, pipeline, compose checks, chaos
+## and bench code), then the short chaos run.
 test: setup
 	$(GO) vet ./... && $(GO) test -race -count=1 -timeout 15m ./...
+	cd proof && $(GO) vet ./... && $(GO) test -race -count=1 -timeout 15m ./...
 	$(MAKE) --no-print-directory chaos-short
 
-## chaos: the long chaos run (internal/chaos): the relay under seeded random
+## chaos: the long chaos run (proof/chaos): the relay under seeded random
 ## faults (SIGKILL, broker kill, PostgreSQL restarts, terminated backends,
 ## network cuts, partitions and latency, standby takeover) against real
 ## servers; prints one table and fails on loss, phantoms, duplicates or a G3
 ## violation. Flags via CHAOS_FLAGS, e.g. CHAOS_FLAGS='-duration 1h -seed 42 -json chaos.json'.
 CHAOS_FLAGS ?= -duration 30m
 chaos: setup
-	$(GO) run ./cmd/outbox-chaos $(CHAOS_FLAGS)
+	cd proof && $(GO) run ./cmd/outbox-chaos $(CHAOS_FLAGS)
 
 ## chaos-short: about 90 seconds of the same (one round of the schedule: normally every fault kind once); part of `make test`.
 chaos-short: setup
-	$(GO) run ./cmd/outbox-chaos -duration 75s -max-gap 2s $(CHAOS_SHORT_FLAGS)
+	cd proof && $(GO) run ./cmd/outbox-chaos -duration 75s -max-gap 2s $(CHAOS_SHORT_FLAGS)
 
 ## chaos-cluster: the chaos run against a three-node JetStream cluster and an
 ## R3 stream (-cluster 3): node kills (half of them the stream's leader) on
@@ -72,13 +76,13 @@ chaos-short: setup
 ## CHAOS_CLUSTER_FLAGS, e.g. CHAOS_CLUSTER_FLAGS='-duration 30m -seed 42'.
 CHAOS_CLUSTER_FLAGS ?= -duration 15m
 chaos-cluster: setup
-	$(GO) run ./cmd/outbox-chaos -cluster 3 $(CHAOS_CLUSTER_FLAGS)
+	cd proof && $(GO) run ./cmd/outbox-chaos -cluster 3 $(CHAOS_CLUSTER_FLAGS)
 
-## bench: the end-to-end benchmark (internal/bench): ceilings, CDC and poller
+## bench: the end-to-end benchmark (proof/bench): ceilings, CDC and poller
 ## paths, the naive polling publisher, idle cost; flags via BENCH_FLAGS.
 BENCH_FLAGS ?= -rows 100000 -rows-per-tx 100 -payload 200 -producers 4 -policy mark -rounds 3 -json bench.json -plot bench.png
 bench: setup
-	$(GO) run ./cmd/outbox-bench $(BENCH_FLAGS)
+	cd proof && $(GO) run ./cmd/outbox-bench $(BENCH_FLAGS)
 
 ## build: build the relay binary into bin/.
 build:

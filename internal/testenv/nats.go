@@ -134,23 +134,37 @@ var natsServerPath = sync.OnceValues(func() (string, error) {
 	return path, nil
 })
 
-// ModuleRoot is the directory of go.mod above the working directory: where
-// tests run `go build` and `go tool` from.
+// productModule is the module path of the relay itself; the proof module
+// (proof/, the end-to-end tests, chaos run and benchmark) lives inside it.
+const productModule = "github.com/outbox-relay/outbox-relay"
+
+// ModuleRoot is the directory of the product's go.mod above the working
+// directory: where tests run `go build ./cmd/outbox-relay` and `go tool
+// nats-server` from, also when they run in the nested proof module.
 func ModuleRoot() (string, error) {
 	dir, err := os.Getwd()
 	if err != nil {
 		return "", fmt.Errorf("find module root: %w", err)
 	}
 	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+		if b, err := os.ReadFile(filepath.Join(dir, "go.mod")); err == nil && modulePath(b) == productModule {
 			return dir, nil
 		}
 		parent := filepath.Dir(dir)
 		if parent == dir {
-			return "", errors.New("find module root: no go.mod above the working directory")
+			return "", fmt.Errorf("find module root: no go.mod of %s above the working directory", productModule)
 		}
 		dir = parent
 	}
+}
+
+func modulePath(gomod []byte) string {
+	for _, line := range strings.Split(string(gomod), "\n") {
+		if rest, ok := strings.CutPrefix(strings.TrimSpace(line), "module "); ok {
+			return strings.Trim(strings.TrimSpace(rest), `"`)
+		}
+	}
+	return ""
 }
 
 // Port returns the client port; it stays the same across restarts.

@@ -16,7 +16,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/outbox-relay/outbox-relay/internal/bench"
+	"github.com/outbox-relay/outbox-relay/proof/bench"
 )
 
 func main() {

@@ -21,7 +21,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/outbox-relay/outbox-relay/internal/chaos"
+	"github.com/outbox-relay/outbox-relay/proof/chaos"
 )
 
 func main() { os.Exit(run()) }
