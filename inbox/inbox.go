@@ -55,7 +55,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"sync/atomic"
 	"time"
 
@@ -65,6 +64,7 @@ import (
 	"github.com/rs/zerolog"
 	"github.com/rs/zerolog/log"
 
+	"github.com/outbox-relay/outbox-relay/internal/retry"
 	"github.com/outbox-relay/outbox-relay/internal/wire"
 )
 
@@ -339,7 +339,9 @@ func (in *Inbox) ack(d delivery) {
 // Only handler failures count toward MaxDeliveries; a database outage says
 // nothing about the message.
 func (in *Inbox) retry(d delivery, handler bool, cause error) (Outcome, error) {
-	delay := in.backoff(d.delivered)
+	// Doubling per earlier delivery, never at once: messages failing
+	// together do not come back together.
+	delay := retry.Equal(int(min(d.delivered, 64)), in.cfg.BackoffMin, in.cfg.BackoffMax, nil)
 	in.retried.Add(1)
 	ev := d.event(in.log.Warn()).Err(cause).Dur("redeliver_in", delay)
 	if err := d.msg.NakWithDelay(delay); err != nil {
@@ -351,19 +353,6 @@ func (in *Inbox) retry(d delivery, handler bool, cause error) (Outcome, error) {
 		ev.Msg("inbox database step failed; rolled back, redelivering")
 	}
 	return Retrying, cause
-}
-
-// backoff doubles BackoffMin for every earlier delivery, capped at
-// BackoffMax, and takes a random point in its upper half so that messages
-// failing together do not come back together.
-func (in *Inbox) backoff(delivered uint64) time.Duration {
-	d := in.cfg.BackoffMin
-	for i := uint64(1); i < delivered && d < in.cfg.BackoffMax; i++ {
-		d *= 2
-	}
-	d = min(d, in.cfg.BackoffMax)
-	half := d / 2
-	return half + time.Duration(rand.Int64N(int64(half)+1))
 }
 
 func (in *Inbox) reject(d delivery, reason string, cause error) (Outcome, error) {

@@ -7,6 +7,7 @@ import (
 	"regexp"
 	"strings"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -62,7 +63,7 @@ func Connect(ctx context.Context, connString, appName string) (*pgconn.PgConn, e
 
 func explainConnectError(err error) error {
 	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == "28000" {
+	if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InvalidAuthorizationSpecification {
 		return fmt.Errorf("%w (the role needs the REPLICATION attribute and pg_hba.conf must allow it: ALTER ROLE ... WITH REPLICATION)", err)
 	}
 	return err
@@ -111,9 +112,9 @@ func EnsurePublication(ctx context.Context, q Querier, name, schema, table strin
 		_, err := q.Exec(ctx, `CREATE PUBLICATION `+pgx.Identifier{name}.Sanitize()+` FOR TABLE `+qualified+` WITH (publish = 'insert')`)
 		var pgErr *pgconn.PgError
 		switch {
-		case errors.As(err, &pgErr) && pgErr.Code == "42710":
+		case errors.As(err, &pgErr) && pgErr.Code == pgerrcode.DuplicateObject:
 			// Created concurrently by another instance; check it below.
-		case errors.As(err, &pgErr) && pgErr.Code == "42501":
+		case errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InsufficientPrivilege:
 			return fmt.Errorf("create publication %s: %w (the table's owner or a superuser must create it: run outbox-relay migrate as the owner)", name, err)
 		case err != nil:
 			return fmt.Errorf("create publication %s for %s: %w", name, qualified, err)
@@ -261,13 +262,13 @@ func DropSlot(ctx context.Context, q Querier, name string) error {
 // (55006): another instance streams the slot.
 func IsSlotActive(err error) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "55006"
+	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.ObjectInUse
 }
 
 // IsDuplicateObject reports 42710, e.g. a slot created concurrently.
 func IsDuplicateObject(err error) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "42710"
+	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.DuplicateObject
 }
 
 // PgConn is a replication connection.

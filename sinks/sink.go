@@ -68,6 +68,10 @@ func (e *RejectedError) Error() string {
 
 func (e *RejectedError) Unwrap() error { return e.Err }
 
+// ErrAckTimeout marks a publish whose ack did not come in time: the broker
+// may or may not have stored it (an uncertain outcome, not a rejection).
+var ErrAckTimeout = errors.New("no ack in time")
+
 // IsRejected reports whether err is a definitive rejection and returns it.
 func IsRejected(err error) (*RejectedError, bool) {
 	var re *RejectedError

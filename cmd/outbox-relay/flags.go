@@ -4,14 +4,36 @@ import (
 	"flag"
 	"io"
 	"os"
-	"time"
+	"slices"
 
 	"github.com/outbox-relay/outbox-relay/internal/app"
 	"github.com/outbox-relay/outbox-relay/internal/config"
+	"github.com/outbox-relay/outbox-relay/internal/relay"
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
 
-// common are the flags every command that touches the database shares.
+// The common flags: every command accepts all of them, so one set of flags or
+// one environment file serves every command, and each command names the ones
+// it reads (register's uses); --help marks the rest ignored.
+const (
+	flagDatabaseURL   = "database-url"
+	flagNATSURL       = "nats-url"
+	flagTable         = "table"
+	flagSlot          = "slot"
+	flagPublication   = "publication"
+	flagStream        = "stream"
+	flagSubjectPrefix = "subject-prefix"
+	flagOnPublish     = "on-publish"
+	flagLogLevel      = "log-level"
+	flagLogFormat     = "log-format"
+)
+
+// commonFlags lists the common flags, the logging ones last.
+var commonFlags = []string{flagDatabaseURL, flagNATSURL, flagTable, flagSlot, flagPublication,
+	flagStream, flagSubjectPrefix, flagOnPublish, flagLogLevel, flagLogFormat}
+
+// common holds the common flags' values.
 type common struct {
 	databaseURL   string
 	natsURL       string
@@ -24,18 +46,31 @@ type common struct {
 	log           config.Logging
 }
 
-func (c *common) register(fs *flag.FlagSet, withNATS bool) {
-	fs.StringVar(&c.databaseURL, "database-url", "", "PostgreSQL URL or key=value string; empty uses the libpq variables (PGHOST, PGUSER, PGPASSWORD, ...)")
-	fs.StringVar(&c.table, "table", "outbox", "outbox table: name or schema.name")
-	fs.StringVar(&c.slot, "slot", "outbox_relay", "logical replication slot")
-	fs.StringVar(&c.publication, "publication", "outbox_relay", "publication of the outbox table's inserts")
-	if withNATS {
-		fs.StringVar(&c.natsURL, "nats-url", "nats://127.0.0.1:4222", "NATS server URL(s), comma-separated")
-		fs.StringVar(&c.stream, "stream", "OUTBOX", "JetStream stream; created when missing, never changed")
-		fs.StringVar(&c.subjectPrefix, "subject-prefix", "outbox.", "default subject is <prefix><kind>; the stream binds <prefix>>")
-		fs.StringVar(&c.onPublish, "on-publish", "mark", "after the broker's ack: mark (state=published, keep evidence) or delete")
-	}
+// register adds every common flag to fs and marks those not in uses ignored.
+// A command must check only the flags it uses: a value meant for another
+// command (migrate --on-publish delete, version --table x.y.z) is no error.
+func (c *common) register(fs *flag.FlagSet, uses ...string) {
+	fs.StringVar(&c.databaseURL, flagDatabaseURL, "", "PostgreSQL URL or key=value string; empty uses the libpq variables (PGHOST, PGUSER, PGPASSWORD, ...)")
+	fs.StringVar(&c.natsURL, flagNATSURL, "nats://127.0.0.1:4222", "NATS server URL(s), comma-separated")
+	fs.StringVar(&c.table, flagTable, "outbox", "outbox table: name or schema.name")
+	fs.StringVar(&c.slot, flagSlot, "outbox_relay", "logical replication slot")
+	fs.StringVar(&c.publication, flagPublication, "outbox_relay", "publication of the outbox table's inserts")
+	fs.StringVar(&c.stream, flagStream, "OUTBOX", "JetStream stream the relay publishes to; run creates it when missing, never changes it")
+	fs.StringVar(&c.subjectPrefix, flagSubjectPrefix, "outbox.", "default subject is <prefix><kind>; the stream binds <prefix>>")
+	fs.StringVar(&c.onPublish, flagOnPublish, "mark", "after the broker's ack: mark (state=published, keep evidence) or delete")
 	c.log.Register(fs)
+	used := map[string]bool{}
+	for _, name := range uses {
+		if !slices.Contains(commonFlags, name) {
+			panic("register: --" + name + " is not a common flag")
+		}
+		used[name] = true
+	}
+	for _, name := range commonFlags {
+		if !used[name] {
+			config.Ignore(fs, name)
+		}
+	}
 }
 
 func newFlagSet(name, summary string, stderr io.Writer) *flag.FlagSet {
@@ -64,12 +99,12 @@ func (c *common) options() (app.Options, error) {
 		Publication:      c.publication,
 		Stream:           c.stream,
 		SubjectPrefix:    c.subjectPrefix,
-		DuplicateWindow:  2 * time.Minute,
-		AckTimeout:       10 * time.Second,
-		MaxInFlight:      1024,
-		MaxInFlightBytes: 4 << 20,
-		StatusInterval:   2 * time.Second,
-		DrainTimeout:     10 * time.Second,
+		DuplicateWindow:  natssink.DefaultDuplicateWindow,
+		AckTimeout:       natssink.DefaultAckTimeout,
+		MaxInFlight:      relay.DefaultMaxInFlight,
+		MaxInFlightBytes: relay.DefaultMaxInFlightBytes,
+		StatusInterval:   relay.DefaultStatusInterval,
+		DrainTimeout:     relay.DefaultDrainTimeout,
 	}
 	if c.onPublish != "" {
 		if o.Policy, err = store.ParsePolicy(c.onPublish); err != nil {
@@ -77,6 +112,14 @@ func (c *common) options() (app.Options, error) {
 		}
 	}
 	return o, nil
+}
+
+// natsGiven reports whether the command was told where the broker is. status
+// and redrive read the stream only then: both are useful without a broker,
+// and the common default names a local server that an operator's machine
+// rarely runs. An empty --nats-url says "skip" explicitly.
+func (c *common) natsGiven(fs *flag.FlagSet) bool {
+	return c.natsURL != "" && flagGiven(fs, flagNATSURL)
 }
 
 func flagGiven(fs *flag.FlagSet, name string) bool {

@@ -16,6 +16,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/app"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/termsafe"
+	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
 
 // listed is how many work IDs a report names before it says "and N more":
@@ -45,8 +46,8 @@ type opFlags struct {
 	dryRun             bool
 }
 
-func (o *opFlags) register(fs *flag.FlagSet, a store.Action) {
-	o.common.register(fs, false)
+func (o *opFlags) register(fs *flag.FlagSet, a store.Action, uses ...string) {
+	o.common.register(fs, uses...)
 	verb := string(a)
 	fs.Var(&o.ids, "work-id", "work ID of a row to "+verb+"; repeat for more (not with a filter)")
 	fs.StringVar(&o.state, "state", "", "filter: rows in this state ("+strings.Join(a.From(), " or ")+"); required with a filter")
@@ -148,11 +149,9 @@ attempts reset to 0, who, when and why recorded on the row and in the <table>_re
 
   outbox-relay redrive --reason "INC-42: limit raised" --work-id w1 --work-id w2
   outbox-relay redrive --reason "INC-42" --state failed --kind order.created --since 24h`, stderr)
-	o.register(fs, store.ActionRedrive)
+	o.register(fs, store.ActionRedrive, flagDatabaseURL, flagNATSURL, flagTable, flagStream)
 	stagger := fs.Duration("stagger", 10*time.Millisecond, "row i (oldest first) becomes due at now + i*stagger, so a bulk redrive does not hit the broker at once")
-	dupWindow := fs.Duration("duplicate-window", 2*time.Minute, "the stream's duplicate window, for the uncertain-outcome warning (read from the stream instead when --nats-url is given)")
-	fs.StringVar(&o.natsURL, "nats-url", "", "NATS URL: read --stream's duplicate window from the broker (empty: use --duplicate-window)")
-	fs.StringVar(&o.stream, "stream", "OUTBOX", "JetStream stream the relay publishes to")
+	dupWindow := fs.Duration("duplicate-window", natssink.DefaultDuplicateWindow, "the stream's duplicate window, for the uncertain-outcome warning (read from the stream instead when --nats-url is given)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -173,7 +172,7 @@ attempts reset to 0, who, when and why recorded on the row and in the <table>_re
 	}
 	defer closeDB()
 	window, windowFrom := *dupWindow, "--duplicate-window"
-	if o.natsURL != "" {
+	if o.natsGiven(fs) {
 		if si := readStream(ctx, o.natsURL, o.stream); si.Error != "" {
 			fmt.Fprintf(stderr, "stream %s: %s; using --duplicate-window %s\n", o.stream, termsafe.String(si.Error), window)
 		} else {

@@ -7,12 +7,15 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/app"
 	"github.com/outbox-relay/outbox-relay/internal/config"
+	"github.com/outbox-relay/outbox-relay/internal/poller"
+	"github.com/outbox-relay/outbox-relay/internal/relay"
+	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
 
 func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	var c common
 	fs := newFlagSet("run", "Streams committed outbox INSERTs from the replication slot to JetStream and confirms the slot only after the broker acked.", stderr)
-	c.register(fs, true)
+	c.register(fs, commonFlags...)
 	var (
 		dupWindow, ackTimeout, statusInterval, drainTimeout time.Duration
 		maxInFlight, maxInFlightBytes, replicas             int
@@ -25,15 +28,15 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 		createStream                                        bool
 		allowStreams                                        config.List
 	)
-	fs.DurationVar(&dupWindow, "duplicate-window", 2*time.Minute, "duplicate window of the stream when the relay creates it")
+	fs.DurationVar(&dupWindow, "duplicate-window", natssink.DefaultDuplicateWindow, "duplicate window of the stream when the relay creates it")
 	fs.Var(&allowStreams, "allow-stream", "a further stream a row's subject column may name; repeat or comma-separate (default: only --stream; a subject no allowed stream binds is refused)")
 	fs.BoolVar(&createStream, "create-stream", true, "create --stream when it is missing (false: it must exist, e.g. when operators own stream configuration)")
 	fs.IntVar(&replicas, "stream-replicas", 1, "replicas of the stream when the relay creates it (3 on a JetStream cluster)")
-	fs.DurationVar(&ackTimeout, "ack-timeout", 10*time.Second, "how long a publish waits for the broker's ack before the session restarts")
-	fs.IntVar(&maxInFlight, "max-in-flight", 1024, "messages published and not yet acked")
-	fs.IntVar(&maxInFlightBytes, "max-in-flight-bytes", 4<<20, "bytes published and not yet acked")
-	fs.DurationVar(&statusInterval, "status-interval", 2*time.Second, "standby status updates to PostgreSQL (keep well under wal_sender_timeout/2)")
-	fs.DurationVar(&drainTimeout, "drain-timeout", 10*time.Second, "on SIGTERM, how long to wait for in-flight acks")
+	fs.DurationVar(&ackTimeout, "ack-timeout", natssink.DefaultAckTimeout, "how long a publish waits for the broker's ack before the session restarts")
+	fs.IntVar(&maxInFlight, "max-in-flight", relay.DefaultMaxInFlight, "messages published and not yet acked")
+	fs.IntVar(&maxInFlightBytes, "max-in-flight-bytes", relay.DefaultMaxInFlightBytes, "bytes published and not yet acked")
+	fs.DurationVar(&statusInterval, "status-interval", relay.DefaultStatusInterval, "standby status updates to PostgreSQL (keep well under wal_sender_timeout/2)")
+	fs.DurationVar(&drainTimeout, "drain-timeout", relay.DefaultDrainTimeout, "on SIGTERM, how long to wait for in-flight acks")
 	fs.StringVar(&httpAddr, "http-addr", "", "serve /metrics, /healthz and /readyz here, e.g. :8080 (empty: off)")
 	fs.StringVar(&appName, "application-name", "outbox-relay", "application_name of the relay's PostgreSQL sessions")
 	fs.StringVar(&auth.Name, "nats-name", "outbox-relay", "NATS connection name")
@@ -46,13 +49,13 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs.StringVar(&auth.CertFile, "nats-tls-cert", "", "client certificate for TLS")
 	fs.StringVar(&auth.KeyFile, "nats-tls-key", "", "client key for TLS")
 	fs.StringVar(&workerID, "worker-id", app.DefaultWorkerID(), "the poller's identity in claimed_by; unique per running relay")
-	fs.DurationVar(&lease, "lease", 30*time.Second, "how long a poller claim is held; must exceed --ack-timeout")
-	fs.IntVar(&maxAttempts, "max-attempts", 10, "publish attempts of a row before the poller fails it (dead letter)")
-	fs.DurationVar(&backoffMin, "backoff-min", time.Second, "retry delay of the first failed attempt (full jitter, doubling)")
-	fs.DurationVar(&backoffMax, "backoff-max", 5*time.Minute, "upper bound of the retry delay")
-	fs.DurationVar(&pollInterval, "poll-interval", time.Second, "pause between poller claims when the last batch was not full (±50% jitter)")
-	fs.IntVar(&pollBatch, "poll-batch", 100, "rows per poller claim")
-	fs.DurationVar(&statsInterval, "stats-interval", 30*time.Second, "how often the rows-by-state and oldest-eligible metrics are read from the table (one scan of it; 0: never)")
+	fs.DurationVar(&lease, "lease", poller.DefaultLease, "how long a poller claim is held; must exceed --ack-timeout")
+	fs.IntVar(&maxAttempts, "max-attempts", poller.DefaultMaxAttempts, "publish attempts of a row before the poller fails it (dead letter)")
+	fs.DurationVar(&backoffMin, "backoff-min", poller.DefaultBackoffMin, "retry delay of the first failed attempt (full jitter, doubling)")
+	fs.DurationVar(&backoffMax, "backoff-max", poller.DefaultBackoffMax, "upper bound of the retry delay")
+	fs.DurationVar(&pollInterval, "poll-interval", poller.DefaultPollInterval, "pause between poller claims when the last batch was not full (±50% jitter)")
+	fs.IntVar(&pollBatch, "poll-batch", poller.DefaultBatch, "rows per poller claim")
+	fs.DurationVar(&statsInterval, "stats-interval", app.DefaultStatsInterval, "how often the rows-by-state and oldest-eligible metrics are read from the table (one scan of it; 0: never)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}

@@ -19,6 +19,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/termsafe"
 	"github.com/outbox-relay/outbox-relay/replication"
+	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
 
 type statusReport struct {
@@ -142,7 +143,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	asJSON := fs.Bool("json", false, "print JSON for machines")
 	fs.StringVar(&c.natsURL, "nats-url", "", "NATS URL: also print the stream's messages, bytes, duplicate window and subjects (empty: skip)")
 	fs.StringVar(&c.stream, "stream", "OUTBOX", "JetStream stream the relay publishes to")
-	dupWindow := fs.Duration("duplicate-window", 2*time.Minute, "the stream's duplicate window, for the replay warning when the stream is not read")
+	dupWindow := fs.Duration("duplicate-window", natssink.DefaultDuplicateWindow, "the stream's duplicate window, for the replay warning when the stream is not read")
 	if err := parse(fs, args); err != nil {
 		return err
 	}

@@ -27,6 +27,9 @@ import (
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
 
+// DefaultStatsInterval paces the table-wide metrics (one scan of the table).
+const DefaultStatsInterval = 30 * time.Second
+
 // Options is everything `outbox-relay run` can be told.
 type Options struct {
 	DatabaseURL   string
@@ -236,22 +239,7 @@ func (o *Options) pollerConfig(connected func() bool) poller.Config {
 	if c.WorkerID == "" {
 		c.WorkerID = DefaultWorkerID()
 	}
-	def := func(d *time.Duration, v time.Duration) {
-		if *d == 0 {
-			*d = v
-		}
-	}
-	def(&c.Lease, 30*time.Second)
-	def(&c.BackoffMin, time.Second)
-	def(&c.BackoffMax, 5*time.Minute)
-	def(&c.PollInterval, time.Second)
-	if c.MaxAttempts == 0 {
-		c.MaxAttempts = 10
-	}
-	if c.Batch == 0 {
-		c.Batch = 100
-	}
-	return c
+	return c.WithDefaults()
 }
 
 // sinkOptions says where the sinks may publish: the relay's stream and the
@@ -322,7 +310,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		return err
 	}
 	defer pool.Close()
-	defer func() { _ = nc.Drain() }()
+	defer drainNATS(nc, 5*time.Second)
 
 	m := metrics.New()
 	js, err := jetstream.New(nc,
@@ -350,20 +338,21 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	if err := ensureStream(ctx); errors.Is(err, natssink.ErrStreamConfig) {
 		return err
 	}
+	// One store for both paths: they meet in the table and the sink only.
+	st := store.New(pool, o.Table, o.Policy)
 	r := relay.New(relay.Config{
 		DatabaseURL:      o.DatabaseURL,
 		Table:            o.Table,
 		Slot:             o.Slot,
 		Publication:      o.Publication,
 		SubjectPrefix:    o.SubjectPrefix,
-		Policy:           o.Policy,
 		AppName:          o.AppName,
 		MaxInFlight:      o.MaxInFlight,
 		MaxInFlightBytes: o.MaxInFlightBytes,
 		StatusInterval:   o.StatusInterval,
 		DrainTimeout:     o.DrainTimeout,
 		BeforeSession:    ensureStream,
-	}, pool, natssink.New(js, o.sinkOptions()), log, m)
+	}, pool, st, natssink.New(js, o.sinkOptions()), log, m)
 	if o.Started != nil {
 		o.Started(r)
 	}
@@ -374,7 +363,6 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	if err != nil {
 		return fmt.Errorf("open JetStream for the poller: %w", err)
 	}
-	st := store.New(pool, o.Table, o.Policy)
 	p := poller.New(o.pollerConfig(nc.IsConnected), st, natssink.New(pjs, o.sinkOptions()), log, m)
 
 	g, gctx := errgroup.WithContext(ctx)
@@ -447,6 +435,22 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		return nil
 	}
 	return err
+}
+
+// drainNATS drains nc and waits for it to close: Drain itself returns at
+// once, and a process that exits then drops what was still buffered.
+func drainNATS(nc *nats.Conn, timeout time.Duration) {
+	closed := make(chan struct{})
+	nc.SetClosedHandler(func(*nats.Conn) { close(closed) })
+	if nc.IsClosed() || nc.Drain() != nil {
+		nc.Close()
+		return
+	}
+	select {
+	case <-closed:
+	case <-time.After(timeout):
+		nc.Close()
+	}
 }
 
 // tableStats refreshes the table-wide gauges every interval, first at once.

@@ -27,10 +27,10 @@ import (
 	"strings"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
+	"github.com/outbox-relay/outbox-relay/internal/retry"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/sinks"
@@ -57,6 +57,36 @@ type Config struct {
 	Rand  func(n int64) int64
 }
 
+// Defaults of the poller, used by `run`'s flags and by WithDefaults.
+const (
+	DefaultLease        = 30 * time.Second
+	DefaultBackoffMin   = time.Second
+	DefaultBackoffMax   = 5 * time.Minute
+	DefaultPollInterval = time.Second
+	DefaultMaxAttempts  = 10
+	DefaultBatch        = 100
+)
+
+// WithDefaults returns c with its zero knobs set to the defaults.
+func (c Config) WithDefaults() Config {
+	def := func(d *time.Duration, v time.Duration) {
+		if *d == 0 {
+			*d = v
+		}
+	}
+	def(&c.Lease, DefaultLease)
+	def(&c.BackoffMin, DefaultBackoffMin)
+	def(&c.BackoffMax, DefaultBackoffMax)
+	def(&c.PollInterval, DefaultPollInterval)
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = DefaultMaxAttempts
+	}
+	if c.Batch == 0 {
+		c.Batch = DefaultBatch
+	}
+	return c
+}
+
 // Poller is one worker.
 type Poller struct {
 	cfg  Config
@@ -72,7 +102,7 @@ type Poller struct {
 // New returns a poller; Run starts it.
 func New(cfg Config, st *store.Store, sink sinks.Sink, log zerolog.Logger, m *metrics.Metrics) *Poller {
 	if cfg.Sleep == nil {
-		cfg.Sleep = sleep
+		cfg.Sleep = retry.Sleep
 	}
 	if cfg.Rand == nil {
 		cfg.Rand = rand.Int64N
@@ -86,47 +116,6 @@ func New(cfg Config, st *store.Store, sink sinks.Sink, log zerolog.Logger, m *me
 	l := log.With().Str("component", "poller").Str("worker", cfg.WorkerID).Logger()
 	return &Poller{cfg: cfg, st: st, sink: sink, log: l, m: m,
 		noisy: l.Sample(&zerolog.BurstSampler{Burst: 5, Period: 30 * time.Second})}
-}
-
-func sleep(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-t.C:
-		return nil
-	}
-}
-
-// Backoff is the delay before retry number attempt (1-based) with full
-// jitter: uniform in [0, min(max, min*2^(attempt-1))]. rnd(n) returns a
-// value in [0, n).
-func Backoff(attempt int, minD, maxD time.Duration, rnd func(int64) int64) time.Duration {
-	if attempt < 1 {
-		attempt = 1
-	}
-	if minD <= 0 || maxD <= 0 {
-		return 0
-	}
-	ceil := minD
-	for i := 1; i < attempt && ceil < maxD; i++ {
-		ceil *= 2
-		if ceil <= 0 { // overflow
-			ceil = maxD
-		}
-	}
-	if ceil > maxD {
-		ceil = maxD
-	}
-	d := time.Duration(rnd(int64(ceil) + 1))
-	if d < 0 {
-		d = 0
-	}
-	if d > ceil {
-		d = ceil
-	}
-	return d
 }
 
 // Run polls until ctx ends; it returns nil then. Database and broker errors
@@ -332,7 +321,7 @@ func (p *Poller) retryOrFail(ctx context.Context, c store.Claimed, err error) {
 		p.m.Published.WithLabelValues("poller", "rejected").Inc()
 	} else {
 		class, reason = "uncertain", "outage"
-		if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, jetstream.ErrAsyncPublishTimeout) {
+		if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, sinks.ErrAckTimeout) {
 			reason = "timeout"
 		}
 		text = fmt.Sprintf("uncertain: %v", err)
@@ -343,7 +332,7 @@ func (p *Poller) retryOrFail(ctx context.Context, c store.Claimed, err error) {
 		p.fail(ctx, c, text)
 		return
 	}
-	delay := Backoff(c.Attempts, p.cfg.BackoffMin, p.cfg.BackoffMax, p.cfg.Rand)
+	delay := retry.Full(c.Attempts, p.cfg.BackoffMin, p.cfg.BackoffMax, p.cfg.Rand)
 	ok, werr := p.st.Reschedule(ctx, c.WorkID, p.cfg.WorkerID, c.ClaimGeneration, delay, text)
 	switch {
 	case werr != nil:

@@ -3,7 +3,6 @@ package poller_test
 import (
 	"context"
 	"fmt"
-	"math/rand/v2"
 	"strings"
 	"sync"
 	"testing"
@@ -327,37 +326,5 @@ func TestExpiredLeaseAtMaxAttemptsFails(t *testing.T) {
 	}
 	if info, err := si.Info(ctx); err != nil || info.State.Msgs != 0 {
 		t.Fatalf("stream holds %v messages (err %v), want 0", info.State.Msgs, err)
-	}
-}
-
-// Full jitter stays within [0, min(max, min*2^(attempt-1))] whatever the
-// random source returns, and reaches the ceiling at the top of its range.
-func TestBackoffBounds(t *testing.T) {
-	minD, maxD := 100*time.Millisecond, 30*time.Second
-	sources := map[string]func(int64) int64{
-		"lowest":  func(int64) int64 { return 0 },
-		"highest": func(n int64) int64 { return n - 1 },
-		"seeded":  rand.New(rand.NewPCG(1, 2)).Int64N,
-	}
-	for name, rnd := range sources {
-		for attempt := -1; attempt <= 80; attempt++ {
-			ceil := maxD
-			if a := max(attempt, 1); a < 20 {
-				ceil = min(maxD, minD*time.Duration(1<<(a-1)))
-			}
-			d := poller.Backoff(attempt, minD, maxD, rnd)
-			if d < 0 || d > ceil || d > maxD {
-				t.Fatalf("%s: Backoff(%d) = %v, want within [0, %v]", name, attempt, d, ceil)
-			}
-			if name == "highest" && d != ceil {
-				t.Fatalf("highest: Backoff(%d) = %v, want the ceiling %v", attempt, d, ceil)
-			}
-			if name == "lowest" && d != 0 {
-				t.Fatalf("lowest: Backoff(%d) = %v, want 0", attempt, d)
-			}
-		}
-	}
-	if d := poller.Backoff(1, 0, 0, rand.Int64N); d != 0 {
-		t.Fatalf("zero bounds: %v", d)
 	}
 }

@@ -108,16 +108,17 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event
 		// waited SettleDelay: at one row per transaction this groups a few
 		// marks per statement instead of one statement per ack. The delay
 		// holds back the mark and the confirmation, never the publish.
-		if !l.settling && len(l.pending) > 0 && !stopping && len(l.pending) < l.r.cfg.SettleBatch {
+		settleNow := !l.settling && len(l.pending) > 0
+		if settleNow && !stopping && len(l.pending) < l.r.cfg.SettleBatch {
 			if wait := l.r.cfg.SettleDelay - time.Since(l.pendingSince); wait > 0 {
+				settleNow = false
 				if !settleArmed {
 					settleTimer.Reset(wait)
 					settleArmed = true
 				}
-				goto wait
 			}
 		}
-		if !l.settling && len(l.pending) > 0 {
+		if settleNow {
 			l.pendingSince = time.Time{}
 			n := min(len(l.pending), l.r.cfg.SettleBatch)
 			batch := make([]*item, n)
@@ -129,7 +130,6 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event
 		if stopping && l.inflight == 0 && !l.settling && len(l.pending) == 0 && len(l.retry) == 0 {
 			return l.finish(confirms, streamDone)
 		}
-	wait:
 
 		var evCh <-chan replication.Event
 		// Rows acked and waiting for their mark are bounded too: when the

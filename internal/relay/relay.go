@@ -11,7 +11,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"sync/atomic"
 	"time"
 
@@ -19,6 +18,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
+	"github.com/outbox-relay/outbox-relay/internal/retry"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/sinks"
@@ -31,7 +31,6 @@ type Config struct {
 	Slot          string
 	Publication   string
 	SubjectPrefix string
-	Policy        store.Policy
 	AppName       string
 
 	MaxInFlight      int           // messages published and not yet acked
@@ -51,6 +50,14 @@ type Config struct {
 	BeforeSession func(ctx context.Context) error
 }
 
+// Defaults of the CDC path, used by `run`'s flags and by setDefaults.
+const (
+	DefaultMaxInFlight      = 1024
+	DefaultMaxInFlightBytes = 4 << 20
+	DefaultStatusInterval   = 2 * time.Second
+	DefaultDrainTimeout     = 10 * time.Second
+)
+
 func (c *Config) setDefaults() {
 	def := func(d *time.Duration, v time.Duration) {
 		if *d <= 0 {
@@ -58,10 +65,10 @@ func (c *Config) setDefaults() {
 		}
 	}
 	if c.MaxInFlight <= 0 {
-		c.MaxInFlight = 1024
+		c.MaxInFlight = DefaultMaxInFlight
 	}
 	if c.MaxInFlightBytes <= 0 {
-		c.MaxInFlightBytes = 4 << 20
+		c.MaxInFlightBytes = DefaultMaxInFlightBytes
 	}
 	if c.SettleBatch <= 0 {
 		c.SettleBatch = 1000
@@ -69,12 +76,9 @@ func (c *Config) setDefaults() {
 	if c.MaxUnsettled <= 0 {
 		c.MaxUnsettled = 4 * max(c.SettleBatch, c.MaxInFlight)
 	}
-	if c.Policy == "" {
-		c.Policy = store.PolicyMark
-	}
 	def(&c.SettleDelay, 5*time.Millisecond)
-	def(&c.StatusInterval, 2*time.Second)
-	def(&c.DrainTimeout, 10*time.Second)
+	def(&c.StatusInterval, DefaultStatusInterval)
+	def(&c.DrainTimeout, DefaultDrainTimeout)
 	def(&c.RejectRetry, 5*time.Second)
 	def(&c.BackoffMin, 200*time.Millisecond)
 	def(&c.BackoffMax, 30*time.Second)
@@ -114,16 +118,16 @@ type Relay struct {
 	sleep func(ctx context.Context, d time.Duration) error
 }
 
-// New returns a relay. The pool is for the table's statements and catalog
-// checks; the replication connection is opened per session from
-// cfg.DatabaseURL.
-func New(cfg Config, pool *pgxpool.Pool, sink sinks.Sink, log zerolog.Logger, m *metrics.Metrics) *Relay {
+// New returns a relay. st holds the table's statements (and the on-publish
+// policy); the pool is for catalog checks; the replication connection is
+// opened per session from cfg.DatabaseURL.
+func New(cfg Config, pool *pgxpool.Pool, st *store.Store, sink sinks.Sink, log zerolog.Logger, m *metrics.Metrics) *Relay {
 	cfg.setDefaults()
 	r := &Relay{
 		cfg: cfg, pool: pool, sink: sink, metrics: m,
-		store: store.New(pool, cfg.Table, cfg.Policy),
+		store: st,
 		log:   log.With().Str("component", "cdc").Str("slot", cfg.Slot).Logger(),
-		sleep: sleepCtx,
+		sleep: retry.Sleep,
 	}
 	r.setRole(RoleStarting)
 	return r
@@ -247,7 +251,7 @@ func (r *Relay) Run(ctx context.Context) error {
 			if time.Since(started) > time.Minute {
 				attempt = 0
 			}
-			wait = backoff(attempt, r.cfg.BackoffMin, r.cfg.BackoffMax)
+			wait = retry.Equal(attempt, r.cfg.BackoffMin, r.cfg.BackoffMax, nil)
 			attempt++
 			r.log.Error().Err(err).Dur("retry_in", wait).Int("attempt", attempt).Msg("replication session ended")
 		}
@@ -255,29 +259,6 @@ func (r *Relay) Run(ctx context.Context) error {
 			r.setRole(RoleStarting)
 			return nil
 		}
-	}
-}
-
-// backoff is capped exponential backoff with full jitter.
-func backoff(attempt int, min, max time.Duration) time.Duration {
-	d := max
-	if attempt < 30 {
-		d = min << attempt
-		if d > max || d <= 0 {
-			d = max
-		}
-	}
-	return min/2 + rand.N(d-min/2+1)
-}
-
-func sleepCtx(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
 	}
 }
 

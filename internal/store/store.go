@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"strings"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -53,6 +54,9 @@ type Store struct {
 
 // New returns a Store for table t.
 func New(pool *pgxpool.Pool, t Table, policy Policy) *Store {
+	if policy == "" {
+		policy = PolicyMark
+	}
 	s := &Store{pool: pool, table: t, policy: policy}
 	s.settleSQL = buildSettleSQL(t, policy)
 	return s
@@ -259,5 +263,5 @@ const unplanned = pgx.QueryExecModeExec
 // IsUndefinedTable reports a 42P01 error.
 func IsUndefinedTable(err error) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "42P01"
+	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedTable
 }

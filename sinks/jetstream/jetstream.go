@@ -79,6 +79,9 @@ func (f *future) Wait(ctx context.Context) (sinks.Ack, error) {
 	case ack := <-f.f.Ok():
 		return sinks.Ack{Stream: ack.Stream, Sequence: ack.Sequence, Duplicate: ack.Duplicate}, nil
 	case err := <-f.f.Err():
+		if errors.Is(err, jetstream.ErrAsyncPublishTimeout) {
+			return sinks.Ack{}, fmt.Errorf("ack for %s on %s: %w: %w", f.id, f.subject, sinks.ErrAckTimeout, err)
+		}
 		return sinks.Ack{}, classify(ctx, f.sink.js, f.subject, fmt.Errorf("ack for %s on %s: %w", f.id, f.subject, err))
 	case <-ctx.Done():
 		return sinks.Ack{}, ctx.Err()
@@ -122,6 +125,15 @@ func classify(ctx context.Context, js API, subject string, err error) error {
 // ValidateSubject applies NATS's rules for a publish subject: dot-separated
 // non-empty tokens, no whitespace, no wildcards.
 func ValidateSubject(s string) error { return wire.ValidateSubject(s) }
+
+// Defaults of the stream the relay creates and of its publishes.
+const (
+	// DefaultDuplicateWindow is the stream's duplicate window: repeats of
+	// a work ID inside it are stored once.
+	DefaultDuplicateWindow = 2 * time.Minute
+	// DefaultAckTimeout bounds a publish's wait for its ack.
+	DefaultAckTimeout = 10 * time.Second
+)
 
 // StreamConfig is what the relay creates when its stream is missing.
 type StreamConfig struct {
