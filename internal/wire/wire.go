@@ -20,6 +20,15 @@ const (
 	HeaderCommitTime      = "Outbox-Commit-Time"
 	HeaderAttempt         = "Outbox-Attempt"
 	HeaderClaimGeneration = "Outbox-Claim-Generation"
+	// Rows with an aggregate (G12): the business object and the row's
+	// position in its sequence, so receivers can detect gaps and stale
+	// versions.
+	HeaderAggregateType = "Outbox-Aggregate-Type"
+	HeaderAggregateID   = "Outbox-Aggregate-Id"
+	HeaderSequence      = "Outbox-Sequence"
+	// Rows with a deadline (G13), RFC 3339 in UTC: receivers that must not
+	// act late enforce it themselves.
+	HeaderExpiresAt = "Outbox-Expires-At"
 )
 
 // MaxSubjectBytes bounds a subject. NATS itself only fails at its control
