@@ -2,6 +2,7 @@ package inbox_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -106,4 +107,163 @@ func Example() {
 	// order-103-ack applied <nil>
 	// order-103-ack duplicate <nil>
 	// charges: 1
+}
+
+// exampleSetup returns a pool on a fresh database with the inbox tables,
+// and a durable consumer on a fresh stream with its subject prefix.
+func exampleSetup(ctx context.Context, durable string) (*pgxpool.Pool, jetstream.JetStream, jetstream.Consumer, string, func()) {
+	dbURL, natsURL, stream, prefix := exampleServers()
+	pool, err := pgxpool.New(ctx, dbURL)
+	if err != nil {
+		panic(err)
+	}
+	if err := inbox.Migrate(ctx, pool, "inbox"); err != nil {
+		panic(err)
+	}
+	nc, err := nats.Connect(natsURL)
+	if err != nil {
+		panic(err)
+	}
+	js, _ := jetstream.New(nc)
+	s, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: stream, Subjects: []string{prefix + ">"}})
+	if err != nil {
+		panic(err)
+	}
+	cons, err := s.CreateOrUpdateConsumer(ctx, jetstream.ConsumerConfig{Durable: durable, AckPolicy: jetstream.AckExplicitPolicy, MaxDeliver: -1})
+	if err != nil {
+		panic(err)
+	}
+	return pool, js, cons, prefix, func() { nc.Close(); pool.Close() }
+}
+
+// examplePublish stores a message as the relay would publish a row of
+// order 103 with the given kind and sequence.
+func examplePublish(ctx context.Context, js jetstream.JetStream, prefix, kind, workID string, seq int, extra nats.Header) {
+	m := nats.NewMsg(prefix + kind)
+	m.Data = []byte(`{"order_id": 103}`)
+	m.Header.Set(jetstream.MsgIDHeader, workID)
+	m.Header.Set("Outbox-Kind", kind)
+	m.Header.Set("Outbox-Aggregate-Type", "order")
+	m.Header.Set("Outbox-Aggregate-Id", "103")
+	m.Header.Set("Outbox-Sequence", fmt.Sprint(seq))
+	for k, v := range extra {
+		m.Header[k] = v
+	}
+	if _, err := js.PublishMsg(ctx, m); err != nil {
+		panic(err)
+	}
+}
+
+// A history consumer: an order's events are applied in their sequence,
+// whatever order the deliveries come in. Sequence 2 arrives first and
+// waits (nak'd with a delay) until sequence 1 has been applied.
+func Example_inSequence() {
+	ctx := context.Background()
+	pool, js, cons, prefix, done := exampleSetup(ctx, "ledger")
+	defer done()
+	if _, err := pool.Exec(ctx, `CREATE TABLE order_events (n bigserial, order_id bigint, seq bigint, event text)`); err != nil {
+		panic(err)
+	}
+	examplePublish(ctx, js, prefix, "order.paid", "order-103-paid", 2, nil)
+	examplePublish(ctx, js, prefix, "order.placed", "order-103-placed", 1, nil)
+
+	quiet := zerolog.Nop()
+	in, err := inbox.New(pool, inbox.Config{
+		Consumer: "ledger",
+		Order:    inbox.InSequence,
+		GapAfter: 10 * time.Minute, // then OnGap, an error log and Stats.Gaps
+		OnGap:    func(g inbox.Gap) { fmt.Printf("sequence %d of %s/%s missing\n", g.Applied+1, g.Type, g.ID) },
+		Logger:   &quiet,
+	})
+	if err != nil {
+		panic(err)
+	}
+	appendEvent := func(ctx context.Context, tx pgx.Tx, msg jetstream.Msg) error {
+		agg, _, err := inbox.AggregateOf(msg)
+		if err != nil {
+			return err
+		}
+		_, err = tx.Exec(ctx, `INSERT INTO order_events (order_id, seq, event) VALUES ($1, $2, $3)`,
+			agg.ID, agg.Seq, msg.Headers().Get(jetstream.MsgIDHeader))
+		return err
+	}
+	for range 3 {
+		batch, err := cons.Fetch(1, jetstream.FetchMaxWait(10*time.Second))
+		if err != nil {
+			panic(err)
+		}
+		for msg := range batch.Messages() {
+			outcome, err := in.Process(ctx, msg, appendEvent)
+			fmt.Println(msg.Headers().Get(jetstream.MsgIDHeader), outcome, err)
+		}
+	}
+	var events string
+	if err := pool.QueryRow(ctx, `SELECT string_agg(seq || ' ' || event, ', ' ORDER BY n) FROM order_events`).Scan(&events); err != nil {
+		panic(err)
+	}
+	fmt.Println("events:", events)
+	// Output:
+	// order-103-paid waiting <nil>
+	// order-103-placed applied <nil>
+	// order-103-paid applied <nil>
+	// events: 1 order-103-placed, 2 order-103-paid
+}
+
+// A projection of an order's current status: a newer sequence wins, an
+// older one is recorded as superseded and acked, and with EnforceDeadline a
+// message whose Outbox-Expires-At has passed (on the database's clock) is
+// recorded as expired and terminated.
+func Example_latestWins() {
+	ctx := context.Background()
+	pool, js, cons, prefix, done := exampleSetup(ctx, "status-view")
+	defer done()
+	if _, err := pool.Exec(ctx, `CREATE TABLE order_status (order_id bigint PRIMARY KEY, status text, version bigint)`); err != nil {
+		panic(err)
+	}
+	examplePublish(ctx, js, prefix, "order.shipped", "order-103-shipped", 3, nil)
+	examplePublish(ctx, js, prefix, "order.paid", "order-103-paid", 2, nil)
+	examplePublish(ctx, js, prefix, "order.discount", "order-103-discount", 4,
+		nats.Header{"Outbox-Expires-At": []string{"2020-01-01T00:00:00Z"}})
+
+	quiet := zerolog.Nop()
+	in, err := inbox.New(pool, inbox.Config{Consumer: "status-view", Order: inbox.LatestWins, EnforceDeadline: true, Logger: &quiet})
+	if err != nil {
+		panic(err)
+	}
+	setStatus := func(ctx context.Context, tx pgx.Tx, msg jetstream.Msg) error {
+		agg, _, err := inbox.AggregateOf(msg)
+		if err != nil {
+			return err
+		}
+		// No version check here: the inbox only calls this with a newer one.
+		_, err = tx.Exec(ctx, `INSERT INTO order_status VALUES ($1, $2, $3)
+			ON CONFLICT (order_id) DO UPDATE SET status = EXCLUDED.status, version = EXCLUDED.version`,
+			agg.ID, msg.Headers().Get("Outbox-Kind"), agg.Seq)
+		return err
+	}
+	batch, err := cons.Fetch(3, jetstream.FetchMaxWait(10*time.Second))
+	if err != nil {
+		panic(err)
+	}
+	for msg := range batch.Messages() {
+		outcome, err := in.Process(ctx, msg, setStatus)
+		fmt.Println(msg.Headers().Get(jetstream.MsgIDHeader), outcome, errors.Is(err, inbox.ErrExpired))
+	}
+	var status string
+	var version int
+	if err := pool.QueryRow(ctx, `SELECT status, version FROM order_status WHERE order_id = 103`).Scan(&status, &version); err != nil {
+		panic(err)
+	}
+	fmt.Printf("order 103: %q at version %d\n", status, version)
+	var audit string
+	if err := pool.QueryRow(ctx, `SELECT string_agg(message_id || ' ' || disposition, ', ' ORDER BY aggregate_seq) FROM inbox`).Scan(&audit); err != nil {
+		panic(err)
+	}
+	fmt.Println("inbox:", audit)
+	// Output:
+	// order-103-shipped applied false
+	// order-103-paid superseded false
+	// order-103-discount expired true
+	// order 103: "order.shipped" at version 3
+	// inbox: order-103-paid superseded, order-103-shipped applied, order-103-discount expired
 }

@@ -42,6 +42,17 @@
 // second insert waits for the first transaction and then sees a duplicate,
 // or, if the first rolled back, applies the message itself.
 //
+// Order and deadlines. Config.Order chooses what a message carrying an
+// aggregate (Outbox-Aggregate-Type, Outbox-Aggregate-Id, Outbox-Sequence)
+// means to this consumer: InSequence (a history: sequence n is applied only
+// after n-1, an early one waits by being redelivered, a gap is reported after
+// Config.GapAfter) or LatestWins (a projection: a newer sequence is applied,
+// an older one is recorded as superseded and acked). Config.EnforceDeadline
+// refuses a message whose Outbox-Expires-At has passed on the database's
+// clock. Both decide in the handler's transaction, against a per-aggregate
+// position row locked there, so what is decided and what is applied commit
+// together; see Order.
+//
 // The guarantee is effectively-once for the effects written through the
 // handler's transaction. A call to another system from the handler is
 // outside it and may repeat; pass the message ID to that system as its
@@ -103,11 +114,30 @@ type Config struct {
 	// committed inbox row; under REPEATABLE READ or SERIALIZABLE it gets a
 	// serialization failure instead and is redelivered.
 	TxOptions pgx.TxOptions
-	// Logger receives rejections (error), retries (warn) and duplicates
-	// (debug). Default: zerolog's global logger.
+	// Logger receives rejections and gaps (error), retries, expiries and
+	// skips (warn), and duplicates, waits and superseded messages (debug).
+	// Default: zerolog's global logger.
 	Logger *zerolog.Logger
-	// OnReject, when set, is called for every message the inbox terminates.
+	// OnReject, when set, is called for every message the inbox terminates,
+	// expired ones included.
 	OnReject func(Rejection)
+
+	// Order is the rule for messages that carry an aggregate: Unordered (the
+	// default: the headers are ignored), InSequence or LatestWins. Messages
+	// without the aggregate headers are applied unordered under any rule.
+	// Requires the positions table (Migrate).
+	Order Order
+	// GapAfter: under InSequence, once a later sequence of an aggregate has
+	// waited this long for a missing one (by the database's clock), the gap
+	// is reported, once per gap: an error log, Stats.Gaps and OnGap
+	// (default 1m). The later sequences keep waiting.
+	GapAfter time.Duration
+	// OnGap, when set, is called for every gap reported.
+	OnGap func(Gap)
+	// EnforceDeadline refuses a message whose Outbox-Expires-At is not in
+	// the future on the database's clock when its turn comes: recorded in
+	// the inbox as expired, terminated, never applied.
+	EnforceDeadline bool
 }
 
 // Rejection describes a terminated message.
@@ -116,8 +146,9 @@ type Rejection struct {
 	Subject   string
 	StreamSeq uint64
 	// Reason is short and stable, for metrics: "no_msg_id",
-	// "payload_mismatch", "rejected" (the handler said so, e.g. ErrStale) or
-	// "max_deliveries".
+	// "payload_mismatch", "rejected" (the handler said so, e.g. ErrStale),
+	// "max_deliveries", "malformed_aggregate", "malformed_expires_at" or
+	// "expired".
 	Reason string
 	Err    error
 }
@@ -134,6 +165,18 @@ const (
 	Retrying
 	// Rejected: terminated and never applied.
 	Rejected
+	// Waiting: InSequence only. An earlier sequence of the message's
+	// aggregate is not applied yet; nothing was applied and the message was
+	// nak'd with a delay, to come back until its turn.
+	Waiting
+	// Superseded: the aggregate is already at this sequence or past it
+	// (LatestWins: a newer version was applied; InSequence: a repeat the
+	// inbox no longer knows, or a sequence an operator skipped). Recorded in
+	// the inbox with disposition 'superseded', acked, not applied.
+	Superseded
+	// Expired: EnforceDeadline found its deadline passed. Recorded with
+	// disposition 'expired', terminated, not applied.
+	Expired
 )
 
 func (o Outcome) String() string {
@@ -146,6 +189,12 @@ func (o Outcome) String() string {
 		return "retrying"
 	case Rejected:
 		return "rejected"
+	case Waiting:
+		return "waiting"
+	case Superseded:
+		return "superseded"
+	case Expired:
+		return "expired"
 	}
 	return fmt.Sprintf("Outcome(%d)", uint8(o))
 }
@@ -156,6 +205,13 @@ type Stats struct {
 	// AckFailed counts acks that failed after a commit; JetStream redelivers
 	// those after AckWait and the inbox drops them as duplicates.
 	AckFailed uint64
+	// Waited counts deliveries nak'd because an earlier sequence was not
+	// applied yet (InSequence); Gaps counts the gaps reported.
+	Waited, Gaps uint64
+	// Superseded counts messages recorded as superseded (Outcome
+	// Superseded), Expired those refused for their deadline. Neither is in
+	// Rejected.
+	Superseded, Expired uint64
 }
 
 // Inbox applies messages once for one consumer.
@@ -167,7 +223,18 @@ type Inbox struct {
 
 	insertSQL, storedSQL, fenceSQL, fenceReadSQL, pruneSQL string
 
+	// extended: Order or EnforceDeadline is set, so the inbox row records
+	// the aggregate, the deadline and the disposition, which needs the
+	// columns Migrate added with them. Without it the statements are those
+	// of older inbox tables, which keep working unmigrated.
+	extended bool
+
+	// Statements of the ordering rules and deadlines (order.go).
+	dispositionSQL, deadlineSQL, posLockSQL, posInsertSQL, posAdvanceSQL string
+	posWaitSQL, posGapSQL, skipSQL, posReadSQL                           string
+
 	applied, duplicates, retried, rejected, ackFailed atomic.Uint64
+	waited, gaps, superseded, expired                 atomic.Uint64
 
 	// afterCommit is a test hook between the commit and the ack, where a
 	// crash leaves a committed effect with an unacked message.
@@ -205,6 +272,14 @@ func New(pool *pgxpool.Pool, cfg Config) (*Inbox, error) {
 	if cfg.AckTimeout <= 0 {
 		cfg.AckTimeout = 5 * time.Second
 	}
+	switch cfg.Order {
+	case Unordered, InSequence, LatestWins:
+	default:
+		return nil, fmt.Errorf("inbox.New: Config.Order %v is not Unordered, InSequence or LatestWins", cfg.Order)
+	}
+	if cfg.GapAfter <= 0 {
+		cfg.GapAfter = time.Minute
+	}
 	in := &Inbox{pool: pool, cfg: cfg, t: t}
 	if cfg.Logger != nil {
 		in.log = *cfg.Logger
@@ -225,13 +300,22 @@ func New(pool *pgxpool.Pool, cfg Config) (*Inbox, error) {
 		SELECT consumer, message_id FROM ` + inbox + `
 		WHERE consumer = $1 AND received_at < clock_timestamp() - make_interval(secs => $2)
 		LIMIT $3)`
+	in.extended = cfg.Order != Unordered || cfg.EnforceDeadline
+	if in.extended {
+		in.insertSQL = `INSERT INTO ` + inbox + ` (consumer, message_id, payload_sha256, subject, stream_seq,
+			aggregate_type, aggregate_id, aggregate_seq, expires_at)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (consumer, message_id) DO NOTHING`
+		in.storedSQL = `SELECT payload_sha256, disposition FROM ` + inbox + ` WHERE consumer = $1 AND message_id = $2`
+	}
+	in.prepareOrder()
 	return in, nil
 }
 
 // Stats returns the counts since New.
 func (in *Inbox) Stats() Stats {
 	return Stats{Applied: in.applied.Load(), Duplicates: in.duplicates.Load(), Retried: in.retried.Load(),
-		Rejected: in.rejected.Load(), AckFailed: in.ackFailed.Load()}
+		Rejected: in.rejected.Load(), AckFailed: in.ackFailed.Load(),
+		Waited: in.waited.Load(), Gaps: in.gaps.Load(), Superseded: in.superseded.Load(), Expired: in.expired.Load()}
 }
 
 // Wrap returns a jetstream.MessageHandler for Consume (or for messages from
@@ -255,8 +339,8 @@ func (d delivery) event(e *zerolog.Event) *zerolog.Event {
 
 // Process applies msg with h once, then acks, naks or terminates msg as the
 // package documentation describes, and says which. The error is the cause of
-// a retry or rejection (nil for Applied and Duplicate, and for a failed ack
-// after a commit, which is logged and counted only).
+// a retry or rejection (nil for Applied, Duplicate, Waiting and Superseded,
+// and for a failed ack after a commit, which is logged and counted only).
 func (in *Inbox) Process(ctx context.Context, msg jetstream.Msg, h Handler) (Outcome, error) {
 	d := delivery{msg: msg, id: msg.Headers().Get(wire.HeaderMsgID), delivered: 1}
 	if md, err := msg.Metadata(); err == nil {
@@ -266,6 +350,23 @@ func (in *Inbox) Process(ctx context.Context, msg jetstream.Msg, h Handler) (Out
 		return in.reject(d, "no_msg_id", fmt.Errorf("message on %s (stream seq %d) has no %s header: without an identity it cannot be deduplicated; publish it through the outbox or set the header",
 			msg.Subject(), d.seq, wire.HeaderMsgID))
 	}
+	var (
+		agg      Aggregate
+		ordered  bool
+		deadline time.Time
+		expiring bool
+		err      error
+	)
+	if in.cfg.Order != Unordered {
+		if agg, ordered, err = AggregateOf(msg); err != nil {
+			return in.reject(d, "malformed_aggregate", fmt.Errorf("message %q: %w", d.id, err))
+		}
+	}
+	if in.cfg.EnforceDeadline {
+		if deadline, expiring, err = ExpiresAt(msg); err != nil {
+			return in.reject(d, "malformed_expires_at", fmt.Errorf("message %q: %w", d.id, err))
+		}
+	}
 	sum := sha256.Sum256(msg.Data())
 
 	tx, err := in.pool.BeginTx(ctx, in.cfg.TxOptions)
@@ -273,22 +374,74 @@ func (in *Inbox) Process(ctx context.Context, msg jetstream.Msg, h Handler) (Out
 		return in.retry(d, false, fmt.Errorf("inbox: begin transaction for %q: %w", d.id, err))
 	}
 	defer tx.Rollback(context.Background()) //nolint:errcheck // no-op after commit
-	tag, err := tx.Exec(ctx, in.insertSQL, in.cfg.Consumer, d.id, sum[:], msg.Subject(), int64(d.seq))
+	var pos position
+	if ordered {
+		// Locked before the inbox row and held to the commit: every
+		// delivery of this aggregate, on any instance, decides and applies
+		// one at a time, so n+1 cannot pass n by racing it.
+		if pos, err = in.lockPosition(ctx, tx, agg); err != nil {
+			return in.retry(d, false, fmt.Errorf("inbox: lock position of %s for %q: %w", agg, d.id, err))
+		}
+		if in.cfg.Order == InSequence && agg.Seq > pos.applied+1 {
+			return in.wait(ctx, tx, d, agg, pos)
+		}
+	}
+	args := []any{in.cfg.Consumer, d.id, sum[:], msg.Subject(), int64(d.seq)}
+	if in.extended {
+		// NULLs unless the rule or the deadline is in force for this message:
+		// the row records what was decided on, no more.
+		var aggType, aggID *string
+		var aggSeq *int64
+		var expires *time.Time
+		if ordered {
+			aggType, aggID, aggSeq = &agg.Type, &agg.ID, &agg.Seq
+		}
+		if expiring {
+			expires = &deadline
+		}
+		args = append(args, aggType, aggID, aggSeq, expires)
+	}
+	tag, err := tx.Exec(ctx, in.insertSQL, args...)
 	if err != nil {
 		return in.retry(d, false, fmt.Errorf("inbox: record %q in %s: %w", d.id, in.t, err))
 	}
 	if tag.RowsAffected() == 0 {
 		return in.repeat(ctx, tx, d, sum[:])
 	}
+	if ordered && agg.Seq <= pos.applied {
+		return in.supersede(ctx, tx, d, agg, pos)
+	}
+	if expiring {
+		var passed bool
+		// The database's clock, in this transaction, right before the
+		// effect: the consumer's clock may be off, and the relay decided
+		// its side of the deadline on the database's clock too.
+		if err := tx.QueryRow(ctx, in.deadlineSQL, deadline).Scan(&passed); err != nil {
+			return in.retry(d, false, fmt.Errorf("inbox: check deadline %s of %q: %w", deadline.Format(time.RFC3339Nano), d.id, err))
+		}
+		if passed {
+			return in.expire(ctx, tx, d, agg, ordered, deadline)
+		}
+	}
 	if err := h(ctx, tx, msg); err != nil {
 		_ = tx.Rollback(context.Background())
 		if errors.Is(err, ErrRejected) {
 			return in.reject(d, "rejected", fmt.Errorf("handler rejected %q: %w", d.id, err))
 		}
-		if d.delivered >= uint64(in.cfg.MaxDeliveries) {
+		// Under InSequence the delivery count includes the waits, so it says
+		// little about how often the handler failed; and terminating the
+		// message would only turn it into a gap that holds the aggregate
+		// anyway. It is retried, with backoff, until it applies or an
+		// operator skips it.
+		if d.delivered >= uint64(in.cfg.MaxDeliveries) && !(ordered && in.cfg.Order == InSequence) {
 			return in.reject(d, "max_deliveries", fmt.Errorf("handler failed on %q at delivery %d of at most %d, giving up: %w", d.id, d.delivered, in.cfg.MaxDeliveries, err))
 		}
 		return in.retry(d, true, fmt.Errorf("handler failed on %q: %w", d.id, err))
+	}
+	if ordered {
+		if _, err := tx.Exec(ctx, in.posAdvanceSQL, in.cfg.Consumer, agg.Type, agg.ID, agg.Seq); err != nil {
+			return in.retry(d, false, fmt.Errorf("inbox: advance position of %s to %d for %q: %w", agg, agg.Seq, d.id, err))
+		}
 	}
 	if err := tx.Commit(ctx); err != nil {
 		// Committed or not, a redelivery is safe: the inbox row decides.
@@ -305,7 +458,13 @@ func (in *Inbox) Process(ctx context.Context, msg jetstream.Msg, h Handler) (Out
 // repeat handles a message ID that is already in the inbox.
 func (in *Inbox) repeat(ctx context.Context, tx pgx.Tx, d delivery, sum []byte) (Outcome, error) {
 	var stored []byte
-	err := tx.QueryRow(ctx, in.storedSQL, in.cfg.Consumer, d.id).Scan(&stored)
+	disposition := dispositionApplied
+	var err error
+	if in.extended {
+		err = tx.QueryRow(ctx, in.storedSQL, in.cfg.Consumer, d.id).Scan(&stored, &disposition)
+	} else {
+		err = tx.QueryRow(ctx, in.storedSQL, in.cfg.Consumer, d.id).Scan(&stored)
+	}
 	_ = tx.Rollback(context.Background())
 	if errors.Is(err, pgx.ErrNoRows) {
 		// Pruned between the insert and this read: try again soon.
@@ -319,7 +478,7 @@ func (in *Inbox) repeat(ctx context.Context, tx pgx.Tx, d delivery, sum []byte) 
 			d.id, hex.EncodeToString(sum[:8]), hex.EncodeToString(stored[:min(8, len(stored))])))
 	}
 	in.duplicates.Add(1)
-	d.event(in.log.Debug()).Msg("duplicate: already applied, acking")
+	d.event(in.log.Debug()).Str("disposition", disposition).Msg("duplicate: already recorded, acking")
 	in.ack(d)
 	return Duplicate, nil
 }
@@ -339,9 +498,7 @@ func (in *Inbox) ack(d delivery) {
 // Only handler failures count toward MaxDeliveries; a database outage says
 // nothing about the message.
 func (in *Inbox) retry(d delivery, handler bool, cause error) (Outcome, error) {
-	// Doubling per earlier delivery, never at once: messages failing
-	// together do not come back together.
-	delay := retry.Equal(int(min(d.delivered, 64)), in.cfg.BackoffMin, in.cfg.BackoffMax, nil)
+	delay := in.delay(d)
 	in.retried.Add(1)
 	ev := d.event(in.log.Warn()).Err(cause).Dur("redeliver_in", delay)
 	if err := d.msg.NakWithDelay(delay); err != nil {
@@ -353,6 +510,13 @@ func (in *Inbox) retry(d delivery, handler bool, cause error) (Outcome, error) {
 		ev.Msg("inbox database step failed; rolled back, redelivering")
 	}
 	return Retrying, cause
+}
+
+// delay is how long a nak'd delivery stays away: doubling per earlier
+// delivery, never at once, so messages failing (or waiting) together do not
+// come back together.
+func (in *Inbox) delay(d delivery) time.Duration {
+	return retry.Equal(int(min(d.delivered, 64)), in.cfg.BackoffMin, in.cfg.BackoffMax, nil)
 }
 
 func (in *Inbox) reject(d delivery, reason string, cause error) (Outcome, error) {

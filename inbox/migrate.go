@@ -10,8 +10,8 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// tableName is the inbox table; the fences table and the index take their
-// names from it.
+// tableName is the inbox table; the fences and positions tables and the
+// index take their names from it.
 type tableName struct{ schema, name string }
 
 func parseTable(s string) (tableName, error) {
@@ -51,6 +51,15 @@ func (t tableName) derived(suffix string) string {
 
 func (t tableName) inbox() string  { return t.ident(t.name) }
 func (t tableName) fences() string { return t.ident(t.derived("fences")) }
+
+// positions holds InSequence's and LatestWins's position per (consumer,
+// aggregate).
+func (t tableName) positions() string { return t.ident(t.derived("positions")) }
+
+// positionsName is positions unquoted, for messages.
+func (t tableName) positionsName() string {
+	return tableName{schema: t.schema, name: t.derived("positions")}.String()
+}
 func (t tableName) String() string {
 	if t.schema == "" {
 		return t.name
@@ -64,10 +73,12 @@ type Beginner interface {
 }
 
 // Migrate creates the inbox table named table ("name" or "schema.name", in
-// the search path's first schema when unqualified) and its fences table
-// <name>_fences, if they do not exist. It is safe to run at every start and
-// from several processes at once. `outbox-relay migrate --inbox <table>` runs
-// the same.
+// the search path's first schema when unqualified), its fences table
+// <name>_fences and its positions table <name>_positions (Config.Order), if
+// they do not exist, and adds to an inbox table created by an earlier
+// version the columns that record aggregates, deadlines and dispositions. It
+// is safe to run at every start and from several processes at once.
+// `outbox-relay migrate --inbox <table>` runs the same.
 func Migrate(ctx context.Context, db Beginner, table string) error {
 	t, err := parseTable(table)
 	if err != nil {
@@ -99,10 +110,49 @@ func Migrate(ctx context.Context, db Beginner, table string) error {
 			resource   text        PRIMARY KEY,
 			generation bigint      NOT NULL,
 			updated_at timestamptz NOT NULL DEFAULT clock_timestamp())`,
+		// One row per (consumer, aggregate), kept for as long as the
+		// aggregate may still receive messages: without it an old sequence
+		// would be applied again. applied_seq is the last sequence applied
+		// (0: none); waiting_since and gap_reported_at track a gap until the
+		// position moves; skipped_* record the last operator Skip.
+		`CREATE TABLE IF NOT EXISTS `+t.positions()+` (
+			consumer        text        NOT NULL,
+			aggregate_type  text        NOT NULL,
+			aggregate_id    text        NOT NULL,
+			applied_seq     bigint      NOT NULL DEFAULT 0 CHECK (applied_seq >= 0),
+			updated_at      timestamptz NOT NULL DEFAULT clock_timestamp(),
+			waiting_since   timestamptz,
+			gap_reported_at timestamptz,
+			skipped_after   bigint,
+			skipped_through bigint,
+			skip_reason     text,
+			skipped_at      timestamptz,
+			PRIMARY KEY (consumer, aggregate_type, aggregate_id))`,
 	)
 	for _, s := range stmts {
 		if _, err := tx.Exec(ctx, s); err != nil {
 			return fmt.Errorf("inbox.Migrate %s: %w", t, err)
+		}
+	}
+	// ALTER TABLE takes an ACCESS EXCLUSIVE lock even when every column
+	// exists, and queues every consumer's inserts behind any long
+	// transaction on the inbox; Migrate runs at every start, so it alters
+	// only a table that lacks the columns.
+	var has bool
+	if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_attribute
+		WHERE attrelid = to_regclass($1) AND attname = 'disposition' AND NOT attisdropped)`, t.inbox()).Scan(&has); err != nil {
+		return fmt.Errorf("inbox.Migrate %s: look for the disposition column: %w", t, err)
+	}
+	if !has {
+		// A constant default makes this a catalog change, not a rewrite.
+		if _, err := tx.Exec(ctx, `ALTER TABLE `+t.inbox()+`
+			ADD COLUMN IF NOT EXISTS aggregate_type text,
+			ADD COLUMN IF NOT EXISTS aggregate_id   text,
+			ADD COLUMN IF NOT EXISTS aggregate_seq  bigint,
+			ADD COLUMN IF NOT EXISTS expires_at     timestamptz,
+			ADD COLUMN IF NOT EXISTS disposition    text NOT NULL DEFAULT 'applied'
+				CHECK (disposition IN ('applied', 'superseded', 'expired'))`); err != nil {
+			return fmt.Errorf("inbox.Migrate %s: add the aggregate, deadline and disposition columns: %w", t, err)
 		}
 	}
 	if err := tx.Commit(ctx); err != nil {

@@ -92,6 +92,28 @@ type Message struct {
 	// AvailableAt delays delivery until then (by the database's clock); the
 	// relay's poller publishes it. Zero means now.
 	AvailableAt time.Time
+	// Aggregate is the business object the work belongs to (an order, an
+	// account). With it, the message takes the aggregate's next sequence
+	// in the caller's transaction, and a relay run with --ordering
+	// aggregate delivers the aggregate's messages in that order (G12).
+	// Enqueues of one aggregate wait for each other's commit; different
+	// aggregates never do. Zero: unordered.
+	Aggregate Aggregate
+	// Sequence, with Aggregate, is used instead of the counter: for
+	// example the business row's own version. It must be unique within
+	// the aggregate and start at 1 with no gaps, or InSequence consumers
+	// wait for the missing ones.
+	Sequence int64
+	// ExpiresAt is the business deadline: the relay never publishes the
+	// message after it (by the database's clock), and the message carries
+	// it in Outbox-Expires-At for receivers that enforce it (G13). Zero:
+	// none.
+	ExpiresAt time.Time
+}
+
+// Aggregate names a business object whose work must be done in order.
+type Aggregate struct {
+	Type, ID string
 }
 
 // ErrAlreadyEnqueued says a row with this work_id and the same kind, subject
@@ -181,6 +203,31 @@ func Enqueue(ctx context.Context, db DB, m Message) error {
 // Producer.EnqueueBatch).
 func EnqueueBatch(ctx context.Context, db DB, msgs []Message) ([]Result, error) {
 	return defaultProducer.EnqueueBatch(ctx, db, msgs)
+}
+
+// enqueueEach enqueues msgs one by one, in order: a batch with aggregates
+// takes their sequences in input order, which one multi-row statement does
+// not promise.
+func (p *Producer) enqueueEach(ctx context.Context, db DB, msgs []Message) ([]Result, error) {
+	results := make([]Result, len(msgs))
+	var conflicts []error
+	for i, m := range msgs {
+		err := p.Enqueue(ctx, db, m)
+		var ce *ConflictError
+		switch {
+		case err == nil:
+			results[i] = Inserted
+		case errors.Is(err, ErrAlreadyEnqueued):
+			results[i] = AlreadyEnqueued
+		case errors.As(err, &ce):
+			ce.Index = i
+			results[i] = Conflicted
+			conflicts = append(conflicts, ce)
+		default:
+			return nil, fmt.Errorf("message %d: %w", i, err)
+		}
+	}
+	return results, errors.Join(conflicts...)
 }
 
 // lostRowRetries bounds how often a repeat whose stored row vanished before
@@ -279,6 +326,11 @@ func (p *Producer) EnqueueBatch(ctx context.Context, db DB, msgs []Message) ([]R
 	if len(errs) > 0 {
 		return nil, errors.Join(errs...)
 	}
+	for _, r := range rows {
+		if r.Ordered() {
+			return p.enqueueEach(ctx, db, msgs)
+		}
+	}
 	results := make([]Result, len(msgs))
 	if len(msgs) == 0 {
 		return results, nil
@@ -364,7 +416,8 @@ func toRow(m Message) (store.EnqueueRow, error) {
 	if err := m.Validate(); err != nil {
 		return store.EnqueueRow{}, err
 	}
-	r := store.EnqueueRow{WorkID: m.WorkID, Kind: m.Kind, Subject: m.Subject, Payload: string(m.Payload), AvailableAt: m.AvailableAt}
+	r := store.EnqueueRow{WorkID: m.WorkID, Kind: m.Kind, Subject: m.Subject, Payload: string(m.Payload), AvailableAt: m.AvailableAt,
+		AggregateType: m.Aggregate.Type, AggregateID: m.Aggregate.ID, AggregateSeq: m.Sequence, ExpiresAt: m.ExpiresAt}
 	if len(m.Headers) > 0 {
 		b, err := json.Marshal(m.Headers)
 		if err != nil {

@@ -26,6 +26,15 @@ func (m Message) Validate() error {
 		// and ends in a dot, so the kind's tokens must be valid ones.
 		return fmt.Errorf("%w: work_id %q: kind %q cannot form the default subject <subject-prefix><kind>: %v; change the kind or set Subject", ErrInvalid, m.WorkID, m.Kind, err)
 	}
+	if m.Aggregate != (Aggregate{}) || m.Sequence != 0 {
+		seq := m.Sequence
+		if seq == 0 {
+			seq = 1 // taken from the counter
+		}
+		if err := wire.ValidateAggregate(m.Aggregate.Type, m.Aggregate.ID, seq); err != nil {
+			return fmt.Errorf("%w: work_id %q: %v", ErrInvalid, m.WorkID, err)
+		}
+	}
 	if len(m.Payload) == 0 {
 		return fmt.Errorf("%w: work_id %q: payload is empty; want JSON, e.g. {}", ErrInvalid, m.WorkID)
 	}

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -32,7 +33,14 @@ const (
 	fHeaders
 	fState
 	fAvailableAt
+	// Optional: a table from before migration 0006 lacks them, and its
+	// rows decode as having no aggregate and no deadline.
+	fAggregateType
+	fAggregateID
+	fAggregateSeq
+	fExpiresAt
 	numOutboxFields
+	firstOptional = fAggregateType
 )
 
 var outboxFieldNames = [numOutboxFields]string{
@@ -43,12 +51,17 @@ var outboxFieldNames = [numOutboxFields]string{
 	fHeaders:     "headers",
 	fState:       "state",
 	fAvailableAt: "available_at",
+	// G12 and G13.
+	fAggregateType: "aggregate_type",
+	fAggregateID:   "aggregate_id",
+	fAggregateSeq:  "aggregate_seq",
+	fExpiresAt:     "expires_at",
 }
 
 func (f outboxField) String() string { return outboxFieldNames[f] }
 
 // outboxColumnList is for error messages that tell an operator what the relay needs.
-var outboxColumnList = strings.Join(outboxFieldNames[:], ", ")
+var outboxColumnList = strings.Join(outboxFieldNames[:firstOptional], ", ")
 
 // relationInfo is what a Relation message told us about one relation id. For
 // the outbox table idx holds the tuple position of each field, so that decoding a
@@ -214,7 +227,7 @@ func (d *Decoder) relation(walData []byte) error {
 			}
 		}
 		var missing []string
-		for f, pos := range rel.idx {
+		for f, pos := range rel.idx[:firstOptional] {
 			if pos < 0 {
 				missing = append(missing, fmt.Sprintf("%q", outboxFieldNames[f]))
 			}
@@ -332,6 +345,10 @@ func (d *Decoder) row(rel *relationInfo, tuple *pglogrepl.TupleData) (*Row, erro
 	)
 	var workID []byte
 	for f := range numOutboxFields {
+		if rel.idx[f] < 0 {
+			null[f] = true // an optional column the table does not have
+			continue
+		}
 		c := cols[rel.idx[f]]
 		switch c.DataType {
 		case pglogrepl.TupleDataTypeText:
@@ -345,7 +362,7 @@ func (d *Decoder) row(rel *relationInfo, tuple *pglogrepl.TupleData) (*Row, erro
 		default:
 			return nil, d.rowErr(workID, f, fmt.Sprintf("has unknown tuple data kind %q", c.DataType))
 		}
-		if null[f] && f != fSubject && f != fHeaders {
+		if null[f] && f != fSubject && f != fHeaders && f < firstOptional {
 			return nil, d.rowErr(workID, f, "is NULL")
 		}
 		if f == fWorkID {
@@ -382,6 +399,20 @@ func (d *Decoder) row(rel *relationInfo, tuple *pglogrepl.TupleData) (*Row, erro
 	}
 	if !null[fHeaders] {
 		row.Headers = buf[np:]
+	}
+	if !null[fAggregateType] && !null[fAggregateID] && !null[fAggregateSeq] {
+		seq, err := strconv.ParseInt(string(vals[fAggregateSeq]), 10, 64)
+		if err != nil {
+			return nil, d.rowErr(workID, fAggregateSeq, "is unparsable: "+err.Error())
+		}
+		row.Aggregate = &Aggregate{Type: string(vals[fAggregateType]), ID: string(vals[fAggregateID]), Seq: seq}
+	}
+	if !null[fExpiresAt] {
+		exp, err := parseTimestamptz(vals[fExpiresAt])
+		if err != nil {
+			return nil, d.rowErr(workID, fExpiresAt, "is unparsable: "+err.Error())
+		}
+		row.ExpiresAt = exp
 	}
 	return row, nil
 }

@@ -439,7 +439,7 @@ func TestDecodeRelationChange(t *testing.T) {
 }
 
 func TestDecodeMissingColumn(t *testing.T) {
-	for _, missing := range outboxFieldNames {
+	for _, missing := range outboxFieldNames[:firstOptional] {
 		t.Run(missing, func(t *testing.T) {
 			var cols []string
 			for _, c := range testOutboxCols {
@@ -798,5 +798,40 @@ func BenchmarkDecodeInsert(b *testing.B) {
 		if _, ok, err := d.Decode(msg); !ok || err != nil {
 			b.Fatal(ok, err)
 		}
+	}
+}
+
+// The aggregate and the deadline (migration 0006) decode when the table has
+// them, and a row without them, or a table without them, is unordered and
+// without a deadline.
+func TestDecodeAggregateAndDeadline(t *testing.T) {
+	cols := append(append([]string{}, testOutboxCols...), "aggregate_type", "aggregate_id", "aggregate_seq", "expires_at")
+	d := NewDecoder(testOutboxTable)
+	if _, _, err := d.Decode(encBegin(0x100, commitTime1, 7)); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := d.Decode(encRelation(testOutboxRelID, "public", "outbox", cols...)); err != nil {
+		t.Fatal(err)
+	}
+	vals := sampleOutboxVals("w-1")
+	vals["aggregate_type"], vals["aggregate_id"], vals["aggregate_seq"] = textVal("order"), textVal("103"), textVal("3")
+	vals["expires_at"] = textVal("2026-12-01 10:00:00.5+01")
+	ev, ok, err := d.Decode(encRow(testOutboxRelID, cols, vals))
+	if err != nil || !ok {
+		t.Fatalf("Decode(row) = %v, %v, %v", ev, ok, err)
+	}
+	if a := ev.Row.Aggregate; a == nil || *a != (Aggregate{Type: "order", ID: "103", Seq: 3}) {
+		t.Errorf("aggregate %+v, want order/103/3", a)
+	}
+	if want := time.Date(2026, 12, 1, 9, 0, 0, 500000000, time.UTC); !ev.Row.ExpiresAt.Equal(want) {
+		t.Errorf("expires_at %v, want %v", ev.Row.ExpiresAt, want)
+	}
+	ev, _, err = d.Decode(encRow(testOutboxRelID, cols, sampleOutboxVals("w-2")))
+	if err != nil || ev.Row.Aggregate != nil || !ev.Row.ExpiresAt.IsZero() {
+		t.Fatalf("a row without them: %+v, %v", ev.Row, err)
+	}
+	vals["aggregate_seq"] = textVal("x")
+	if _, _, err := d.Decode(encRow(testOutboxRelID, cols, vals)); !errors.Is(err, ErrMalformedRow) {
+		t.Fatalf("unparsable aggregate_seq: %v, want ErrMalformedRow", err)
 	}
 }

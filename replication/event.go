@@ -57,6 +57,15 @@ type Row struct {
 	Headers     []byte // jsonb text, nil when NULL
 	State       string
 	AvailableAt time.Time
+	Aggregate   *Aggregate // nil: the row is unordered (G12)
+	ExpiresAt   time.Time  // zero: no business deadline (G13)
+}
+
+// Aggregate is the business object a row's work belongs to and the row's
+// position in that object's sequence.
+type Aggregate struct {
+	Type, ID string
+	Seq      int64
 }
 
 // LSN is a WAL position.

@@ -37,10 +37,13 @@ END $do$;
 GRANT USAGE ON SCHEMA {{.Schema}} TO {{.Producer}};
 REVOKE INSERT ON {{.Table}} FROM {{.Producer}};
 -- available_at is the producer's: a ready row due later is delayed delivery.
--- Columns producers set that a later migration adds (aggregate_type,
--- aggregate_id, aggregate_seq for ordering; expires_at for deadlines) are
--- granted here together with that migration, never before it exists.
-GRANT INSERT (work_id, kind, subject, payload, headers, available_at) ON {{.Table}} TO {{.Producer}};
+-- The aggregate and its sequence order the work (G12), expires_at is the
+-- business deadline (G13); next_seq() hands out the sequence (it runs as its
+-- owner, so the counter table needs no grant).
+GRANT INSERT (work_id, kind, subject, payload, headers, available_at,
+              aggregate_type, aggregate_id, aggregate_seq, expires_at) ON {{.Table}} TO {{.Producer}};
+GRANT EXECUTE ON FUNCTION {{.Companion "next_seq"}}(text, text) TO {{.Producer}};
+GRANT EXECUTE ON FUNCTION {{.Companion "give_back_seq"}}(text, text, bigint) TO {{.Producer}};
 -- SELECT of what package outbox reads back: work_id for RETURNING and the
 -- conflict target, kind, subject and payload to tell a repeat of the same
 -- intention from a conflicting one. That lets any producer read every row's

@@ -15,7 +15,7 @@ their way through the CDC path and running rows are held by a worker: both are r
 
   outbox-relay cancel --reason "order withdrawn" --work-id w1
   outbox-relay cancel --reason "bad deploy 1.4.2" --state scheduled --kind invoice.sent --since 2h`, stderr)
-	o.register(fs, store.ActionCancel)
+	o.register(fs, store.ActionCancel, flagDatabaseURL, flagTable)
 	if err := parse(fs, args); err != nil {
 		return err
 	}

@@ -30,3 +30,22 @@ func TestDemoOnGivenServers(t *testing.T) {
 		}
 	}
 }
+
+// Without --nats-url the demo starts a nats-server; when the one it is told
+// to use does not exist, the error says every way to fix that, before
+// anything was started or connected.
+func TestDemoWithoutNATSServerSaysHowToFix(t *testing.T) {
+	t.Setenv("OUTBOX_RELAY_NATS_SERVER", "/nonexistent/nats-server")
+	code, out, errOut := run(t, "demo", "--database-url", "postgres://nobody@127.0.0.1:1/none")
+	if code != 1 {
+		t.Fatalf("demo exited %d, want 1", code)
+	}
+	if strings.Contains(out, "starting") {
+		t.Errorf("the demo started something:\n%s", out)
+	}
+	for _, want := range []string{"/nonexistent/nats-server", "--nats-url", "install nats-server", "OUTBOX_RELAY_NATS_SERVER"} {
+		if !strings.Contains(errOut, want) {
+			t.Errorf("the error lacks %q: %s", want, errOut)
+		}
+	}
+}

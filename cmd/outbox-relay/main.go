@@ -59,15 +59,25 @@ func mainErr(args []string, stdout, stderr io.Writer) int {
 		}
 		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 		defer stop()
+		done := make(chan struct{})
+		defer close(done)
 		go func() {
 			// A second signal exits at once.
-			<-ctx.Done()
+			select {
+			case <-ctx.Done():
+			case <-done:
+				return
+			}
 			stop()
 			sig := make(chan os.Signal, 1)
 			signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
-			<-sig
-			fmt.Fprintln(stderr, "outbox-relay: second signal, exiting now")
-			os.Exit(130)
+			defer signal.Stop(sig)
+			select {
+			case <-sig:
+				fmt.Fprintln(stderr, "outbox-relay: second signal, exiting now")
+				os.Exit(130)
+			case <-done:
+			}
 		}()
 		err := c.run(ctx, args[1:], stdout, stderr)
 		if errors.Is(err, flag.ErrHelp) {

@@ -135,8 +135,8 @@ func TestOpCommandFlagErrors(t *testing.T) {
 	}{
 		{[]string{"redrive", bad, "--work-id", "a"}, "reason is required (--reason)"},
 		{[]string{"redrive", bad, "--work-id", "a", "--reason", "r", "--state", "failed"}, "--work-id and --state: give work IDs or a filter, not both"},
-		{[]string{"redrive", bad, "--kind", "k", "--reason", "r"}, "a filter redrive needs --state (failed or cancelled)"},
-		{[]string{"redrive", bad, "--state", "ready", "--reason", "r"}, `redrive --state "ready": want failed or cancelled`},
+		{[]string{"redrive", bad, "--kind", "k", "--reason", "r"}, "a filter redrive needs --state (failed or cancelled or expired)"},
+		{[]string{"redrive", bad, "--state", "ready", "--reason", "r"}, `redrive --state "ready": want failed or cancelled or expired`},
 		{[]string{"redrive", bad, "--reason", "r"}, "nothing selected"},
 		{[]string{"redrive", bad, "--state", "failed", "--since", "yesterday", "--reason", "r"}, `--since "yesterday"`},
 		{[]string{"cancel", bad, "--state", "running", "--reason", "r"}, `cancel --state "running": want scheduled or failed`},
@@ -265,7 +265,7 @@ func TestPruneCommand(t *testing.T) {
 		t.Fatalf("exit %d, stdout %q", code, out)
 	}
 	code, out, _ = run(t, "prune", "--database-url", url, "--older-than", "168h", "--include-cancelled")
-	if code != 0 || !strings.Contains(out, "pruned 0 published rows and 1 cancelled rows") {
+	if code != 0 || !strings.Contains(out, "pruned 0 published rows and 1 cancelled and 0 expired rows") {
 		t.Fatalf("exit %d, stdout %q", code, out)
 	}
 	var left []string

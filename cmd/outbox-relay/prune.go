@@ -16,10 +16,10 @@ func runPrune(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 Ready, scheduled, running and failed rows are never deleted. The <table>_redrives history is kept.
 
   outbox-relay prune --older-than 7d`, stderr)
-	c.register(fs, false)
+	c.register(fs, flagDatabaseURL, flagTable)
 	olderThan := fs.String("older-than", "", "required: delete rows published (or cancelled) longer ago than this age, e.g. 168h or 7d")
 	batch := fs.Int("batch", 1000, "rows per DELETE statement (each its own transaction)")
-	includeCancelled := fs.Bool("include-cancelled", false, "also delete cancelled rows, by when they were cancelled (redriven_at, else created_at)")
+	includeCancelled := fs.Bool("include-cancelled", false, "also delete cancelled rows, by when they were cancelled (redriven_at, else created_at), and expired rows, by their deadline")
 	dryRun := fs.Bool("dry-run", false, "count what would be deleted, delete nothing")
 	if err := parse(fs, args); err != nil {
 		return err
@@ -49,7 +49,7 @@ Ready, scheduled, running and failed rows are never deleted. The <table>_redrive
 	}
 	fmt.Fprintf(stdout, "%s %d published rows", verb, res.Published)
 	if *includeCancelled {
-		fmt.Fprintf(stdout, " and %d cancelled rows", res.Cancelled)
+		fmt.Fprintf(stdout, " and %d cancelled and %d expired rows", res.Cancelled, res.Expired)
 	}
 	fmt.Fprintf(stdout, " older than %s (before %s) from %s%s\n", age, res.Cutoff.UTC().Format(time.RFC3339), st.Table().Qualified(), batches)
 	return nil

@@ -104,6 +104,18 @@ func parseSince(s string) (time.Time, time.Duration, error) {
 	return time.Time{}, d, nil
 }
 
+// parseDeadline reads --expires-at: an RFC3339 time, or a duration from now.
+func parseDeadline(s string, now time.Time) (time.Time, error) {
+	if t, err := time.Parse(time.RFC3339Nano, s); err == nil {
+		return t, nil
+	}
+	d, err := time.ParseDuration(s)
+	if err != nil || d <= 0 {
+		return time.Time{}, fmt.Errorf("--expires-at %q: want an RFC3339 time like 2026-12-01T12:00:00Z or a positive duration from now like 2h", s)
+	}
+	return now.Add(d), nil
+}
+
 // defaultBy is user@host: enough to find the person behind a redrive when
 // --by was not given.
 func defaultBy() string {
@@ -144,20 +156,32 @@ func openStore(ctx context.Context, c *common) (*store.Store, func(), error) {
 
 func runRedrive(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var o opFlags
-	fs := newFlagSet("redrive", `Moves failed or cancelled rows back to scheduled for the poller: same work_id and payload,
-attempts reset to 0, who, when and why recorded on the row and in the <table>_redrives history.
+	fs := newFlagSet("redrive", `Moves failed, cancelled or expired rows back to scheduled for the poller: same work_id and
+payload, attempts reset to 0, who, when and why recorded on the row and in the <table>_redrives history.
+A row whose deadline passed needs a new one (--expires-at) or none (--no-deadline).
 
   outbox-relay redrive --reason "INC-42: limit raised" --work-id w1 --work-id w2
   outbox-relay redrive --reason "INC-42" --state failed --kind order.created --since 24h`, stderr)
 	o.register(fs, store.ActionRedrive, flagDatabaseURL, flagNATSURL, flagTable, flagStream)
 	stagger := fs.Duration("stagger", 10*time.Millisecond, "row i (oldest first) becomes due at now + i*stagger, so a bulk redrive does not hit the broker at once")
 	dupWindow := fs.Duration("duplicate-window", natssink.DefaultDuplicateWindow, "the stream's duplicate window, for the uncertain-outcome warning (read from the stream instead when --nats-url is given)")
+	expiresAt := fs.String("expires-at", "", "a new business deadline for the redriven rows: RFC3339 (2026-12-01T12:00:00Z) or a duration from now (2h); needed for rows whose deadline passed")
+	noDeadline := fs.Bool("no-deadline", false, "redriven rows have no deadline any more (rows whose deadline passed need this or --expires-at)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
 	req, err := o.request(fs, store.ActionRedrive)
 	if err != nil {
 		return err
+	}
+	req.NoDeadline = *noDeadline
+	if *expiresAt != "" {
+		if req.ExpiresAt, err = parseDeadline(*expiresAt, time.Now()); err != nil {
+			return err
+		}
+	}
+	if err := req.Validate(store.ActionRedrive); err != nil {
+		return errors.New(strings.TrimPrefix(err.Error(), store.ErrBadSelection.Error()+": "))
 	}
 	if err := app.ValidateStream(o.stream); err != nil {
 		return err

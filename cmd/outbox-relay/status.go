@@ -3,22 +3,20 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"sort"
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/internal/app"
+	"github.com/outbox-relay/outbox-relay/internal/replay"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/termsafe"
-	"github.com/outbox-relay/outbox-relay/replication"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
 
@@ -32,10 +30,8 @@ type statusReport struct {
 		ConfirmedLSN string `json:"confirmed_lsn,omitempty"`
 		LagBytes     int64  `json:"lag_bytes"`
 		// LagSeconds estimates how far back, in time, a relay that restarted
-		// now would replay: the largest of the walsender's flush_lag (the
-		// slot is streamed), the time since the slot went inactive (PostgreSQL
-		// 17+, while it holds unconfirmed WAL) and the age of the oldest ready
-		// row. LagSource names the one that gave it.
+		// now would replay (replay.Estimate); LagSource names the evidence
+		// that gave it, and is empty when there was none.
 		LagSeconds float64 `json:"lag_seconds"`
 		LagSource  string  `json:"lag_seconds_source,omitempty"`
 		WALStatus  string  `json:"wal_status,omitempty"`
@@ -97,52 +93,12 @@ func readStream(ctx context.Context, url, name string) streamReport {
 	return r
 }
 
-// replicationLagSeconds is the walsender's flush_lag for the slot's active
-// pid: the time between PostgreSQL writing WAL and the relay confirming it.
-// ok is false when PostgreSQL has no figure (no walsender, or caught up and
-// idle long enough that it cleared it).
-func replicationLagSeconds(ctx context.Context, pool *pgxpool.Pool, pid int32) (secs float64, ok bool, err error) {
-	var lag *float64
-	err = pool.QueryRow(ctx, `SELECT extract(epoch FROM flush_lag)::float8 FROM pg_catalog.pg_stat_replication WHERE pid = $1`, pid).Scan(&lag)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return 0, false, nil
-	}
-	if err != nil {
-		return 0, false, fmt.Errorf("read replication lag of pid %d: %w", pid, err)
-	}
-	if lag == nil {
-		return 0, false, nil
-	}
-	return *lag, true, nil
-}
-
-// inactiveSeconds is how long the slot has had no walsender, from
-// pg_replication_slots.inactive_since (PostgreSQL 17+; read through to_jsonb
-// so older servers, which lack the column, answer "unknown" instead of
-// failing).
-func inactiveSeconds(ctx context.Context, pool *pgxpool.Pool, slot string) (secs float64, ok bool, err error) {
-	var s *float64
-	err = pool.QueryRow(ctx, `SELECT extract(epoch FROM clock_timestamp() - (to_jsonb(s) ->> 'inactive_since')::timestamptz)::float8
-		FROM pg_catalog.pg_replication_slots s WHERE slot_name = $1`, slot).Scan(&s)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return 0, false, nil
-	}
-	if err != nil {
-		return 0, false, fmt.Errorf("read inactive_since of slot %s: %w", slot, err)
-	}
-	if s == nil {
-		return 0, false, nil
-	}
-	return *s, true, nil
-}
-
 func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var c common
-	fs := newFlagSet("status", "Prints the slot's lag (bytes, and seconds where PostgreSQL can tell), rows by state, the oldest eligible row's age,\nfailures by reason and, with --nats-url, the stream; warns when a restart could replay past the duplicate window.", stderr)
-	c.register(fs, false)
+	fs := newFlagSet("status", "Prints the slot's lag (bytes, and seconds where PostgreSQL can tell), rows by state, the oldest eligible row's age,\n"+
+		"failures by reason and, when --nats-url is given, the stream; warns when a restart could replay past the duplicate window.", stderr)
+	c.register(fs, flagDatabaseURL, flagNATSURL, flagTable, flagSlot, flagStream)
 	asJSON := fs.Bool("json", false, "print JSON for machines")
-	fs.StringVar(&c.natsURL, "nats-url", "", "NATS URL: also print the stream's messages, bytes, duplicate window and subjects (empty: skip)")
-	fs.StringVar(&c.stream, "stream", "OUTBOX", "JetStream stream the relay publishes to")
 	dupWindow := fs.Duration("duplicate-window", natssink.DefaultDuplicateWindow, "the stream's duplicate window, for the replay warning when the stream is not read")
 	if err := parse(fs, args); err != nil {
 		return err
@@ -163,25 +119,24 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if err := st.Check(ctx); err != nil {
 		return err
 	}
-	var rep statusReport
-	rep.Table = t.Qualified()
-	rep.Slot.Name = c.slot
-	slot, err := replication.LookupSlot(ctx, pool, c.slot)
+	ev, err := replay.Read(ctx, pool, st, c.slot)
 	if err != nil {
 		return err
 	}
+	slot := ev.Slot
+	var rep statusReport
+	rep.Table = t.Qualified()
+	rep.Slot.Name = c.slot
 	rep.Slot.Exists, rep.Slot.Active, rep.Slot.ActivePID, rep.Slot.WALStatus = slot.Exists, slot.Active, slot.ActivePID, slot.WALStatus
+	rep.Slot.LagBytes = ev.LagBytes
 	if slot.Exists {
 		rep.Slot.ConfirmedLSN = slot.ConfirmedFlush.String()
-		if rep.Slot.LagBytes, _, err = replication.SlotLag(ctx, pool, c.slot); err != nil {
-			return err
-		}
 	}
 	if rep.Counts, err = st.Counts(ctx); err != nil {
 		return err
 	}
 	window := *dupWindow
-	if c.natsURL != "" {
+	if c.natsGiven(fs) {
 		si := readStream(ctx, c.natsURL, c.stream)
 		rep.Stream = &si
 		if si.Error == "" {
@@ -189,10 +144,9 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		}
 	}
 	rep.DuplicateWindowSeconds = window.Seconds()
-	if err := replayHorizon(ctx, pool, st, slot, &rep); err != nil {
-		return err
-	}
-	rep.Warnings = replayWarnings(&rep, window)
+	horizon := replay.Estimate(ev)
+	rep.Slot.LagSeconds, rep.Slot.LagSource = horizon.Seconds, horizon.Source
+	rep.Warnings = replay.Warnings(ev, horizon, window)
 	if *asJSON {
 		enc := json.NewEncoder(stdout)
 		enc.SetIndent("", "  ")
@@ -222,7 +176,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		}
 	}
 	fmt.Fprintf(stdout, "rows       ")
-	for _, s := range []string{"ready", "scheduled", "running", "published", "failed", "cancelled"} {
+	for _, s := range []string{"ready", "scheduled", "running", "published", "failed", "cancelled", "expired"} {
 		fmt.Fprintf(stdout, "%s=%d ", s, rep.ByState[s])
 	}
 	fmt.Fprintf(stdout, "\noldest eligible row: %.1fs\n", rep.OldestEligibleSeconds)
@@ -238,70 +192,15 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 			fmt.Fprintf(stdout, "  %-40s %d\n", termsafe.String(r), rep.FailedByReason[r])
 		}
 	}
+	if rep.BlockedAggregates > 0 {
+		b := rep.OldestBlocked
+		// Aggregates and work IDs come from rows: escape them.
+		fmt.Fprintf(stdout, "blocked aggregates: %d; oldest %s/%s: %d rows wait behind %s (sequence %d, %s since %s)\n",
+			rep.BlockedAggregates, termsafe.String(b.Aggregate.Type), termsafe.String(b.Aggregate.ID), b.Waiting,
+			termsafe.String(b.WorkID), b.Seq, b.State, b.Since.UTC().Format(time.RFC3339))
+	}
 	for _, w := range rep.Warnings {
 		fmt.Fprintln(stdout, w)
 	}
 	return nil
-}
-
-// replayHorizon fills the slot's lag in seconds from what PostgreSQL can
-// tell; see statusReport.
-func replayHorizon(ctx context.Context, pool *pgxpool.Pool, st *store.Store, slot replication.SlotInfo, rep *statusReport) error {
-	consider := func(secs float64, source string) {
-		if source != "" && (rep.Slot.LagSource == "" || secs > rep.Slot.LagSeconds) {
-			rep.Slot.LagSeconds, rep.Slot.LagSource = secs, source
-		}
-	}
-	if slot.Exists && slot.Active && slot.ActivePID != 0 {
-		secs, ok, err := replicationLagSeconds(ctx, pool, slot.ActivePID)
-		if err != nil {
-			return err
-		}
-		switch {
-		case ok:
-			consider(secs, "pg_stat_replication.flush_lag")
-		case rep.Slot.LagBytes == 0:
-			consider(0, "pg_stat_replication (caught up)")
-		}
-	}
-	if slot.Exists && !slot.Active && rep.Slot.LagBytes > 0 {
-		secs, ok, err := inactiveSeconds(ctx, pool, rep.Slot.Name)
-		if err != nil {
-			return err
-		}
-		if ok {
-			consider(secs, "pg_replication_slots.inactive_since")
-		}
-	}
-	if !slot.Exists {
-		// Nothing to replay: ready rows wait for a new slot's handover and
-		// are published once.
-		return nil
-	}
-	ready, err := st.OldestReadySeconds(ctx)
-	if err != nil {
-		return err
-	}
-	if ready > 0 {
-		consider(ready, "oldest ready row")
-	}
-	return nil
-}
-
-// replayWarnings says when a relay restart could republish a message after
-// the broker forgot its Nats-Msg-Id. The relay replays from the slot's
-// confirmed position, and anything it had already published before that is
-// deduplicated only inside the duplicate window.
-func replayWarnings(rep *statusReport, window time.Duration) []string {
-	var out []string
-	if rep.Slot.LagSource != "" && rep.Slot.LagSeconds > window.Seconds() {
-		out = append(out, fmt.Sprintf("WARNING: the replay horizon (~%.0fs by %s) exceeds the duplicate window (%s): a relay restart now "+
-			"republishes messages first published longer ago than the window, and the broker may store them twice; consumers need the inbox",
-			rep.Slot.LagSeconds, rep.Slot.LagSource, window))
-	} else if rep.Slot.Exists && !rep.Slot.Active && rep.Slot.LagBytes > 0 && rep.Slot.LagSource != "pg_replication_slots.inactive_since" {
-		out = append(out, fmt.Sprintf("NOTE: no relay streams the slot and it holds %d bytes unconfirmed; this PostgreSQL cannot say since when. "+
-			"If outbox rows in that WAL were published more than the duplicate window (%s) before the relay resumes, the broker may store them twice",
-			rep.Slot.LagBytes, window))
-	}
-	return out
 }

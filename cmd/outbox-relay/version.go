@@ -11,7 +11,9 @@ import (
 var version = "dev"
 
 func runVersion(_ context.Context, args []string, stdout, stderr io.Writer) error {
+	var c common
 	fs := newFlagSet("version", "Prints the version.", stderr)
+	c.register(fs)
 	if err := parse(fs, args); err != nil {
 		return err
 	}

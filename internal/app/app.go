@@ -27,6 +27,12 @@ import (
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
 
+// The --ordering modes (G12).
+const (
+	OrderingNone      = "none"
+	OrderingAggregate = "aggregate"
+)
+
 // DefaultStatsInterval paces the table-wide metrics (one scan of the table).
 const DefaultStatsInterval = 30 * time.Second
 
@@ -42,7 +48,11 @@ type Options struct {
 	// AllowStreams are streams besides Stream that a row's subject column
 	// may name (run --allow-stream); every other subject is refused.
 	AllowStreams []string
-	Policy       store.Policy
+	// Ordering is "none" or "aggregate" (G12); DeadlineMargin is how close
+	// to its deadline a row may still be published (G13).
+	Ordering       string
+	DeadlineMargin time.Duration
+	Policy         store.Policy
 
 	DuplicateWindow  time.Duration
 	StreamReplicas   int
@@ -99,6 +109,11 @@ func (o *Options) natsOptions(log zerolog.Logger) ([]nats.Option, error) {
 	opts := []nats.Option{
 		nats.Name(name),
 		nats.MaxReconnects(-1),
+		// No buffering while disconnected: a publish then fails at once
+		// and the session restarts from the slot. A buffered one would go
+		// out whenever the connection returns, possibly after its row's
+		// deadline (G13); the republish is deduplicated anyway.
+		nats.ReconnectBufSize(-1),
 		nats.ReconnectWait(500 * time.Millisecond),
 		nats.ReconnectJitter(250*time.Millisecond, time.Second),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
@@ -207,6 +222,14 @@ func (o *Options) Validate() error {
 	if o.StatusInterval < 0 || o.DrainTimeout < 0 || o.StatsInterval < 0 {
 		return fmt.Errorf("--status-interval %s, --drain-timeout %s, --stats-interval %s: may not be negative", o.StatusInterval, o.DrainTimeout, o.StatsInterval)
 	}
+	switch o.Ordering {
+	case "", OrderingNone, OrderingAggregate:
+	default:
+		return fmt.Errorf("--ordering %q: want none (publish as committed) or aggregate (keep each aggregate's sequence order, G12)", o.Ordering)
+	}
+	if o.DeadlineMargin < 0 {
+		return fmt.Errorf("--deadline-margin %s: may not be negative", o.DeadlineMargin)
+	}
 	if o.AckTimeout <= 0 {
 		return fmt.Errorf("--ack-timeout %s: must be positive (without it a publish can wait forever across a broker loss)", o.AckTimeout)
 	}
@@ -235,6 +258,7 @@ func (o *Options) pollerConfig(connected func() bool) poller.Config {
 		WorkerID: o.WorkerID, Lease: o.Lease, MaxAttempts: o.MaxAttempts,
 		BackoffMin: o.BackoffMin, BackoffMax: o.BackoffMax, PollInterval: o.PollInterval, Batch: o.PollBatch,
 		SubjectPrefix: o.SubjectPrefix, Connected: connected,
+		Ordered: o.Ordering == OrderingAggregate, DeadlineMargin: o.DeadlineMargin,
 	}
 	if c.WorkerID == "" {
 		c.WorkerID = DefaultWorkerID()
@@ -352,6 +376,8 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		StatusInterval:   o.StatusInterval,
 		DrainTimeout:     o.DrainTimeout,
 		BeforeSession:    ensureStream,
+		Ordered:          o.Ordering == OrderingAggregate,
+		DeadlineMargin:   o.DeadlineMargin,
 	}, pool, st, natssink.New(js, o.sinkOptions()), log, m)
 	if o.Started != nil {
 		o.Started(r)
@@ -475,6 +501,7 @@ func tableStats(ctx context.Context, st *store.Store, m *metrics.Metrics, every 
 				m.RowsByState.WithLabelValues(state).Set(float64(n))
 			}
 			m.OldestEligible.Set(c.OldestEligibleSeconds)
+			m.BlockedAggregates.Set(float64(c.BlockedAggregates))
 		}
 		select {
 		case <-ctx.Done():

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/mattn/go-isatty"
 	"github.com/rs/zerolog"
 )
 
@@ -51,18 +52,59 @@ func Parse(fs *flag.FlagSet, args []string, lookup func(string) (string, bool)) 
 }
 
 // Usage writes a subcommand's help: what it does, then every flag with its
-// default and its environment variable.
+// default and its environment variable, and which flags the command ignores
+// (see Ignore).
 func Usage(fs *flag.FlagSet, w io.Writer, summary string) func() {
 	return func() {
 		fmt.Fprintf(w, "%s\n\nFlags (each also read from its environment variable):\n", summary)
+		anyIgnored := false
 		fs.VisitAll(func(f *flag.Flag) {
 			def := ""
 			if f.DefValue != "" {
 				def = fmt.Sprintf(" (default %s)", f.DefValue)
 			}
-			fmt.Fprintf(w, "  --%s%s  [%s]\n      %s\n", f.Name, def, EnvName(f.Name), f.Usage)
+			mark := ""
+			if Ignored(f) {
+				mark, anyIgnored = "  (ignored by "+fs.Name()+")", true
+			}
+			fmt.Fprintf(w, "  --%s%s  [%s]%s\n      %s\n", f.Name, def, EnvName(f.Name), mark, f.Usage)
 		})
+		if anyIgnored {
+			fmt.Fprintf(w, "\nThe flags marked ignored are accepted, and their values not checked, so that one set of\nflags or one environment file serves every command.\n")
+		}
 	}
+}
+
+// Ignore marks flags of fs that the command accepts but does not read. A
+// deployment passes one set of flags (or one environment file) to every
+// command, so refusing them ("flag provided but not defined") would break it;
+// marking them lets --help say which ones make no difference.
+func Ignore(fs *flag.FlagSet, names ...string) {
+	for _, name := range names {
+		f := fs.Lookup(name)
+		if f == nil {
+			panic("config.Ignore: no flag --" + name)
+		}
+		if !Ignored(f) {
+			f.Value = ignored{f.Value}
+		}
+	}
+}
+
+// Ignored reports whether Ignore marked f.
+func Ignored(f *flag.Flag) bool {
+	_, ok := f.Value.(ignored)
+	return ok
+}
+
+// ignored wraps an ignored flag's value: the mark travels with the flag, so
+// Usage needs no other record of it.
+type ignored struct{ flag.Value }
+
+// IsBoolFlag keeps `--flag` without a value working for an ignored boolean.
+func (v ignored) IsBoolFlag() bool {
+	b, ok := v.Value.(interface{ IsBoolFlag() bool })
+	return ok && b.IsBoolFlag()
 }
 
 // Logging holds the logging flags.
@@ -86,7 +128,7 @@ func (l *Logging) Logger(w io.Writer) (zerolog.Logger, error) {
 	switch l.Format {
 	case "json":
 	case "console":
-		w = zerolog.ConsoleWriter{Out: w, TimeFormat: time.RFC3339}
+		w = zerolog.ConsoleWriter{Out: w, TimeFormat: time.RFC3339, NoColor: !colour(w, os.LookupEnv)}
 	default:
 		return zerolog.Nop(), fmt.Errorf("--log-format %q: want json or console", l.Format)
 	}
@@ -94,8 +136,17 @@ func (l *Logging) Logger(w io.Writer) (zerolog.Logger, error) {
 	return zerolog.New(w).Level(level).With().Timestamp().Logger(), nil
 }
 
-// Stderr is where logs go.
-var Stderr io.Writer = os.Stderr
+// colour reports whether console output to w may carry ANSI colour codes:
+// only on a terminal, where they render, and not when NO_COLOR is set to
+// anything (https://no-color.org). In a file or a pipe they are noise that
+// grep and log shippers trip over.
+func colour(w io.Writer, lookup func(string) (string, bool)) bool {
+	if v, ok := lookup("NO_COLOR"); ok && v != "" {
+		return false
+	}
+	f, ok := w.(*os.File)
+	return ok && (isatty.IsTerminal(f.Fd()) || isatty.IsCygwinTerminal(f.Fd()))
+}
 
 // List is a repeatable flag whose every value may also hold several
 // comma-separated items, so `--x a --x b`, `--x a,b` and the environment

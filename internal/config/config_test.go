@@ -1,8 +1,11 @@
 package config
 
 import (
+	"bytes"
+	"errors"
 	"flag"
 	"io"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -48,5 +51,85 @@ func TestBadEnvValueNamesVariableAndFlag(t *testing.T) {
 func TestEnvName(t *testing.T) {
 	if got, want := EnvName("nats-url"), "OUTBOX_RELAY_NATS_URL"; got != want {
 		t.Errorf("EnvName = %q, want %q", got, want)
+	}
+}
+
+// Console logs in a file or a pipe carry no colour codes: there they are
+// noise for grep and log shippers, not colour.
+func TestConsoleLoggerWritesNoColourOffTerminal(t *testing.T) {
+	var buf bytes.Buffer
+	l := Logging{Level: "debug", Format: "console"}
+	log, err := l.Logger(&buf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	log.Warn().Str("slot", "outbox_relay").Err(errors.New("boom")).Msg("hello")
+	if out := buf.String(); !strings.Contains(out, "hello") || strings.Contains(out, "\x1b[") {
+		t.Fatalf("console log = %q, want the message without ANSI escapes", out)
+	}
+}
+
+func TestColourOnlyOnATerminalWithoutNoColor(t *testing.T) {
+	none := func(string) (string, bool) { return "", false }
+	noColor := func(k string) (string, bool) { return "1", k == "NO_COLOR" }
+	emptyNoColor := func(k string) (string, bool) { return "", k == "NO_COLOR" }
+	f, err := os.CreateTemp(t.TempDir(), "log")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if colour(&bytes.Buffer{}, none) {
+		t.Error("colour for a buffer")
+	}
+	if colour(f, none) {
+		t.Error("colour for a regular file")
+	}
+	// A terminal, where the test has one: NO_COLOR set to anything turns
+	// colour off, set to the empty string does not (no-color.org).
+	tty, err := os.OpenFile("/dev/tty", os.O_WRONLY, 0)
+	if err != nil {
+		t.Logf("no terminal to check colour on: %v", err)
+		return
+	}
+	defer tty.Close()
+	if !colour(tty, none) || !colour(tty, emptyNoColor) {
+		t.Error("no colour on a terminal")
+	}
+	if colour(tty, noColor) {
+		t.Error("colour on a terminal with NO_COLOR=1")
+	}
+}
+
+// A command accepts flags it does not read, keeps their values working and
+// says in --help which ones they are.
+func TestIgnoredFlagsAreAcceptedAndMarked(t *testing.T) {
+	fs := flag.NewFlagSet("migrate", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.String("database-url", "", "PostgreSQL URL")
+	natsURL := fs.String("nats-url", "nats://127.0.0.1:4222", "NATS URL")
+	verbose := fs.Bool("verbose", false, "more")
+	Ignore(fs, "nats-url", "verbose")
+	Ignore(fs, "nats-url") // twice is once
+	lookup := func(k string) (string, bool) { return "nats://env:4222", k == "OUTBOX_RELAY_NATS_URL" }
+	if err := Parse(fs, []string{"--verbose"}, lookup); err != nil {
+		t.Fatal(err)
+	}
+	if *natsURL != "nats://env:4222" || !*verbose {
+		t.Errorf("nats-url %q, verbose %v: an ignored flag still takes its value", *natsURL, *verbose)
+	}
+	var help bytes.Buffer
+	Usage(fs, &help, "usage: x")()
+	for _, line := range strings.Split(help.String(), "\n") {
+		if !strings.HasPrefix(line, "  --") {
+			continue
+		}
+		name := strings.Fields(line)[0]
+		marked := strings.Contains(line, "(ignored by migrate)")
+		if want := name == "--nats-url" || name == "--verbose"; marked != want {
+			t.Errorf("help line %q: marked %v, want %v", line, marked, want)
+		}
+	}
+	if !strings.Contains(help.String(), "one set of\nflags or one environment file serves every command") {
+		t.Errorf("help does not say why ignored flags are accepted:\n%s", help.String())
 	}
 }

@@ -37,6 +37,8 @@ type Metrics struct {
 	LeaseRenewals     prometheus.Counter
 	BackfilledRows    prometheus.Counter
 	SlotInvalidations prometheus.Counter
+	Expired           *prometheus.CounterVec // path: rows that ended expired (G13)
+	BlockedAggregates prometheus.Gauge       // aggregates whose rows wait behind a row with the poller or dead-lettered (G12)
 }
 
 // New registers every metric on a fresh registry, with Go and process
@@ -72,7 +74,7 @@ func New() *Metrics {
 		Name: "outbox_relay_in_flight_bytes", Help: "Bytes published and not yet acked.",
 	})
 	m.Handoffs = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "outbox_relay_handoffs_total", Help: "Rows the CDC path handed to the poller, by reason (delayed, rejected).",
+		Name: "outbox_relay_handoffs_total", Help: "Rows the CDC path handed to the poller, by reason (delayed, rejected, deadline, held).",
 	}, []string{"reason"})
 	m.SettleRetries = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "outbox_relay_settle_retries_total", Help: "Marks that found their row not yet visible (streamed before visible) and were retried.",
@@ -119,7 +121,13 @@ func New() *Metrics {
 	m.SlotInvalidations = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "outbox_relay_slot_invalidations_total", Help: "Times the slot was found invalidated (wal_status lost) and re-created.",
 	})
-	for _, c := range []prometheus.Collector{m.SlotLagSeconds, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.ServerWALEnd,
+	m.Expired = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "outbox_relay_expired_total", Help: "Rows whose business deadline passed before they were published, by the path that found them (poller: moved to expired; cdc: handed to the poller at or near the deadline).",
+	}, []string{"path"})
+	m.BlockedAggregates = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "outbox_relay_blocked_aggregates", Help: "Aggregates whose later rows wait behind a row with the poller or dead-lettered (--ordering aggregate).",
+	})
+	for _, c := range []prometheus.Collector{m.Expired, m.BlockedAggregates, m.SlotLagSeconds, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.ServerWALEnd,
 		m.SlotLagBytes, m.InFlight, m.InFlightBytes, m.Handoffs, m.SettleRetries, m.Sessions, m.SlotOwner, m.Claims,
 		m.StaleCompletions, m.Failures, m.RowsByState, m.OldestEligible} {
 		f(c)

@@ -46,6 +46,13 @@ type Config struct {
 	MaxAttempts   int // attempts (claims) before a row is failed
 	Batch         int // rows per claim
 	SubjectPrefix string
+	// Ordered claims, per aggregate, only its lowest unpublished sequence
+	// (run --ordering aggregate, G12).
+	Ordered bool
+	// DeadlineMargin: rows closer than this to their deadline are not
+	// claimed (G13); SweepInterval paces the sweep that expires them.
+	DeadlineMargin time.Duration
+	SweepInterval  time.Duration
 
 	// Connected reports whether the broker is reachable; while it is not,
 	// the poller claims nothing (a claim would only burn an attempt). nil:
@@ -65,6 +72,10 @@ const (
 	DefaultPollInterval = time.Second
 	DefaultMaxAttempts  = 10
 	DefaultBatch        = 100
+	// DefaultDeadlineMargin is how close to its deadline a row may still be
+	// published: the time a publish and its ack may take.
+	DefaultDeadlineMargin = time.Second
+	DefaultSweepInterval  = 5 * time.Second
 )
 
 // WithDefaults returns c with its zero knobs set to the defaults.
@@ -78,6 +89,8 @@ func (c Config) WithDefaults() Config {
 	def(&c.BackoffMin, DefaultBackoffMin)
 	def(&c.BackoffMax, DefaultBackoffMax)
 	def(&c.PollInterval, DefaultPollInterval)
+	def(&c.DeadlineMargin, DefaultDeadlineMargin)
+	def(&c.SweepInterval, DefaultSweepInterval)
 	if c.MaxAttempts == 0 {
 		c.MaxAttempts = DefaultMaxAttempts
 	}
@@ -123,7 +136,12 @@ func New(cfg Config, st *store.Store, sink sinks.Sink, log zerolog.Logger, m *me
 func (p *Poller) Run(ctx context.Context) error {
 	p.log.Info().Dur("lease", p.cfg.Lease).Int("max_attempts", p.cfg.MaxAttempts).Int("batch", p.cfg.Batch).Msg("poller started")
 	immediate := false
+	var lastSweep time.Time
 	for {
+		if time.Since(lastSweep) >= p.cfg.SweepInterval {
+			lastSweep = time.Now()
+			p.sweep(ctx)
+		}
 		if !immediate {
 			d := p.cfg.PollInterval
 			if d > 0 {
@@ -152,6 +170,22 @@ func (p *Poller) Run(ctx context.Context) error {
 	}
 }
 
+// sweep moves rows whose deadline passed to 'expired' (G13): whatever the
+// broker does, such a row is never claimed again.
+func (p *Poller) sweep(ctx context.Context) {
+	ids, err := p.st.ExpireDue(ctx)
+	if err != nil {
+		if ctx.Err() == nil {
+			p.noisy.Warn().Err(err).Msg("deadline sweep failed; retrying at the next sweep (repeats are sampled)")
+		}
+		return
+	}
+	if len(ids) > 0 {
+		p.m.Expired.WithLabelValues("poller").Add(float64(len(ids)))
+		p.log.Warn().Int("rows", len(ids)).Strs("work_ids", ids[:min(len(ids), 10)]).Msg("rows expired: their business deadline passed before they were published")
+	}
+}
+
 type inflight struct {
 	c   store.Claimed
 	f   sinks.Future
@@ -161,7 +195,7 @@ type inflight struct {
 // Poll claims one batch, publishes it, and records each row's outcome with
 // guarded statements. It returns how many rows it claimed.
 func (p *Poller) Poll(ctx context.Context) (int, error) {
-	claimed, err := p.st.Claim(ctx, p.cfg.WorkerID, p.cfg.Lease, p.cfg.Batch)
+	claimed, err := p.st.Claim(ctx, p.cfg.WorkerID, p.cfg.Lease, p.cfg.Batch, store.ClaimOptions{Ordered: p.cfg.Ordered, DeadlineMargin: p.cfg.DeadlineMargin})
 	if err != nil {
 		return 0, err
 	}
@@ -194,6 +228,7 @@ func (p *Poller) Poll(ctx context.Context) (int, error) {
 		}
 		msg, err := wire.BuildMessage(wire.Row{
 			WorkID: c.WorkID, Kind: c.Kind, Subject: c.Subject, Payload: c.Payload, Headers: c.Headers,
+			AggregateType: c.AggregateType, AggregateID: c.AggregateID, AggregateSeq: c.AggregateSeq, ExpiresAt: c.ExpiresAt,
 		}, p.cfg.SubjectPrefix, map[string]string{
 			wire.HeaderAttempt:         strconv.Itoa(c.Attempts),
 			wire.HeaderClaimGeneration: strconv.FormatInt(c.ClaimGeneration, 10),

@@ -28,6 +28,11 @@ type item struct {
 	settle     store.Settle
 	tries      int       // settle attempts that found the row not visible yet
 	retryAt    time.Time // next settle attempt
+	// With --ordering aggregate: the row's aggregate, and whether its
+	// handoff holds that aggregate (see order.go).
+	ordered bool
+	agg     store.AggregateKey
+	holds   bool
 }
 
 type settleResult struct {
@@ -56,6 +61,10 @@ type loop struct {
 	retry        []*item   // settled too early (not visible yet)
 	settling     bool
 
+	order    *orderState // nil without --ordering aggregate
+	refresh  chan heldRefresh
+	stopping bool
+
 	queue      chan *item // to the collector, in publish order
 	results    chan *item
 	settleReq  chan []*item
@@ -63,15 +72,22 @@ type loop struct {
 	wg         sync.WaitGroup
 }
 
-func newLoop(r *Relay, confirmed replication.LSN) *loop {
-	return &loop{
+// newLoop starts a session's loop; held is the table's held aggregates
+// when ordering is on, nil otherwise.
+func newLoop(r *Relay, confirmed replication.LSN, held map[store.AggregateKey]string) *loop {
+	l := &loop{
 		r:          r,
 		cp:         checkpoint.New(confirmed),
 		queue:      make(chan *item, r.cfg.MaxInFlight+1),
 		results:    make(chan *item, r.cfg.MaxInFlight+1),
 		settleReq:  make(chan []*item),
 		settleResp: make(chan settleResult, 1),
+		refresh:    make(chan heldRefresh),
 	}
+	if held != nil {
+		l.order = newOrderState(held)
+	}
+	return l
 }
 
 // wait returns once the helper goroutines have exited (after sessCtx ends).
@@ -81,6 +97,13 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event
 	l.wg.Add(2)
 	go l.collect(sessCtx)
 	go l.settler(sessCtx)
+	if l.order != nil {
+		l.wg.Add(1)
+		go func() {
+			defer l.wg.Done()
+			refresher(sessCtx, l.r.store, l.order, l.r.cfg.HeldRefresh, l.refresh)
+		}()
+	}
 	defer close(l.queue)
 	defer close(l.settleReq)
 
@@ -135,7 +158,8 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event
 		// Rows acked and waiting for their mark are bounded too: when the
 		// database marks slower than the broker acks, reading WAL waits,
 		// instead of the queue (and memory) growing with the backlog.
-		if l.blocked == nil && !stopping && len(l.pending)+len(l.retry) < l.r.cfg.MaxUnsettled {
+		if l.blocked == nil && !stopping && len(l.pending)+len(l.retry) < l.r.cfg.MaxUnsettled &&
+			(l.order == nil || l.order.parked < l.r.cfg.MaxInFlight) {
 			evCh = events
 		}
 		select {
@@ -144,7 +168,7 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event
 				return err
 			}
 		case it := <-l.results:
-			if err := l.handleResult(it); err != nil {
+			if err := l.handleResult(sessCtx, it); err != nil {
 				return err
 			}
 		case res := <-l.settleResp:
@@ -159,6 +183,12 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event
 			l.armRetry(retryTimer)
 		case <-settleTimer.C:
 			settleArmed = false
+		case res := <-l.refresh:
+			if res.err != nil {
+				l.r.log.Warn().Err(res.err).Msg("could not read the held aggregates; they stay held until the next read")
+				continue
+			}
+			l.order.refreshed(res)
 		case err := <-streamDone:
 			if err == nil {
 				err = errors.New("replication stream ended")
@@ -167,6 +197,7 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event
 		case <-shutdown:
 			shutdown = nil
 			stopping = true
+			l.stopping = true
 			close(stop)
 			drainDeadline = time.After(l.r.cfg.DrainTimeout)
 			l.r.log.Info().Int("in_flight", l.inflight).Msg("shutting down: draining in-flight messages")
@@ -236,16 +267,43 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row) error {
 	it := &item{txn: l.cur, workID: row.WorkID, commitTime: l.curCommitTime}
 	it.settle = store.Settle{WorkID: row.WorkID, Xid: l.cur.Xid}
 	l.cp.Add(l.cur)
+	if l.order != nil && row.Aggregate != nil {
+		it.ordered, it.agg = true, store.AggregateKey{Type: row.Aggregate.Type, ID: row.Aggregate.ID}
+	}
+	// A deadline is decided on the database clock, by the poller: near or
+	// past it, the row is not this path's to publish (G13).
+	if !row.ExpiresAt.IsZero() && !row.ExpiresAt.After(time.Now().Add(l.r.cfg.DeadlineMargin)) {
+		it.settle.Outcome = store.Delayed
+		l.r.metrics.Handoffs.WithLabelValues("deadline").Inc()
+		l.r.metrics.Expired.WithLabelValues("cdc").Inc()
+		l.handOff(it)
+		return nil
+	}
 	// Decided from the commit time in the WAL, never the relay's clock, so
 	// a replay decides the same way.
 	if row.AvailableAt.After(l.curCommitTime) {
 		it.settle.Outcome = store.Delayed
 		l.r.metrics.Handoffs.WithLabelValues("delayed").Inc()
-		l.pending = append(l.pending, it)
+		l.handOff(it)
 		return nil
+	}
+	if it.ordered {
+		if blocker, held := l.order.heldBy(it.agg); held {
+			it.settle.Outcome = store.Held
+			it.settle.Error = "held: waiting for " + blocker + " (an earlier row of aggregate " + it.agg.Type + "/" + it.agg.ID + ")"
+			l.r.metrics.Handoffs.WithLabelValues("held").Inc()
+			l.handOff(it)
+			return nil
+		}
+	}
+	var aggSeq int64
+	var aggType, aggID string
+	if row.Aggregate != nil {
+		aggType, aggID, aggSeq = row.Aggregate.Type, row.Aggregate.ID, row.Aggregate.Seq
 	}
 	msg, err := wire.BuildMessage(wire.Row{
 		WorkID: row.WorkID, Kind: row.Kind, Subject: row.Subject, Payload: row.Payload, Headers: row.Headers,
+		AggregateType: aggType, AggregateID: aggID, AggregateSeq: aggSeq, ExpiresAt: row.ExpiresAt,
 	}, l.r.cfg.SubjectPrefix, CDCHeaders(l.curCommitLSN, l.curCommitTime))
 	if err != nil {
 		re, _ := sinks.IsRejected(err)
@@ -254,6 +312,12 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row) error {
 	}
 	it.msg = msg
 	it.size = msg.Size()
+	if it.ordered && l.order.busy(it.agg) {
+		// Its predecessor's ack is still out: publishing now could store
+		// it first if the broker refuses that one.
+		l.order.park(it)
+		return nil
+	}
 	if !l.hasRoom(it.size) {
 		l.blocked = it
 		return nil
@@ -272,6 +336,9 @@ func (l *loop) publish(ctx context.Context, it *item) error {
 		return fmt.Errorf("%w: %w", errOutage, err)
 	}
 	it.fut = fut
+	if it.ordered {
+		l.order.started(it)
+	}
 	l.inflight++
 	l.inflightBytes += it.size
 	l.r.metrics.InFlight.Set(float64(l.inflight))
@@ -291,6 +358,26 @@ func (l *loop) reject(it *item, re *sinks.RejectedError) {
 	it.settle.Outcome = store.Rejected
 	it.settle.Error = "rejected: " + re.Reason + ": " + re.Err.Error()
 	it.settle.RetryMs = l.r.cfg.RejectRetry.Milliseconds()
+	l.handOff(it)
+	if it.ordered {
+		// The rows of its aggregate that waited for its ack wait behind it
+		// at the poller now.
+		for _, w := range l.order.finished(it) {
+			w.msg = nil
+			w.settle.Outcome = store.Held
+			w.settle.Error = "held: waiting for " + it.workID + " (an earlier row of aggregate " + w.agg.Type + "/" + w.agg.ID + ")"
+			l.r.metrics.Handoffs.WithLabelValues("held").Inc()
+			l.handOff(w)
+		}
+	}
+}
+
+// handOff queues a row for the settler that moves it to the poller, and
+// holds its aggregate behind it.
+func (l *loop) handOff(it *item) {
+	if it.ordered {
+		l.order.handedOff(it)
+	}
 	l.pending = append(l.pending, it)
 }
 
@@ -309,7 +396,7 @@ func (l *loop) collect(ctx context.Context) {
 	}
 }
 
-func (l *loop) handleResult(it *item) error {
+func (l *loop) handleResult(ctx context.Context, it *item) error {
 	l.inflight--
 	l.inflightBytes -= it.size
 	l.r.metrics.InFlight.Set(float64(l.inflight))
@@ -337,6 +424,13 @@ func (l *loop) handleResult(it *item) error {
 	// channel and a timer each) are garbage from here.
 	it.msg, it.fut = nil, nil
 	l.pending = append(l.pending, it)
+	if it.ordered && !l.stopping {
+		if next := l.order.next(it); next != nil {
+			// Its turn: the predecessor is stored. It was counted against
+			// the WAL reading (parked), not against in-flight room.
+			return l.publish(ctx, next)
+		}
+	}
 	return nil
 }
 
@@ -361,6 +455,9 @@ func (l *loop) handleSettled(res settleResult, confirms chan replication.LSN) {
 	for i, it := range res.batch {
 		if res.settled[i] {
 			l.cp.Settle(it.txn)
+			if it.holds {
+				l.order.settled(it, now)
+			}
 			continue
 		}
 		// Streamed before visible: the commit is flushed but the backend

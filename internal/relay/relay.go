@@ -45,6 +45,15 @@ type Config struct {
 	BackoffMax       time.Duration
 	StandbyRetry     time.Duration // START_REPLICATION retry while another instance holds the slot
 
+	// Ordered keeps the order of work per aggregate (run --ordering
+	// aggregate, G12); HeldRefresh paces the reads that release held
+	// aggregates.
+	Ordered     bool
+	HeldRefresh time.Duration
+	// DeadlineMargin: a row closer than this to its deadline is handed to
+	// the poller, which decides on the database clock (G13).
+	DeadlineMargin time.Duration
+
 	// BeforeSession runs before each session, e.g. to create the stream when
 	// missing. An error fails the session (and is retried with backoff).
 	BeforeSession func(ctx context.Context) error
@@ -83,6 +92,8 @@ func (c *Config) setDefaults() {
 	def(&c.BackoffMin, 200*time.Millisecond)
 	def(&c.BackoffMax, 30*time.Second)
 	def(&c.StandbyRetry, time.Second)
+	def(&c.HeldRefresh, time.Second)
+	def(&c.DeadlineMargin, time.Second)
 }
 
 // Role is what the CDC path is doing, for /readyz and status.
@@ -306,7 +317,18 @@ func (r *Relay) session(ctx context.Context) error {
 	// still needs them to drain acks and send the last confirmation.
 	sessCtx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	l := newLoop(r, slot.ConfirmedFlush)
+	var held map[store.AggregateKey]string
+	if r.cfg.Ordered {
+		// From the table, not memory: a restart (or another instance's
+		// handoffs) must leave nothing unheld that waits at the poller.
+		if held, err = r.store.HeldAggregates(ctx); err != nil {
+			return err
+		}
+		if len(held) > 0 {
+			r.log.Info().Int("aggregates", len(held)).Msg("aggregates held behind rows with the poller")
+		}
+	}
+	l := newLoop(r, slot.ConfirmedFlush, held)
 	events := make(chan replication.Event, 1024)
 	confirms := make(chan replication.LSN, 1)
 	stop := make(chan struct{})

@@ -28,6 +28,22 @@ type EnqueueRow struct {
 	Payload               string
 	Headers               *string
 	AvailableAt           time.Time
+	// AggregateType and AggregateID order the row within its aggregate
+	// (G12); AggregateSeq is its explicit sequence, 0 to take the next from
+	// the aggregate's counter. ExpiresAt is the deadline (G13), zero for none.
+	AggregateType, AggregateID string
+	AggregateSeq               int64
+	ExpiresAt                  time.Time
+}
+
+// Ordered reports whether r belongs to an aggregate.
+func (r EnqueueRow) Ordered() bool { return r.AggregateType != "" }
+
+func (r EnqueueRow) expiresAt() *time.Time {
+	if r.ExpiresAt.IsZero() {
+		return nil
+	}
+	return &r.ExpiresAt
 }
 
 func (r EnqueueRow) availableAt() *time.Time {
@@ -42,14 +58,52 @@ func (r EnqueueRow) availableAt() *time.Time {
 // primary key fail, keeps the caller's transaction usable: the caller decides
 // what a repeat means (CompareEnqueued).
 func EnqueueOne(ctx context.Context, db DBTX, t Table, r EnqueueRow) (bool, error) {
-	tag, err := db.Exec(ctx, `INSERT INTO `+t.String()+` (work_id, kind, subject, payload, headers, available_at)
-		VALUES ($1, $2, NULLIF($3::text, ''), $4::text::jsonb, $5::text::jsonb, COALESCE($6::timestamptz, clock_timestamp()))
+	if r.Ordered() {
+		return enqueueOrdered(ctx, db, t, r)
+	}
+	tag, err := db.Exec(ctx, `INSERT INTO `+t.String()+` (work_id, kind, subject, payload, headers, available_at, expires_at)
+		VALUES ($1, $2, NULLIF($3::text, ''), $4::text::jsonb, $5::text::jsonb, COALESCE($6::timestamptz, clock_timestamp()), $7)
 		ON CONFLICT (work_id) DO NOTHING`,
-		r.WorkID, r.Kind, r.Subject, r.Payload, r.Headers, r.availableAt())
+		r.WorkID, r.Kind, r.Subject, r.Payload, r.Headers, r.availableAt(), r.expiresAt())
 	if err != nil {
 		return false, fmt.Errorf("insert %q into %s: %w", r.WorkID, t.Qualified(), err)
 	}
 	return tag.RowsAffected() == 1, nil
+}
+
+// enqueueOrdered inserts a row of an aggregate, taking its sequence from the
+// aggregate's counter (<table>_next_seq) in the caller's transaction unless
+// r has one. Enqueues of one aggregate serialize on its counter row until
+// the caller commits; other aggregates never wait. A repeat takes no number:
+// the counter is only called when no row has the work_id, and when a
+// concurrent insert of the same work_id won anyway, the number goes back
+// (this transaction holds the counter row's lock, so it is still the last).
+// A gap would stall every InSequence consumer of the aggregate.
+func enqueueOrdered(ctx context.Context, db DBTX, t Table, r EnqueueRow) (bool, error) {
+	var seq *int64
+	var inserted bool
+	err := db.QueryRow(ctx, `WITH s AS (
+			SELECT CASE WHEN $9::bigint > 0 THEN $9::bigint ELSE `+t.derived("next_seq", true)+`($7, $8) END AS seq
+			WHERE NOT EXISTS (SELECT 1 FROM `+t.String()+` WHERE work_id = $1)),
+		ins AS (
+			INSERT INTO `+t.String()+` (work_id, kind, subject, payload, headers, available_at, expires_at,
+				aggregate_type, aggregate_id, aggregate_seq)
+			SELECT $1, $2, NULLIF($3::text, ''), $4::text::jsonb, $5::text::jsonb, COALESCE($6::timestamptz, clock_timestamp()), $10,
+				$7, $8, s.seq FROM s
+			ON CONFLICT (work_id) DO NOTHING
+			RETURNING 1)
+		SELECT (SELECT seq FROM s), EXISTS (SELECT 1 FROM ins)`,
+		r.WorkID, r.Kind, r.Subject, r.Payload, r.Headers, r.availableAt(), r.AggregateType, r.AggregateID, r.AggregateSeq, r.expiresAt()).
+		Scan(&seq, &inserted)
+	if err != nil {
+		return false, fmt.Errorf("insert %q (aggregate %s/%s) into %s: %w", r.WorkID, r.AggregateType, r.AggregateID, t.Qualified(), err)
+	}
+	if !inserted && seq != nil && r.AggregateSeq == 0 {
+		if _, err := db.Exec(ctx, `SELECT `+t.derived("give_back_seq", true)+`($1, $2, $3)`, r.AggregateType, r.AggregateID, *seq); err != nil {
+			return false, fmt.Errorf("give back sequence %d of aggregate %s/%s of %s: %w", *seq, r.AggregateType, r.AggregateID, t.Qualified(), err)
+		}
+	}
+	return inserted, nil
 }
 
 // EnqueueRows inserts rows in one statement, skipping every work_id that

@@ -13,9 +13,9 @@ import (
 // arrays, as the tests in store_test need it.
 func ExplainSettle(ctx context.Context, t *testing.T, pool *pgxpool.Pool, tbl Table, policy Policy) string {
 	t.Helper()
-	args := []any{[]string{"new-1"}, []int64{1}, []string{"x"}, []string{"y"}, []string{"e"}, []int64{1}}
+	args := []any{[]string{"new-1"}, []int64{1}, []string{"x"}, []string{"y"}, []string{"e"}, []int64{1}, []string{"h"}, []string{"held"}}
 	if policy == PolicyDelete {
-		args = []any{[]string{"new-1"}, []string{"x"}, []string{"y"}, []string{"e"}, []int64{1}}
+		args = []any{[]string{"new-1"}, []string{"x"}, []string{"y"}, []string{"e"}, []int64{1}, []string{"h"}, []string{"held"}}
 	}
 	tx, err := pool.Begin(ctx)
 	if err != nil {

@@ -39,7 +39,7 @@ import (
 type Action string
 
 const (
-	// ActionRedrive moves failed or cancelled rows to scheduled.
+	// ActionRedrive moves failed, cancelled or expired rows to scheduled.
 	ActionRedrive Action = "redrive"
 	// ActionCancel moves scheduled or failed rows to cancelled.
 	ActionCancel Action = "cancel"
@@ -49,7 +49,7 @@ const (
 func (a Action) From() []string {
 	switch a {
 	case ActionRedrive:
-		return []string{"failed", "cancelled"}
+		return []string{"failed", "cancelled", "expired"}
 	case ActionCancel:
 		return []string{"scheduled", "failed"}
 	}
@@ -90,6 +90,12 @@ type OpRequest struct {
 	// DryRun runs the statement in a transaction that is rolled back: the
 	// result says exactly what would change, and nothing does.
 	DryRun bool
+	// A redrive of a row whose deadline passed (an expired row, or a failed
+	// or cancelled one past it) needs a new deadline, ExpiresAt, or
+	// NoDeadline; without either such rows are refused (G13). Either one
+	// applies to every redriven row and is recorded in its history row.
+	ExpiresAt  time.Time
+	NoDeadline bool
 }
 
 // OpRow is one row a redrive or cancel changed, with the values it had
@@ -122,6 +128,9 @@ func (r OpRow) Uncertain() bool { return strings.HasPrefix(r.PreviousError, "unc
 type Refusal struct {
 	WorkID string
 	State  string // "" when no row has this work ID
+	// DeadlinePassed: a redrive found its deadline passed and was given
+	// no new one.
+	DeadlinePassed bool
 	// LeaseUntil is the running row's lease, for "retry after".
 	LeaseUntil time.Time
 }
@@ -130,6 +139,9 @@ type Refusal struct {
 func (r Refusal) Why(a Action) string {
 	if r.State == "" {
 		return "not found"
+	}
+	if r.DeadlinePassed && a == ActionRedrive && slices.Contains(a.From(), r.State) {
+		return r.State + ": its deadline passed; redrive it with a new one (--expires-at) or none (--no-deadline)"
 	}
 	if slices.Contains(a.From(), r.State) {
 		// The statement saw another state under the lock, and the row has
@@ -154,6 +166,8 @@ func (r Refusal) Why(a Action) string {
 		return "published: the broker has it (terminal)"
 	case "cancelled":
 		return "cancelled: already cancelled"
+	case "expired":
+		return "expired: its deadline passed before it was published (terminal for cancel; redrive it with a new deadline)"
 	}
 	return r.State
 }
@@ -177,6 +191,12 @@ func (r *OpRequest) Validate(a Action) error {
 	}
 	if strings.TrimSpace(r.Reason) == "" {
 		return bad("a reason is required (--reason): it is kept with the row and in its history")
+	}
+	if !r.ExpiresAt.IsZero() && r.NoDeadline {
+		return bad("give a new deadline (--expires-at) or none (--no-deadline), not both")
+	}
+	if a != ActionRedrive && (!r.ExpiresAt.IsZero() || r.NoDeadline) {
+		return bad("--expires-at and --no-deadline go with redrive")
 	}
 	if strings.TrimSpace(r.By) == "" {
 		return bad("who is required (--by)")
@@ -218,9 +238,13 @@ func (a *args) add(v any) string {
 
 // candidates is the locking CTE's query: the selected rows in the action's
 // from-states, in the one lock order of every operator statement.
-func (s *Store) candidates(a Action, sel Selection, p *args) string {
+func (s *Store) candidates(a Action, r *OpRequest, p *args) string {
+	sel := r.Selection
 	from := a.From()
 	where := `state = ANY(` + p.add(from) + `::text[])`
+	if a == ActionRedrive && r.ExpiresAt.IsZero() && !r.NoDeadline {
+		where += ` AND (expires_at IS NULL OR expires_at > clock_timestamp())`
+	}
 	if len(sel.WorkIDs) > 0 {
 		where += ` AND work_id = ANY(` + p.add(sel.WorkIDs) + `::text[])`
 	} else {
@@ -249,16 +273,25 @@ func (s *Store) candidates(a Action, sel Selection, p *args) string {
 // opSQL builds the one statement of a redrive or cancel.
 func (s *Store) opSQL(a Action, r *OpRequest) (string, args) {
 	var p args
-	c := s.candidates(a, r.Selection, &p)
+	c := s.candidates(a, r, &p)
 	by, reason := p.add(r.By), p.add(r.Reason)
 	from := p.add(a.From())
 	var set string
+	deadline := `NULL` // the history's deadline column: NULL when unchanged
 	switch a {
 	case ActionRedrive:
 		// attempts start over, so last_error starts over too: the evidence
 		// of the attempts before moves to the history row.
 		set = `state = 'scheduled', attempts = 0, last_error = NULL,
 			available_at = clock_timestamp() + n.i * ` + p.add(micros(r.Stagger)) + `::bigint * interval '1 microsecond',`
+		switch {
+		case r.NoDeadline:
+			set += ` expires_at = NULL,`
+			deadline = `'none'`
+		case !r.ExpiresAt.IsZero():
+			set += ` expires_at = ` + p.add(r.ExpiresAt) + `::timestamptz,`
+			deadline = `'new: ' || to_char(t.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')`
+		}
 	case ActionCancel:
 		// attempts and last_error stay: a cancelled row keeps its evidence,
 		// and a later redrive copies it into history.
@@ -272,12 +305,12 @@ func (s *Store) opSQL(a Action, r *OpRequest) (string, args) {
 		FROM n WHERE t.work_id = n.work_id AND t.state = ANY(` + from + `::text[])
 		RETURNING t.work_id, t.kind, n.state AS prev_state, n.attempts AS prev_attempts,
 			n.claim_generation AS prev_generation, n.last_error AS prev_error,
-			t.redriven_at, t.available_at, n.last_try),
+			t.redriven_at, t.available_at, n.last_try, ` + deadline + ` AS deadline),
 	h AS (
 		INSERT INTO ` + s.table.derived("redrives", true) + `
-			(work_id, action, at, "by", reason, previous_state, previous_attempts, previous_generation, previous_error)
+			(work_id, action, at, "by", reason, previous_state, previous_attempts, previous_generation, previous_error, deadline)
 		SELECT work_id, ` + p.add(string(a)) + `::text, redriven_at, ` + by + `::text, ` + reason + `::text,
-			prev_state, prev_attempts, prev_generation, prev_error FROM u)
+			prev_state, prev_attempts, prev_generation, prev_error, deadline FROM u)
 	SELECT work_id, kind, prev_state, prev_attempts, prev_generation, coalesce(prev_error, ''),
 		redriven_at, available_at, extract(epoch FROM available_at - last_try)::float8
 	FROM u ORDER BY available_at, work_id`
@@ -362,14 +395,15 @@ func (s *Store) refusals(ctx context.Context, tx pgx.Tx, ids []string, changed [
 			rest = append(rest, id)
 		}
 	}
-	rows, err := tx.Query(ctx, `SELECT work_id, state, lease_until FROM `+s.table.String()+` WHERE work_id = ANY($1::text[])`, rest)
+	rows, err := tx.Query(ctx, `SELECT work_id, state, lease_until, coalesce(expires_at <= clock_timestamp(), false)
+		FROM `+s.table.String()+` WHERE work_id = ANY($1::text[])`, rest)
 	if err != nil {
 		return nil, err
 	}
 	found := map[string]Refusal{}
 	var r Refusal
 	var lease *time.Time
-	if _, err := pgx.ForEachRow(rows, []any{&r.WorkID, &r.State, &lease}, func() error {
+	if _, err := pgx.ForEachRow(rows, []any{&r.WorkID, &r.State, &lease, &r.DeadlinePassed}, func() error {
 		if lease != nil {
 			r.LeaseUntil = *lease
 		}
@@ -412,7 +446,7 @@ type PruneRequest struct {
 	Batch int
 	// IncludeCancelled also deletes cancelled rows whose cancellation
 	// (redriven_at, or created_at for a row inserted cancelled) is older
-	// than OlderThan.
+	// than OlderThan, and expired rows whose deadline is.
 	IncludeCancelled bool
 	// DryRun counts what would be deleted.
 	DryRun bool
@@ -423,6 +457,7 @@ type PruneResult struct {
 	Cutoff    time.Time
 	Published int64
 	Cancelled int64
+	Expired   int64
 	Batches   int
 }
 
@@ -446,10 +481,12 @@ func (s *Store) Prune(ctx context.Context, r PruneRequest) (PruneResult, error) 
 		return res, fmt.Errorf("prune %s: read the database clock: %w", s.table.Qualified(), err)
 	}
 	tbl := s.table.String()
-	old := `(state = 'published' AND published_at < $1) OR ($2 AND state = 'cancelled' AND coalesce(redriven_at, created_at) < $1)`
+	old := `(state = 'published' AND published_at < $1) OR ($2 AND state = 'cancelled' AND coalesce(redriven_at, created_at) < $1)
+		OR ($2 AND state = 'expired' AND expires_at < $1)`
 	if r.DryRun {
-		err := s.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE state = 'published'), count(*) FILTER (WHERE state = 'cancelled')
-			FROM `+tbl+` WHERE `+old, res.Cutoff, r.IncludeCancelled).Scan(&res.Published, &res.Cancelled)
+		err := s.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE state = 'published'), count(*) FILTER (WHERE state = 'cancelled'),
+				count(*) FILTER (WHERE state = 'expired')
+			FROM `+tbl+` WHERE `+old, res.Cutoff, r.IncludeCancelled).Scan(&res.Published, &res.Cancelled, &res.Expired)
 		if err != nil {
 			return res, fmt.Errorf("prune %s: count rows older than %s: %w", s.table.Qualified(), res.Cutoff.Format(time.RFC3339), err)
 		}
@@ -463,23 +500,25 @@ func (s *Store) Prune(ctx context.Context, r PruneRequest) (PruneResult, error) 
 			LIMIT $3 FOR UPDATE SKIP LOCKED),
 		d AS (
 			DELETE FROM ` + tbl + ` AS t USING b
-			WHERE t.work_id = b.work_id AND (t.state = 'published' OR ($2 AND t.state = 'cancelled'))
+			WHERE t.work_id = b.work_id AND (t.state = 'published' OR ($2 AND t.state IN ('cancelled', 'expired')))
 			RETURNING t.state)
-		SELECT count(*) FILTER (WHERE state = 'published'), count(*) FILTER (WHERE state = 'cancelled') FROM d`
+		SELECT count(*) FILTER (WHERE state = 'published'), count(*) FILTER (WHERE state = 'cancelled'),
+			count(*) FILTER (WHERE state = 'expired') FROM d`
 	for {
 		if err := ctx.Err(); err != nil {
-			return res, fmt.Errorf("prune %s: stopped after %d rows: %w", s.table.Qualified(), res.Published+res.Cancelled, err)
+			return res, fmt.Errorf("prune %s: stopped after %d rows: %w", s.table.Qualified(), res.Published+res.Cancelled+res.Expired, err)
 		}
-		var pub, canc int64
-		if err := s.pool.QueryRow(ctx, q, res.Cutoff, r.IncludeCancelled, int64(r.Batch)).Scan(&pub, &canc); err != nil {
+		var pub, canc, exp int64
+		if err := s.pool.QueryRow(ctx, q, res.Cutoff, r.IncludeCancelled, int64(r.Batch)).Scan(&pub, &canc, &exp); err != nil {
 			return res, fmt.Errorf("prune %d rows from %s (after %d): %w", r.Batch, s.table.Qualified(), res.Published+res.Cancelled, err)
 		}
 		res.Batches++
 		res.Published += pub
 		res.Cancelled += canc
+		res.Expired += exp
 		// Fewer than a batch: nothing older is left but rows other sessions
 		// hold locked right now; the next prune gets them.
-		if pub+canc < int64(r.Batch) {
+		if pub+canc+exp < int64(r.Batch) {
 			return res, nil
 		}
 	}

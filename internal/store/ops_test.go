@@ -191,7 +191,7 @@ func TestRedriveByWorkID(t *testing.T) {
 	}
 
 	// The redriven row is the poller's again, with the same identity.
-	claimed, err := s.Claim(ctx, "B", time.Minute, 10)
+	claimed, err := s.Claim(ctx, "B", time.Minute, 10, store.ClaimOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -306,7 +306,7 @@ func TestCancel(t *testing.T) {
 		t.Fatalf("history = %+v", h)
 	}
 	// A cancelled row is no longer the poller's.
-	if c, err := s.Claim(ctx, "A", time.Minute, 10); err != nil || len(c) != 0 {
+	if c, err := s.Claim(ctx, "A", time.Minute, 10, store.ClaimOptions{}); err != nil || len(c) != 0 {
 		t.Fatalf("claimed %+v after cancel, err %v", c, err)
 	}
 	// And cancel then redrive: both in history, the redrive's evidence
@@ -403,7 +403,7 @@ func TestOpValidation(t *testing.T) {
 		{"ids and filter", s.Redrive, store.OpRequest{Selection: store.Selection{WorkIDs: []string{"x"}, Kind: "k"}, By: "b", Reason: "r"}, "not both"},
 		{"filter without state", s.Redrive, store.OpRequest{Selection: store.Selection{Kind: "k"}, By: "b", Reason: "r"}, "needs --state"},
 		{"nothing", s.Cancel, store.OpRequest{By: "b", Reason: "r"}, "nothing selected"},
-		{"redrive ready", s.Redrive, store.OpRequest{Selection: store.Selection{State: "ready"}, By: "b", Reason: "r"}, "want failed or cancelled"},
+		{"redrive ready", s.Redrive, store.OpRequest{Selection: store.Selection{State: "ready"}, By: "b", Reason: "r"}, "want failed or cancelled or expired"},
 		{"cancel running", s.Cancel, store.OpRequest{Selection: store.Selection{State: "running"}, By: "b", Reason: "r"}, "want scheduled or failed"},
 	}
 	for _, c := range cases {
@@ -532,7 +532,7 @@ func TestCancelRacingClaims(t *testing.T) {
 					return
 				default:
 				}
-				c, err := s.Claim(ctx, fmt.Sprintf("worker-%d", w), time.Hour, 7)
+				c, err := s.Claim(ctx, fmt.Sprintf("worker-%d", w), time.Hour, 7, store.ClaimOptions{})
 				if err != nil {
 					mu.Lock()
 					claimEr = err
@@ -738,7 +738,7 @@ func TestRedriveOfRowBeingFailed(t *testing.T) {
 	ctx := context.Background()
 	s, pool := newPollerStore(t, store.PolicyMark)
 	exec(t, pool, `INSERT INTO outbox (work_id, kind, payload, state) VALUES ('w', 'k', '{}', 'scheduled')`)
-	c, err := s.Claim(ctx, "A", time.Minute, 1)
+	c, err := s.Claim(ctx, "A", time.Minute, 1, store.ClaimOptions{})
 	if err != nil || len(c) != 1 {
 		t.Fatalf("claim: %v %v", c, err)
 	}
@@ -798,7 +798,7 @@ func TestRedriveRacingClaims(t *testing.T) {
 					return
 				default:
 				}
-				c, err := s.Claim(ctx, fmt.Sprintf("worker-%d", w), time.Hour, 5)
+				c, err := s.Claim(ctx, fmt.Sprintf("worker-%d", w), time.Hour, 5, store.ClaimOptions{})
 				mu.Lock()
 				if err != nil {
 					bad = err

@@ -34,6 +34,21 @@ type Claimed struct {
 	// Reclaimed says the row was 'running' under an expired lease: an
 	// earlier worker's publish may or may not have reached the broker.
 	Reclaimed bool
+	// The aggregate and sequence (G12; Seq 0: unordered) and the deadline
+	// (G13; zero: none).
+	AggregateType, AggregateID string
+	AggregateSeq               int64
+	ExpiresAt                  time.Time
+}
+
+// ClaimOptions are the rules a claim follows beyond due and unlocked.
+type ClaimOptions struct {
+	// Ordered: claim, per aggregate, only its lowest unpublished sequence,
+	// so two rows of one aggregate are never in flight together (G12).
+	Ordered bool
+	// DeadlineMargin: never claim a row whose deadline is closer than
+	// this; it is left to ExpireDue (G13).
+	DeadlineMargin time.Duration
 }
 
 // Completion is one acked publish of a claim.
@@ -49,9 +64,9 @@ func micros(d time.Duration) int64 { return d.Microseconds() }
 // or 'running' with an expired lease) for workerID with a lease, in one
 // statement: rows other workers hold locked are skipped, not waited for.
 // A reclaim after an expired lease counts as an attempt.
-func (s *Store) Claim(ctx context.Context, workerID string, lease time.Duration, batch int) ([]Claimed, error) {
-	q := s.claimSQL()
-	rows, err := s.pool.Query(ctx, q, batch, workerID, micros(lease))
+func (s *Store) Claim(ctx context.Context, workerID string, lease time.Duration, batch int, o ClaimOptions) ([]Claimed, error) {
+	q := s.claimSQL(o.Ordered)
+	rows, err := s.pool.Query(ctx, q, batch, workerID, micros(lease), micros(o.DeadlineMargin))
 	if err != nil {
 		return nil, fmt.Errorf("claim from %s: %w", s.table.Qualified(), err)
 	}
@@ -59,7 +74,16 @@ func (s *Store) Claim(ctx context.Context, workerID string, lease time.Duration,
 		var c Claimed
 		var payload string
 		var headers *string
-		err := r.Scan(&c.WorkID, &c.Kind, &c.Subject, &payload, &headers, &c.Attempts, &c.ClaimGeneration, &c.LastError, &c.Reclaimed)
+		var aggSeq *int64
+		var expires *time.Time
+		err := r.Scan(&c.WorkID, &c.Kind, &c.Subject, &payload, &headers, &c.Attempts, &c.ClaimGeneration, &c.LastError, &c.Reclaimed,
+			&c.AggregateType, &c.AggregateID, &aggSeq, &expires)
+		if aggSeq != nil {
+			c.AggregateSeq = *aggSeq
+		}
+		if expires != nil {
+			c.ExpiresAt = *expires
+		}
 		c.Payload = []byte(payload)
 		if headers != nil {
 			c.Headers = []byte(*headers)
@@ -173,14 +197,26 @@ func (s *Store) Fail(ctx context.Context, workID, workerID string, gen int64, la
 		workerID, gen, lastError)
 }
 
-// claimSQL is the claim statement; $1 batch, $2 worker, $3 lease in
-// microseconds. The CTE's select is what the partial poll index serves.
-func (s *Store) claimSQL() string {
+// claimSQL is the claim statement; $1 batch, $2 worker, $3 lease and $4
+// deadline margin in microseconds. The CTE's select is what the partial poll
+// index serves; with ordered, a row of an aggregate is claimable only while
+// no lower sequence of it blocks (see blockingStates; the partial aggregate
+// index serves that probe).
+func (s *Store) claimSQL(ordered bool) string {
 	tbl := s.table.String()
+	order := ""
+	if ordered {
+		order = `
+		  AND (q.aggregate_type IS NULL OR NOT EXISTS (
+			SELECT 1 FROM ` + tbl + ` AS b
+			WHERE b.aggregate_type = q.aggregate_type AND b.aggregate_id = q.aggregate_id
+			  AND b.aggregate_seq < q.aggregate_seq AND b.state IN ` + blockingStates + `))`
+	}
 	return `WITH c AS (
-		SELECT work_id, state AS prev_state FROM ` + tbl + `
+		SELECT work_id, state AS prev_state FROM ` + tbl + ` AS q
 		WHERE poll_at <= clock_timestamp()
 		  AND (state = 'scheduled' OR (state = 'running' AND lease_until <= clock_timestamp()))
+		  AND (expires_at IS NULL OR expires_at > clock_timestamp() + $4::bigint * interval '1 microsecond')` + order + `
 		ORDER BY poll_at
 		LIMIT $1
 		FOR UPDATE SKIP LOCKED)
@@ -188,5 +224,6 @@ func (s *Store) claimSQL() string {
 		lease_until = clock_timestamp() + $3::bigint * interval '1 microsecond', attempts = t.attempts + 1
 	FROM c WHERE t.work_id = c.work_id
 	RETURNING t.work_id, t.kind, coalesce(t.subject, ''), t.payload::text, t.headers::text, t.attempts,
-		t.claim_generation, coalesce(t.last_error, ''), c.prev_state = 'running'`
+		t.claim_generation, coalesce(t.last_error, ''), c.prev_state = 'running',
+		coalesce(t.aggregate_type, ''), coalesce(t.aggregate_id, ''), t.aggregate_seq, t.expires_at`
 }

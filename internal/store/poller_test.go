@@ -47,7 +47,7 @@ func TestClaimGuardsAgainstExpiredWorker(t *testing.T) {
 				t.Fatal(err)
 			}
 
-			a, err := s.Claim(ctx, "A", 200*time.Millisecond, 10)
+			a, err := s.Claim(ctx, "A", 200*time.Millisecond, 10, store.ClaimOptions{})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -58,7 +58,7 @@ func TestClaimGuardsAgainstExpiredWorker(t *testing.T) {
 				t.Fatalf("A's row = %+v", a[0])
 			}
 			// Held by a live lease: B gets nothing.
-			if b, err := s.Claim(ctx, "B", time.Minute, 10); err != nil || len(b) != 0 {
+			if b, err := s.Claim(ctx, "B", time.Minute, 10, store.ClaimOptions{}); err != nil || len(b) != 0 {
 				t.Fatalf("B claimed %+v (err %v) while A's lease is live", b, err)
 			}
 			testenv.WaitFor(t, 10*time.Second, "A's lease to expire on the database clock", func() (bool, error) {
@@ -66,7 +66,7 @@ func TestClaimGuardsAgainstExpiredWorker(t *testing.T) {
 				err := pool.QueryRow(ctx, `SELECT lease_until < clock_timestamp() FROM outbox WHERE work_id = 'w1'`).Scan(&expired)
 				return expired, err
 			})
-			b, err := s.Claim(ctx, "B", time.Minute, 10)
+			b, err := s.Claim(ctx, "B", time.Minute, 10, store.ClaimOptions{})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -143,20 +143,20 @@ func TestRescheduleAndFail(t *testing.T) {
 	if _, err := pool.Exec(ctx, `INSERT INTO outbox (work_id, kind, payload, state) VALUES ('r', 'k', '{}', 'scheduled')`); err != nil {
 		t.Fatal(err)
 	}
-	c, err := s.Claim(ctx, "A", time.Minute, 10)
+	c, err := s.Claim(ctx, "A", time.Minute, 10, store.ClaimOptions{})
 	if err != nil || len(c) != 1 {
 		t.Fatalf("claim: %v, %v", c, err)
 	}
 	if ok, err := s.Reschedule(ctx, "r", "A", c[0].ClaimGeneration, time.Hour, "rejected: no_stream: x"); err != nil || !ok {
 		t.Fatalf("reschedule: %v, %v", ok, err)
 	}
-	if again, err := s.Claim(ctx, "A", time.Minute, 10); err != nil || len(again) != 0 {
+	if again, err := s.Claim(ctx, "A", time.Minute, 10, store.ClaimOptions{}); err != nil || len(again) != 0 {
 		t.Fatalf("claimed a row rescheduled an hour ahead: %v, %v", again, err)
 	}
 	if _, err := pool.Exec(ctx, `UPDATE outbox SET available_at = clock_timestamp() WHERE work_id = 'r'`); err != nil {
 		t.Fatal(err)
 	}
-	c, err = s.Claim(ctx, "A", time.Minute, 10)
+	c, err = s.Claim(ctx, "A", time.Minute, 10, store.ClaimOptions{})
 	if err != nil || len(c) != 1 || c[0].Attempts != 2 || c[0].ClaimGeneration != 2 || c[0].LastError != "rejected: no_stream: x" || c[0].Reclaimed {
 		t.Fatalf("second claim: %+v, %v", c, err)
 	}

@@ -17,13 +17,18 @@ type Counts struct {
 	// FailedByReason groups failed rows by the class and reason at the head
 	// of last_error ("rejected: max_payload", "uncertain: timeout", ...).
 	FailedByReason map[string]int64 `json:"failed_by_reason"`
+	// BlockedAggregates counts the aggregates whose later rows wait behind
+	// a row with the poller or dead-lettered (G12); OldestBlocked is the
+	// one blocked longest, with its blocking row.
+	BlockedAggregates int64    `json:"blocked_aggregates"`
+	OldestBlocked     *Blocked `json:"oldest_blocked,omitempty"`
 }
 
 // Counts reads counts by state, the oldest eligible age and failures by
 // reason.
 func (s *Store) Counts(ctx context.Context) (Counts, error) {
 	c := Counts{ByState: map[string]int64{}, FailedByReason: map[string]int64{}}
-	for _, st := range []string{"ready", "scheduled", "running", "published", "failed", "cancelled"} {
+	for _, st := range []string{"ready", "scheduled", "running", "published", "failed", "cancelled", "expired"} {
 		c.ByState[st] = 0
 	}
 	rows, err := s.pool.Query(ctx, `SELECT state, count(*) FROM `+s.table.String()+` GROUP BY state`)
@@ -49,6 +54,14 @@ func (s *Store) Counts(ctx context.Context) (Counts, error) {
 	var reason string
 	if _, err := pgx.ForEachRow(rows, []any{&reason, &n}, func() error { c.FailedByReason[reason] = n; return nil }); err != nil {
 		return c, fmt.Errorf("failures in %s: %w", s.table.Qualified(), err)
+	}
+	total, oldest, err := s.BlockedAggregates(ctx, 1)
+	if err != nil {
+		return c, err
+	}
+	c.BlockedAggregates = total
+	if len(oldest) > 0 {
+		c.OldestBlocked = &oldest[0]
 	}
 	return c, nil
 }

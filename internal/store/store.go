@@ -41,6 +41,7 @@ var RequiredColumns = []string{
 	"work_id", "kind", "subject", "payload", "headers", "state", "created_at", "available_at",
 	"attempts", "claim_generation", "claimed_by", "lease_until", "published_at", "stream_seq",
 	"last_error", "redriven_at", "redriven_by", "redrive_reason",
+	"aggregate_type", "aggregate_id", "aggregate_seq", "expires_at",
 }
 
 // Store runs the outbox table's statements on a pool.
@@ -159,6 +160,10 @@ const (
 	// Rejected: the broker refused it for good; the poller retries it later
 	// and dead-letters it after max attempts.
 	Rejected
+	// Held: an earlier row of its aggregate is with the poller (G12); it
+	// waits, scheduled, behind that row. Error names the row. Not a failure:
+	// attempts stay 0.
+	Held
 )
 
 // Settle is one row the CDC path wants to move out of 'ready'.
@@ -178,7 +183,7 @@ type Settle struct {
 // inserting transaction is not visible yet: try again later, and do not let
 // the checkpoint pass it.
 func (s *Store) SettleRows(ctx context.Context, items []Settle) (settled []bool, err error) {
-	var pubIDs, delayIDs, rejIDs, rejErrs []string
+	var pubIDs, delayIDs, rejIDs, rejErrs, heldIDs, heldErrs []string
 	var pubSeqs, rejDelay []int64
 	for _, it := range items {
 		switch it.Outcome {
@@ -191,15 +196,18 @@ func (s *Store) SettleRows(ctx context.Context, items []Settle) (settled []bool,
 			rejIDs = append(rejIDs, it.WorkID)
 			rejErrs = append(rejErrs, it.Error)
 			rejDelay = append(rejDelay, it.RetryMs)
+		case Held:
+			heldIDs = append(heldIDs, it.WorkID)
+			heldErrs = append(heldErrs, it.Error)
 		default:
 			return nil, fmt.Errorf("settle %s: unknown outcome %d", it.WorkID, it.Outcome)
 		}
 	}
 	var changed []string
 	var snapText string
-	args := []any{unplanned, pubIDs, pubSeqs, delayIDs, rejIDs, rejErrs, rejDelay}
+	args := []any{unplanned, pubIDs, pubSeqs, delayIDs, rejIDs, rejErrs, rejDelay, heldIDs, heldErrs}
 	if s.policy == PolicyDelete {
-		args = []any{unplanned, pubIDs, delayIDs, rejIDs, rejErrs, rejDelay}
+		args = []any{unplanned, pubIDs, delayIDs, rejIDs, rejErrs, rejDelay, heldIDs, heldErrs}
 	}
 	if err := s.pool.QueryRow(ctx, s.settleSQL, args...).Scan(&changed, &snapText); err != nil {
 		return nil, fmt.Errorf("settle %d rows in %s: %w", len(items), s.table.Qualified(), err)
@@ -246,8 +254,14 @@ func buildSettleSQL(t Table, policy Policy) string {
 			available_at = clock_timestamp() + u.delay_ms * interval '1 millisecond'
 		FROM unnest(` + p(2) + `::text[], ` + p(3) + `::text[], ` + p(4) + `::bigint[]) AS u(work_id, err, delay_ms)
 		WHERE o.work_id = u.work_id AND o.work_id = ANY(` + p(2) + `::text[]) AND o.state = 'ready'
+		RETURNING o.work_id),
+	held AS (
+		UPDATE ` + tbl + ` AS o SET state = 'scheduled', last_error = u.err
+		FROM unnest(` + p(5) + `::text[], ` + p(6) + `::text[]) AS u(work_id, err)
+		WHERE o.work_id = u.work_id AND o.work_id = ANY(` + p(5) + `::text[]) AND o.state = 'ready'
 		RETURNING o.work_id)
-	SELECT ARRAY(SELECT work_id FROM pub UNION ALL SELECT work_id FROM delayed UNION ALL SELECT work_id FROM rejected),
+	SELECT ARRAY(SELECT work_id FROM pub UNION ALL SELECT work_id FROM delayed UNION ALL SELECT work_id FROM rejected
+		UNION ALL SELECT work_id FROM held),
 		pg_current_snapshot()::text`
 }
 

@@ -5,320 +5,78 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
-	"path/filepath"
-	"strconv"
-	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/internal/devenv"
 )
 
-// NATSOptions configures StartNATS.
-type NATSOptions struct {
-	SyncAlways bool // JetStream sync_interval: always (fsync every write); needs a config file
-
-	// NoAdvertise is for StartNATSCluster only: the servers do not tell
-	// clients the other nodes' client URLs (cluster no_advertise), so a
-	// client that reaches the cluster through proxies stays behind them.
-	NoAdvertise bool
-}
-
-// NATS is a nats-server with JetStream running as a child process. Its store
-// directory and port survive Kill/Stop and Start, so streams and clients'
-// URLs outlive a simulated crash.
-type NATS struct {
-	binPath  string
-	baseDir  string
-	storeDir string
-	logPath  string
-	port     int
-	args     []string
-
-	// Set for a node of StartNATSCluster: its server_name, and readiness
-	// means accepting clients, because JetStream answers only once the
-	// cluster has a meta leader (NATSCluster.WaitJetStream).
-	serverName  string
-	clusterNode bool
-
-	mu     sync.Mutex
-	proc   *child
-	closed bool
-}
-
-const (
-	natsReadyTimeout = 60 * time.Second
-	natsStopTimeout  = 60 * time.Second
+// The servers themselves live in devenv, which the demo links without
+// package testing; these names keep the tests' spelling.
+type (
+	NATS        = devenv.NATS
+	NATSOptions = devenv.NATSOptions
+	NATSCluster = devenv.NATSCluster
 )
+
+// ClusterName is the cluster block's name of every cluster from
+// StartNATSCluster.
+const ClusterName = devenv.ClusterName
 
 // StartNATS starts a JetStream-enabled nats-server on a free port with a
-// fresh store directory.
+// fresh store directory (see devenv.StartNATS), with the test defaults
+// filled in: the binary from OUTBOX_RELAY_TEST_NATS_SERVER or else the
+// pinned one, never PATH, and files kept when OUTBOX_RELAY_TEST_KEEP is set.
 func StartNATS(opts NATSOptions) (*NATS, error) {
-	bin, err := natsServerPath()
+	opts, err := testNATSOptions(opts)
 	if err != nil {
-		return nil, fmt.Errorf("start nats: %w", err)
+		return nil, err
 	}
-	base, err := os.MkdirTemp("", "outbox-relay-nats-")
-	if err != nil {
-		return nil, fmt.Errorf("start nats: create temp dir: %w", err)
-	}
-	n := &NATS{
-		binPath:  bin,
-		baseDir:  base,
-		storeDir: filepath.Join(base, "store"),
-		logPath:  filepath.Join(base, "nats.log"),
-	}
-	var confPath string
-	if opts.SyncAlways {
-		// sync_interval has no command-line flag. The store directory stays
-		// on the command line only: nats-server rejects it in both places.
-		confPath = filepath.Join(base, "nats.conf")
-		conf := "jetstream {\n  sync_interval: always\n}\n"
-		if err := os.WriteFile(confPath, []byte(conf), 0o644); err != nil {
-			n.removeAll()
-			return nil, fmt.Errorf("start nats: write config: %w", err)
-		}
-	}
-	for attempt := 1; ; attempt++ {
-		port, err := freePort()
-		if err != nil {
-			n.removeAll()
-			return nil, fmt.Errorf("start nats: %w", err)
-		}
-		n.port = port
-		n.args = []string{"-a", "127.0.0.1", "-p", strconv.Itoa(port), "-js", "-sd", n.storeDir}
-		if confPath != "" {
-			n.args = append(n.args, "-c", confPath)
-		}
-		err = n.Start()
-		if err == nil {
-			return n, nil
-		}
-		// The free port may have been taken in the meantime by another test binary.
-		if !errors.Is(err, errAddrInUse) || attempt == 3 {
-			n.removeAll()
-			return nil, err
-		}
-	}
+	return devenv.StartNATS(opts)
 }
 
-// natsServerPath is cached because `go tool -n` has to build nats-server the
-// first time (about a minute) and is not free afterwards either.
-var natsServerPath = sync.OnceValues(func() (string, error) {
+// StartNATSCluster starts an n-node JetStream cluster (see
+// devenv.StartNATSCluster) with the same test defaults as StartNATS.
+func StartNATSCluster(n int, opts NATSOptions) (*NATSCluster, error) {
+	opts, err := testNATSOptions(opts)
+	if err != nil {
+		return nil, err
+	}
+	return devenv.StartNATSCluster(n, opts)
+}
+
+func testNATSOptions(opts NATSOptions) (NATSOptions, error) {
+	if opts.Bin == "" {
+		bin, err := testNATSServer()
+		if err != nil {
+			return opts, fmt.Errorf("start nats: %w", err)
+		}
+		opts.Bin = bin
+	}
+	opts.KeepFiles = opts.KeepFiles || keepFiles()
+	return opts, nil
+}
+
+// testNATSServer resolves the binary once per test process so the error,
+// like the path, is the same for every test.
+var testNATSServer = sync.OnceValues(func() (string, error) {
 	if p := os.Getenv("OUTBOX_RELAY_TEST_NATS_SERVER"); p != "" {
 		return p, nil
 	}
-	root, err := ModuleRoot()
-	if err != nil {
-		return "", err
-	}
-	// The version pinned by go.mod's tool directive, not whatever is on PATH.
-	cmd := exec.Command("go", "tool", "-n", "nats-server")
-	cmd.Dir = root
-	out, err := cmd.Output()
-	if err != nil {
-		var ee *exec.ExitError
-		if errors.As(err, &ee) {
-			return "", fmt.Errorf("go tool -n nats-server: %w: %s", err, strings.TrimSpace(string(ee.Stderr)))
-		}
-		return "", fmt.Errorf("go tool -n nats-server: %w", err)
-	}
-	path := strings.TrimSpace(string(out))
-	if path == "" {
-		return "", errors.New("go tool -n nats-server printed no path")
-	}
-	return path, nil
+	return devenv.PinnedNATSServer()
 })
 
-// productModule is the module path of the relay itself; the proof module
-// (proof/, the end-to-end tests, chaos run and benchmark) lives inside it.
-const productModule = "github.com/outbox-relay/outbox-relay"
-
 // ModuleRoot is the directory of the product's go.mod above the working
-// directory: where tests run `go build ./cmd/outbox-relay` and `go tool
-// nats-server` from, also when they run in the nested proof module.
-func ModuleRoot() (string, error) {
-	dir, err := os.Getwd()
-	if err != nil {
-		return "", fmt.Errorf("find module root: %w", err)
-	}
-	for {
-		if b, err := os.ReadFile(filepath.Join(dir, "go.mod")); err == nil && modulePath(b) == productModule {
-			return dir, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", fmt.Errorf("find module root: no go.mod of %s above the working directory", productModule)
-		}
-		dir = parent
-	}
-}
-
-func modulePath(gomod []byte) string {
-	for _, line := range strings.Split(string(gomod), "\n") {
-		if rest, ok := strings.CutPrefix(strings.TrimSpace(line), "module "); ok {
-			return strings.Trim(strings.TrimSpace(rest), `"`)
-		}
-	}
-	return ""
-}
-
-// Port returns the client port; it stays the same across restarts.
-func (n *NATS) Port() int { return n.port }
-
-// URL returns the client URL.
-func (n *NATS) URL() string { return fmt.Sprintf("nats://127.0.0.1:%d", n.port) }
-
-// ServerName returns the server_name of a cluster node (as in
-// StreamInfo.Cluster.Leader); it is empty for a server from StartNATS.
-func (n *NATS) ServerName() string { return n.serverName }
-
-// LogPath returns the file that collects the server's output.
-func (n *NATS) LogPath() string { return n.logPath }
-
-// Start starts the server again on the same port and store directory and
-// waits until JetStream answers, which includes recovering the streams.
-func (n *NATS) Start() error {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if n.closed {
-		return errors.New("start nats: already closed")
-	}
-	if n.proc != nil && !n.proc.exited() {
-		return errors.New("start nats: already running")
-	}
-	cmd := exec.Command(n.binPath, n.args...)
-	cmd.Dir = n.baseDir
-	// Do not let a crashed test binary leave a server holding the port.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	proc, offset, err := startChild(cmd, n.logPath)
-	if err != nil {
-		return fmt.Errorf("start nats: %w", err)
-	}
-	n.proc = proc
-	if err := n.waitReady(proc); err != nil {
-		_ = proc.stop(syscall.SIGKILL, 10*time.Second)
-		log := logSince(n.logPath, offset)
-		if isAddrInUse(log) {
-			err = fmt.Errorf("%w: %w", errAddrInUse, err)
-		}
-		return fmt.Errorf("start nats on port %d: %w\n--- %s ---\n%s", n.port, err, n.logPath, log)
-	}
-	return nil
-}
-
-func (n *NATS) waitReady(proc *child) error {
-	ctx, cancel := context.WithTimeout(context.Background(), natsReadyTimeout)
-	defer cancel()
-	var lastErr error
-	for {
-		if proc.exited() {
-			return fmt.Errorf("nats-server exited during startup: %v", proc.err)
-		}
-		lastErr = n.ping(ctx)
-		if lastErr == nil {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("jetstream not answering after %v: %w", natsReadyTimeout, lastErr)
-		case <-proc.done:
-		case <-time.After(20 * time.Millisecond):
-		}
-	}
-}
-
-func (n *NATS) ping(ctx context.Context) error {
-	nc, err := nats.Connect(n.URL(), nats.Timeout(2*time.Second), nats.NoReconnect())
-	if err != nil {
-		return fmt.Errorf("connect: %w", err)
-	}
-	defer nc.Close()
-	if n.clusterNode {
-		return nil
-	}
-	js, err := jetstream.New(nc)
-	if err != nil {
-		return fmt.Errorf("jetstream: %w", err)
-	}
-	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-	defer cancel()
-	if _, err := js.AccountInfo(ctx); err != nil {
-		return fmt.Errorf("jetstream account info: %w", err)
-	}
-	return nil
-}
-
-// Kill simulates a crash: the server gets no chance to flush or close
-// anything.
-func (n *NATS) Kill() error {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if n.proc == nil || n.proc.exited() {
-		return errors.New("kill nats: not running")
-	}
-	if err := n.proc.stop(syscall.SIGKILL, natsStopTimeout); err != nil {
-		return fmt.Errorf("kill nats: %w", err)
-	}
-	return nil
-}
-
-// Stop shuts the server down gracefully and waits for it to exit. A server
-// that does not stop within 60s is killed and an error returned.
-func (n *NATS) Stop() error {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if n.proc == nil || n.proc.exited() {
-		return errors.New("stop nats: not running")
-	}
-	if err := n.proc.stop(syscall.SIGTERM, natsStopTimeout); err != nil {
-		return fmt.Errorf("stop nats: %w", err)
-	}
-	return nil
-}
-
-// Restart stops the server gracefully and starts it again.
-func (n *NATS) Restart() error {
-	if err := n.Stop(); err != nil {
-		return err
-	}
-	return n.Start()
-}
-
-// Close kills the server and removes its directory. It is safe to call more
-// than once.
-func (n *NATS) Close() { n.shutdown(keepFiles()) }
-
-func (n *NATS) shutdown(keep bool) {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if n.closed {
-		return
-	}
-	n.closed = true
-	if n.proc != nil && !n.proc.exited() {
-		// Graceful when keeping files so the log ends like a real shutdown;
-		// otherwise the store is thrown away and there is nothing to flush.
-		sig := syscall.SIGKILL
-		if keep {
-			sig = syscall.SIGTERM
-		}
-		_ = n.proc.stop(sig, natsStopTimeout)
-	}
-	if !keep {
-		n.removeAll()
-	}
-}
-
-func (n *NATS) removeAll() { _ = os.RemoveAll(n.baseDir) }
+// directory (see devenv.ModuleRoot).
+func ModuleRoot() (string, error) { return devenv.ModuleRoot() }
 
 // deleteStream is best effort: the stream lives in the test's own namespace,
 // and a server that a fault test left down has nothing to clean.
-func (n *NATS) deleteStream(t testing.TB, stream string) {
+func deleteStream(t testing.TB, n *NATS, stream string) {
 	nc, err := nats.Connect(n.URL(), nats.Timeout(2*time.Second), nats.NoReconnect())
 	if err != nil {
 		return
@@ -333,12 +91,4 @@ func (n *NATS) deleteStream(t testing.TB, stream string) {
 	if err := js.DeleteStream(ctx, stream); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
 		t.Logf("testenv: delete stream %s: %v", stream, err)
 	}
-}
-
-// PID returns the process id of the running nats-server, or 0 when it is not
-// running. Benchmarks read its CPU time from /proc/<pid>/stat.
-func (n *NATS) PID() int {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	return n.proc.pid()
 }

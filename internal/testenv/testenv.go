@@ -1,7 +1,9 @@
 // Package testenv runs real PostgreSQL and NATS JetStream servers as child
 // processes of the test binary, so that tests exercise the same failure modes
 // as production (crash recovery, lost connections, redelivery) instead of
-// fakes that cannot be killed.
+// fakes that cannot be killed. The servers are devenv's; this package adds
+// what only tests need and keeps package testing out of devenv, which the
+// outbox-relay binary links for its demo.
 //
 // Every server gets its own temporary directory and free TCP port; the
 // system-wide PostgreSQL (5432) and nats-server (4222) are never touched, so
@@ -24,7 +26,8 @@
 //
 // Binaries: PostgreSQL from OUTBOX_RELAY_TEST_PG_BIN or the highest
 // /usr/lib/postgresql/*/bin; nats-server from OUTBOX_RELAY_TEST_NATS_SERVER or
-// the version pinned in go.mod via `go tool -n nats-server`. Setting
+// the version pinned in go.mod via `go tool -n nats-server`, never from PATH,
+// so that every run tests against the same server. Setting
 // OUTBOX_RELAY_TEST_KEEP=1 keeps data directories and logs after Close.
 package testenv
 
@@ -36,6 +39,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+
+	"go.uber.org/goleak"
 	"time"
 )
 
@@ -99,14 +104,30 @@ func Main(m *testing.M) {
 	code := m.Run()
 	if sharedEnv != nil {
 		keep := code != 0 || keepFiles()
-		sharedEnv.PG.shutdown(keep)
-		sharedEnv.NATS.shutdown(keep)
+		sharedEnv.PG.Shutdown(keep)
+		sharedEnv.NATS.Shutdown(keep)
 		if keep {
 			fmt.Fprintf(os.Stderr, "testenv: kept postgres log %s and nats log %s\n",
 				sharedEnv.PG.LogPath(), sharedEnv.NATS.LogPath())
 		}
 	}
+	// Every test has stopped what it started: a goroutine still running
+	// now is a relay loop, poller, connection or timer that outlives its
+	// owner, which in the daemon means a leak per session.
+	if code == 0 {
+		if err := goleak.Find(LeakIgnores...); err != nil {
+			fmt.Fprintf(os.Stderr, "testenv: goroutines left running after the tests: %v\n", err)
+			code = 1
+		}
+	}
 	os.Exit(code)
+}
+
+// LeakIgnores are the goroutines that outlive tests by design: none of the
+// relay's own.
+var LeakIgnores = []goleak.Option{
+	// The process-wide signal and log machinery of the runtime and zerolog.
+	goleak.IgnoreTopFunction("os/signal.signal_recv"),
 }
 
 func keepFiles() bool {
@@ -136,7 +157,7 @@ func (e *Env) StreamName(t testing.TB) (stream, subjectPrefix string) {
 	subjectPrefix = fmt.Sprintf("t%d.%s.", n, san)
 	t.Cleanup(func() {
 		if e.NATS != nil {
-			e.NATS.deleteStream(t, stream)
+			deleteStream(t, e.NATS, stream)
 		}
 	})
 	return stream, subjectPrefix

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"strconv"
+	"time"
 	"unicode/utf8"
 
 	"github.com/outbox-relay/outbox-relay/sinks"
@@ -14,17 +16,23 @@ import (
 type Row struct {
 	WorkID, Kind, Subject string
 	Payload, Headers      []byte
+	// The aggregate and the row's sequence in it (G12); Seq 0: unordered.
+	AggregateType, AggregateID string
+	AggregateSeq               int64
+	// The business deadline (G13); zero: none.
+	ExpiresAt time.Time
 }
 
 // Rejection reasons of a row that can never become a message as it is. They
 // end up in last_error ("rejected: <reason>: ...") and in metric labels.
 const (
-	ReasonInvalidWorkID   = "invalid_work_id"
-	ReasonInvalidKind     = "invalid_kind"
-	ReasonInvalidSubject  = "invalid_subject"
-	ReasonInvalidHeader   = "invalid_header"
-	ReasonHeaderTooLarge  = "header_too_large"
-	ReasonReservedSubject = "reserved_subject"
+	ReasonInvalidWorkID    = "invalid_work_id"
+	ReasonInvalidKind      = "invalid_kind"
+	ReasonInvalidSubject   = "invalid_subject"
+	ReasonInvalidHeader    = "invalid_header"
+	ReasonHeaderTooLarge   = "header_too_large"
+	ReasonReservedSubject  = "reserved_subject"
+	ReasonInvalidAggregate = "invalid_aggregate"
 )
 
 // BuildMessage turns a row into the message the broker stores: the payload's
@@ -72,6 +80,17 @@ func BuildMessage(r Row, subjectPrefix string, extra map[string]string) (*sinks.
 		}
 	}
 	hdr[HeaderKind] = []string{r.Kind}
+	if r.AggregateSeq != 0 || r.AggregateType != "" || r.AggregateID != "" {
+		if err := ValidateAggregate(r.AggregateType, r.AggregateID, r.AggregateSeq); err != nil {
+			return nil, &sinks.RejectedError{Reason: ReasonInvalidAggregate, Err: fmt.Errorf("row %s: %w", r.WorkID, err)}
+		}
+		hdr[HeaderAggregateType] = []string{r.AggregateType}
+		hdr[HeaderAggregateID] = []string{r.AggregateID}
+		hdr[HeaderSequence] = []string{strconv.FormatInt(r.AggregateSeq, 10)}
+	}
+	if !r.ExpiresAt.IsZero() {
+		hdr[HeaderExpiresAt] = []string{FormatDeadline(r.ExpiresAt)}
+	}
 	for k, v := range extra {
 		hdr[k] = []string{v}
 	}
@@ -81,6 +100,31 @@ func BuildMessage(r Row, subjectPrefix string, extra map[string]string) (*sinks.
 			r.WorkID, n, MaxHeaderBytes, largestHeaders(hdr))}
 	}
 	return &sinks.Message{ID: r.WorkID, Subject: subject, Data: r.Payload, Header: hdr}, nil
+}
+
+// FormatDeadline is how Outbox-Expires-At carries a deadline: RFC 3339 in
+// UTC, to the microsecond PostgreSQL keeps.
+func FormatDeadline(t time.Time) string { return t.UTC().Format(time.RFC3339Nano) }
+
+// ValidateAggregate checks a row's aggregate: type and ID set together, each
+// carried exactly by a header (see ValidateKind), and a positive sequence.
+func ValidateAggregate(typ, id string, seq int64) error {
+	if typ == "" || id == "" || seq <= 0 {
+		return fmt.Errorf("aggregate %q/%q with sequence %d: type, ID and a sequence of at least 1 go together", typ, id, seq)
+	}
+	if len(typ) > MaxKindBytes {
+		return fmt.Errorf("aggregate type %.40q... is %d bytes, over the %d-byte limit", typ, len(typ), MaxKindBytes)
+	}
+	if len(id) > MaxWorkIDBytes {
+		return fmt.Errorf("aggregate ID %.40q... is %d bytes, over the %d-byte limit", id, len(id), MaxWorkIDBytes)
+	}
+	if err := headerText(typ, false); err != nil {
+		return fmt.Errorf("aggregate type %q %v, so the %s header cannot carry it exactly", typ, err, HeaderAggregateType)
+	}
+	if err := headerText(id, false); err != nil {
+		return fmt.Errorf("aggregate ID %q %v, so the %s header cannot carry it exactly", id, err, HeaderAggregateID)
+	}
+	return nil
 }
 
 // MaxHeaderBytes is the largest header block a JetStream stream stores: more

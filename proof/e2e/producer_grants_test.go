@@ -68,7 +68,7 @@ func TestProducerCannotForgeState(t *testing.T) {
 	if code != 0 {
 		t.Fatalf("migrate --print-grants: exit %d: %s", code, errOut)
 	}
-	producerColumns := []string{"work_id", "kind", "subject", "payload", "headers", "available_at"}
+	producerColumns := []string{"work_id", "kind", "subject", "payload", "headers", "available_at", "aggregate_type", "aggregate_id", "aggregate_seq", "expires_at"}
 	relayColumns := []string{"state", "created_at", "attempts", "claim_generation", "claimed_by", "lease_until",
 		"published_at", "stream_seq", "last_error", "redriven_at", "redriven_by", "redrive_reason"}
 	for run := 1; run <= 2; run++ {

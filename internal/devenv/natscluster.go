@@ -1,4 +1,4 @@
-package testenv
+package devenv
 
 import (
 	"context"
@@ -26,6 +26,7 @@ type NATSCluster struct {
 	name    string
 	baseDir string
 	nodes   []*NATS
+	keep    bool
 
 	closeOnce sync.Once
 }
@@ -41,7 +42,7 @@ func StartNATSCluster(n int, opts NATSOptions) (*NATSCluster, error) {
 	if n < 1 {
 		return nil, fmt.Errorf("start nats cluster: %d nodes", n)
 	}
-	bin, err := natsServerPath()
+	bin, err := natsServerBin(opts)
 	if err != nil {
 		return nil, fmt.Errorf("start nats cluster: %w", err)
 	}
@@ -64,9 +65,9 @@ func startNATSCluster(bin string, n int, opts NATSOptions) (*NATSCluster, error)
 	if err != nil {
 		return nil, fmt.Errorf("start nats cluster: create temp dir: %w", err)
 	}
-	c := &NATSCluster{name: ClusterName, baseDir: base}
+	c := &NATSCluster{name: ClusterName, baseDir: base, keep: opts.KeepFiles}
 	fail := func(err error) (*NATSCluster, error) {
-		c.shutdown(false)
+		c.Shutdown(false)
 		return nil, err
 	}
 	clientPorts := make([]int, n)
@@ -220,16 +221,17 @@ func (c *NATSCluster) accountInfo(ctx context.Context) error {
 }
 
 // Close kills every node and removes the cluster's directory (kept, with
-// the nodes shut down gracefully, when OUTBOX_RELAY_TEST_KEEP is set). It
+// the nodes shut down gracefully, when NATSOptions.KeepFiles was set). It
 // is safe to call more than once.
-func (c *NATSCluster) Close() { c.shutdown(keepFiles()) }
+func (c *NATSCluster) Close() { c.Shutdown(c.keep) }
 
-func (c *NATSCluster) shutdown(keep bool) {
+// Shutdown is Close with the choice of keeping the directories made now.
+func (c *NATSCluster) Shutdown(keep bool) {
 	c.closeOnce.Do(func() {
 		var wg sync.WaitGroup
 		for _, n := range c.nodes {
 			wg.Add(1)
-			go func() { defer wg.Done(); n.shutdown(keep) }()
+			go func() { defer wg.Done(); n.Shutdown(keep) }()
 		}
 		wg.Wait()
 		if !keep {

@@ -1,0 +1,400 @@
+package devenv
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/url"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// PostgresOptions configures StartPostgres.
+type PostgresOptions struct {
+	Fsync bool              // default false for speed in tests; benchmarks and the demo set true
+	Conf  map[string]string // extra postgresql.conf settings (-c key=value)
+
+	// KeepFiles makes Close leave the data directory and log behind
+	// (shutting the server down immediately all the same), for a person to
+	// read after a failure.
+	KeepFiles bool
+}
+
+// Postgres is a PostgreSQL server running as a child process with its own data
+// directory. It can be stopped and started again on the same port and data, so
+// clients can keep their connection URL across a simulated outage.
+type Postgres struct {
+	binDir  string
+	baseDir string
+	dataDir string
+	sockDir string
+	logPath string
+	port    int
+	args    []string
+	cred    *syscall.Credential
+	keep    bool
+
+	mu     sync.Mutex
+	proc   *child
+	closed bool
+}
+
+const (
+	pgReadyTimeout = 60 * time.Second
+	pgStopTimeout  = 60 * time.Second
+)
+
+// StartPostgres initialises a fresh cluster in a temporary directory and starts
+// it on a free port.
+func StartPostgres(opts PostgresOptions) (*Postgres, error) {
+	p, err := initPostgres()
+	if err != nil {
+		return nil, fmt.Errorf("start postgres: %w", err)
+	}
+	p.keep = opts.KeepFiles
+	for attempt := 1; ; attempt++ {
+		port, err := freePort()
+		if err != nil {
+			p.removeAll()
+			return nil, fmt.Errorf("start postgres: %w", err)
+		}
+		p.port = port
+		p.args = postgresArgs(p.dataDir, p.sockDir, port, opts)
+		err = p.Start()
+		if err == nil {
+			return p, nil
+		}
+		// The free port may have been taken in the meantime by another process.
+		if !errors.Is(err, errAddrInUse) || attempt == 3 {
+			p.removeAll()
+			return nil, err
+		}
+	}
+}
+
+var errAddrInUse = errors.New("address already in use")
+
+func initPostgres() (*Postgres, error) {
+	binDir, err := postgresBinDir()
+	if err != nil {
+		return nil, err
+	}
+	cred, err := postgresCredential()
+	if err != nil {
+		return nil, err
+	}
+	base, err := os.MkdirTemp("", "outbox-relay-pg-")
+	if err != nil {
+		return nil, fmt.Errorf("create temp dir: %w", err)
+	}
+	p := &Postgres{
+		binDir:  binDir,
+		baseDir: base,
+		dataDir: filepath.Join(base, "data"),
+		sockDir: filepath.Join(base, "run"),
+		logPath: filepath.Join(base, "postgres.log"),
+		cred:    cred,
+	}
+	if err := p.prepareDirs(); err != nil {
+		p.removeAll()
+		return nil, err
+	}
+	initdb := exec.Command(filepath.Join(binDir, "initdb"),
+		"-D", p.dataDir, "-U", "postgres", "--auth=trust", "-E", "UTF8",
+		// A fixed locale keeps initdb from failing on hosts whose LANG names
+		// a locale that is not installed.
+		"--locale=C", "--no-sync")
+	// initdb resolves its working directory; the postgres user may not be
+	// allowed into the caller's.
+	initdb.Dir = base
+	initdb.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
+	if out, err := initdb.CombinedOutput(); err != nil {
+		p.removeAll()
+		return nil, fmt.Errorf("initdb: %w: %s", err, strings.TrimSpace(string(out)))
+	}
+	hba := "local all all trust\n" +
+		"host all all 127.0.0.1/32 trust\n" +
+		"local replication all trust\n" +
+		"host replication all 127.0.0.1/32 trust\n"
+	if err := p.writeOwned(filepath.Join(p.dataDir, "pg_hba.conf"), hba); err != nil {
+		p.removeAll()
+		return nil, err
+	}
+	return p, nil
+}
+
+// prepareDirs makes the directories the server writes to belong to the
+// postgres user while every parent stays traversable, which initdb and
+// postgres require when they cannot run as root.
+func (p *Postgres) prepareDirs() error {
+	if err := os.Chmod(p.baseDir, 0o755); err != nil {
+		return fmt.Errorf("chmod %s: %w", p.baseDir, err)
+	}
+	for dir, mode := range map[string]os.FileMode{p.dataDir: 0o700, p.sockDir: 0o755} {
+		if err := os.Mkdir(dir, mode); err != nil {
+			return fmt.Errorf("create %s: %w", dir, err)
+		}
+		if err := p.chown(dir); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (p *Postgres) chown(path string) error {
+	if p.cred == nil {
+		return nil
+	}
+	if err := os.Chown(path, int(p.cred.Uid), int(p.cred.Gid)); err != nil {
+		return fmt.Errorf("chown %s to postgres: %w", path, err)
+	}
+	return nil
+}
+
+func (p *Postgres) writeOwned(path, content string) error {
+	if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	return p.chown(path)
+}
+
+func postgresArgs(dataDir, sockDir string, port int, opts PostgresOptions) []string {
+	onOff := "off"
+	if opts.Fsync {
+		onOff = "on"
+	}
+	conf := map[string]string{
+		"wal_level":               "logical",
+		"max_replication_slots":   "64",
+		"max_wal_senders":         "64",
+		"max_connections":         "300",
+		"listen_addresses":        "127.0.0.1",
+		"port":                    strconv.Itoa(port),
+		"unix_socket_directories": sockDir,
+		"fsync":                   onOff,
+		"full_page_writes":        onOff,
+		"shared_buffers":          "128MB",
+		"wal_sender_timeout":      "60s",
+		"log_min_messages":        "warning",
+	}
+	for k, v := range opts.Conf {
+		conf[k] = v
+	}
+	keys := make([]string, 0, len(conf))
+	for k := range conf {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	args := []string{"-D", dataDir}
+	for _, k := range keys {
+		args = append(args, "-c", k+"="+conf[k])
+	}
+	return args
+}
+
+// postgresBinDir picks the newest installed major version so tests follow the
+// server that CI images ship. The variable keeps its test name because `make
+// setup` reads it too, for the tests and the demo alike.
+func postgresBinDir() (string, error) {
+	if dir := os.Getenv("OUTBOX_RELAY_TEST_PG_BIN"); dir != "" {
+		return dir, nil
+	}
+	dirs, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
+	best, bestVer := "", -1.0
+	for _, d := range dirs {
+		v, err := strconv.ParseFloat(filepath.Base(filepath.Dir(d)), 64)
+		if err != nil {
+			continue
+		}
+		if _, err := os.Stat(filepath.Join(d, "postgres")); err != nil {
+			continue
+		}
+		if v > bestVer {
+			best, bestVer = d, v
+		}
+	}
+	if best == "" {
+		return "", errors.New("no PostgreSQL server binaries (initdb, postgres) in /usr/lib/postgresql/*/bin: install them (`make setup` does, through apt) or set OUTBOX_RELAY_TEST_PG_BIN to the directory holding them")
+	}
+	return best, nil
+}
+
+// postgresCredential returns the identity to run initdb and postgres as: both
+// refuse to run as root, which is how tests run here and in CI.
+func postgresCredential() (*syscall.Credential, error) {
+	if os.Geteuid() != 0 {
+		return nil, nil
+	}
+	u, err := user.Lookup("postgres")
+	if err != nil {
+		return nil, fmt.Errorf("running as root and cannot find the postgres user to run the server as: %w", err)
+	}
+	uid, err := strconv.ParseUint(u.Uid, 10, 32)
+	if err != nil {
+		return nil, fmt.Errorf("parse uid of postgres user: %w", err)
+	}
+	gid, err := strconv.ParseUint(u.Gid, 10, 32)
+	if err != nil {
+		return nil, fmt.Errorf("parse gid of postgres user: %w", err)
+	}
+	// An empty Groups drops root's supplementary groups.
+	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid), Groups: []uint32{}}, nil
+}
+
+// Port returns the TCP port the server listens on; it stays the same across
+// restarts.
+func (p *Postgres) Port() int { return p.port }
+
+// URL returns a connection URL for database dbname as the superuser.
+func (p *Postgres) URL(dbname string) string {
+	return fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", p.port, url.PathEscape(dbname))
+}
+
+// LogPath returns the file that collects the server's stdout and stderr.
+func (p *Postgres) LogPath() string { return p.logPath }
+
+// Start starts the server again on the same port and data directory and waits
+// until it accepts connections, which after an immediate stop includes crash
+// recovery.
+func (p *Postgres) Start() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return errors.New("start postgres: already closed")
+	}
+	if p.proc != nil && !p.proc.exited() {
+		return errors.New("start postgres: already running")
+	}
+	cmd := exec.Command(filepath.Join(p.binDir, "postgres"), p.args...)
+	cmd.Dir = p.baseDir
+	cmd.SysProcAttr = &syscall.SysProcAttr{
+		Credential: p.cred,
+		// SIGQUIT is PostgreSQL's immediate shutdown: the postmaster takes its
+		// backends down with it if its parent dies. (The signal is tied to
+		// the spawning OS thread, which the Go runtime keeps alive.)
+		Pdeathsig: syscall.SIGQUIT,
+	}
+	proc, offset, err := startChild(cmd, p.logPath)
+	if err != nil {
+		return fmt.Errorf("start postgres: %w", err)
+	}
+	p.proc = proc
+	if err := p.waitReady(proc); err != nil {
+		_ = proc.stop(syscall.SIGQUIT, 10*time.Second)
+		log := logSince(p.logPath, offset)
+		if isAddrInUse(log) {
+			err = fmt.Errorf("%w: %w", errAddrInUse, err)
+		}
+		return fmt.Errorf("start postgres on port %d: %w\n--- %s ---\n%s", p.port, err, p.logPath, log)
+	}
+	return nil
+}
+
+func (p *Postgres) waitReady(proc *child) error {
+	ctx, cancel := context.WithTimeout(context.Background(), pgReadyTimeout)
+	defer cancel()
+	var lastErr error
+	for {
+		if proc.exited() {
+			return fmt.Errorf("postgres exited during startup: %v", proc.err)
+		}
+		lastErr = pingPostgres(ctx, p.URL("postgres"))
+		if lastErr == nil {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("not accepting connections after %v: %w", pgReadyTimeout, lastErr)
+		case <-proc.done:
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+func pingPostgres(ctx context.Context, connURL string) error {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, connURL)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.Background())
+	var one int
+	return conn.QueryRow(ctx, "SELECT 1").Scan(&one)
+}
+
+var pgStopSignals = map[string]syscall.Signal{
+	"smart":     syscall.SIGTERM,
+	"fast":      syscall.SIGINT,
+	"immediate": syscall.SIGQUIT,
+}
+
+// Stop shuts the server down in one of PostgreSQL's shutdown modes ("smart",
+// "fast" or "immediate") and waits for the postmaster to exit. A server that
+// does not stop within 60s is taken down immediately and an error returned.
+func (p *Postgres) Stop(mode string) error {
+	sig, ok := pgStopSignals[mode]
+	if !ok {
+		return fmt.Errorf("stop postgres: unknown shutdown mode %q (want smart, fast or immediate)", mode)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.proc == nil || p.proc.exited() {
+		return errors.New("stop postgres: not running")
+	}
+	// SIGKILL on the postmaster alone would orphan its backends and block the
+	// next start on their shared memory, so escalate via immediate shutdown.
+	if err := p.proc.stop(sig, pgStopTimeout, syscall.SIGQUIT); err != nil {
+		return fmt.Errorf("stop postgres (%s): %w", mode, err)
+	}
+	return nil
+}
+
+// Restart stops the server in the given mode and starts it again.
+func (p *Postgres) Restart(mode string) error {
+	if err := p.Stop(mode); err != nil {
+		return err
+	}
+	return p.Start()
+}
+
+// Close stops the server immediately and removes its directory unless
+// PostgresOptions.KeepFiles was set. It is safe to call more than once.
+func (p *Postgres) Close() { p.Shutdown(p.keep) }
+
+// Shutdown is Close with the choice of keeping the directory made now: a
+// test run decides that only once it knows whether it failed.
+func (p *Postgres) Shutdown(keep bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return
+	}
+	p.closed = true
+	if p.proc != nil && !p.proc.exited() {
+		_ = p.proc.stop(syscall.SIGQUIT, pgStopTimeout)
+	}
+	if !keep {
+		p.removeAll()
+	}
+}
+
+func (p *Postgres) removeAll() { _ = os.RemoveAll(p.baseDir) }
+
+// PID returns the process id of the running postmaster, or 0 when it is not
+// running. Benchmarks use it to tell the server's processes from others.
+func (p *Postgres) PID() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.proc.pid()
+}

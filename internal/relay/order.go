@@ -1,0 +1,194 @@
+package relay
+
+import (
+	"context"
+	"sync/atomic"
+	"time"
+
+	"github.com/outbox-relay/outbox-relay/internal/store"
+)
+
+// Order of work per aggregate on the CDC path (run --ordering aggregate,
+// G12). Two rules keep a receiver from seeing sequence n+1 before n:
+//
+//   - While a row of an aggregate is with the poller (delayed, rejected,
+//     near its deadline, or from before this session: 'scheduled',
+//     'running', 'failed'), the aggregate is held: its later rows go to the
+//     poller too, as 'held' rows, and the poller claims each aggregate's
+//     lowest unpublished sequence only.
+//   - One row of an aggregate is in flight at a time: a broker can refuse a
+//     message at ack time (a stream's max message size), after the next one
+//     would already have been stored. Later rows of the aggregate wait in
+//     memory for that ack; other aggregates never wait.
+//
+// The held set is read from the table when a session starts (so it
+// survives restarts), grows as this session hands rows over, and is read
+// again while it is not empty, to release the aggregates whose rows the
+// poller has published. With nothing held the CDC path asks nothing per row.
+
+// orderState is the loop's per-aggregate state; it belongs to the loop's
+// goroutine, except active, which the refresher reads.
+type orderState struct {
+	held   map[store.AggregateKey]*hold
+	chains map[store.AggregateKey]*chain
+	parked int         // rows waiting in chains, not yet published
+	active atomic.Bool // len(held) > 0, for the refresher
+}
+
+// hold is one held aggregate: the row the others wait for, and this
+// session's handoffs of the aggregate that the table may not show yet.
+type hold struct {
+	blocker   string
+	unsettled int       // handoffs not yet committed by the settler
+	settledAt time.Time // when the last one was
+}
+
+// chain is one aggregate's row in flight and the rows behind it.
+type chain struct {
+	inflight *item
+	queue    []*item
+}
+
+type heldRefresh struct {
+	startedAt time.Time
+	held      map[store.AggregateKey]string
+	err       error
+}
+
+func newOrderState(held map[store.AggregateKey]string) *orderState {
+	o := &orderState{held: map[store.AggregateKey]*hold{}, chains: map[store.AggregateKey]*chain{}}
+	for k, blocker := range held {
+		o.held[k] = &hold{blocker: blocker}
+	}
+	o.active.Store(len(o.held) > 0)
+	return o
+}
+
+// heldBy returns the row an aggregate's new rows wait for, if it is held.
+func (o *orderState) heldBy(k store.AggregateKey) (string, bool) {
+	h, ok := o.held[k]
+	if !ok {
+		return "", false
+	}
+	return h.blocker, true
+}
+
+// handedOff records that it (a row of k) goes to the poller: k is held
+// from now on, behind it unless an earlier row already holds it.
+func (o *orderState) handedOff(it *item) {
+	h, ok := o.held[it.agg]
+	if !ok {
+		h = &hold{blocker: it.workID}
+		o.held[it.agg] = h
+		o.active.Store(true)
+	}
+	h.unsettled++
+	it.holds = true
+}
+
+// settled records that the settle of a handed-off row committed.
+func (o *orderState) settled(it *item, now time.Time) {
+	if h, ok := o.held[it.agg]; ok && it.holds {
+		h.unsettled--
+		h.settledAt = now
+	}
+}
+
+// busy reports whether a row of k is in flight or waiting.
+func (o *orderState) busy(k store.AggregateKey) bool {
+	c, ok := o.chains[k]
+	return ok && (c.inflight != nil || len(c.queue) > 0)
+}
+
+func (o *orderState) park(it *item) {
+	c := o.chains[it.agg]
+	c.queue = append(c.queue, it)
+	o.parked++
+}
+
+func (o *orderState) started(it *item) {
+	c, ok := o.chains[it.agg]
+	if !ok {
+		c = &chain{}
+		o.chains[it.agg] = c
+	}
+	c.inflight = it
+}
+
+// finished ends it's flight and returns the rows of its aggregate that were
+// waiting for it; the chain is gone.
+func (o *orderState) finished(it *item) []*item {
+	c, ok := o.chains[it.agg]
+	if !ok {
+		return nil
+	}
+	delete(o.chains, it.agg)
+	o.parked -= len(c.queue)
+	return c.queue
+}
+
+// next takes the next waiting row of it's aggregate after it was acked.
+func (o *orderState) next(it *item) *item {
+	c, ok := o.chains[it.agg]
+	if !ok {
+		return nil
+	}
+	c.inflight = nil
+	if len(c.queue) == 0 {
+		delete(o.chains, it.agg)
+		return nil
+	}
+	n := c.queue[0]
+	c.queue = c.queue[1:]
+	o.parked--
+	return n
+}
+
+// refreshed applies a read of the table's held aggregates taken at
+// r.startedAt. An aggregate stays held while this session has a handoff of
+// it the read may not have seen (unsettled, or settled after the read
+// began); otherwise the table decides.
+func (o *orderState) refreshed(r heldRefresh) {
+	for k, h := range o.held {
+		if blocker, ok := r.held[k]; ok {
+			h.blocker = blocker
+			continue
+		}
+		if h.unsettled > 0 || h.settledAt.After(r.startedAt) {
+			continue
+		}
+		delete(o.held, k)
+	}
+	for k, blocker := range r.held {
+		if _, ok := o.held[k]; !ok {
+			o.held[k] = &hold{blocker: blocker}
+		}
+	}
+	o.active.Store(len(o.held) > 0)
+}
+
+// refresher reads the held aggregates every interval while any is held, and
+// sends each read to out.
+func refresher(ctx context.Context, st *store.Store, o *orderState, every time.Duration, out chan<- heldRefresh) {
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if !o.active.Load() {
+			continue
+		}
+		r := heldRefresh{startedAt: time.Now()}
+		qctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		r.held, r.err = st.HeldAggregates(qctx)
+		cancel()
+		select {
+		case out <- r:
+		case <-ctx.Done():
+			return
+		}
+	}
+}

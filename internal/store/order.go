@@ -1,0 +1,118 @@
+package store
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Order of work per aggregate (G12) and business deadlines (G13).
+//
+// A row of an aggregate blocks the later rows of that aggregate while it is
+// unpublished and not given up on: 'ready' (the CDC path has it),
+// 'scheduled', 'running' or 'failed' (a dead letter blocks until it is
+// redriven or cancelled). 'published', 'cancelled' and 'expired' rows block
+// nothing: a cancelled or expired one leaves a gap the receiver can see in
+// Outbox-Sequence.
+
+// blockingStates is the SQL list of the states above.
+const blockingStates = `('ready', 'scheduled', 'running', 'failed')`
+
+// AggregateKey names an aggregate.
+type AggregateKey struct {
+	Type string `json:"type"`
+	ID   string `json:"id"`
+}
+
+// Blocked is an aggregate whose lowest unpublished row is with the poller or
+// dead-lettered, and so holds the rows after it.
+type Blocked struct {
+	Aggregate AggregateKey `json:"aggregate"`
+	WorkID    string       `json:"work_id"` // the blocking row: the aggregate's lowest unpublished sequence
+	Seq       int64        `json:"aggregate_seq"`
+	State     string       `json:"state"`
+	Since     time.Time    `json:"since"`   // the blocking row's created_at
+	Waiting   int64        `json:"waiting"` // rows of the aggregate behind it
+}
+
+// HeldAggregates returns every aggregate that has a row with the poller
+// ('scheduled' or 'running') or dead-lettered ('failed'), with its lowest
+// such row: the CDC path must not publish rows of these aggregates itself.
+// Read at the start of every session, so the held set survives restarts,
+// and while any aggregate is held, to release those that cleared.
+func (s *Store) HeldAggregates(ctx context.Context) (map[AggregateKey]string, error) {
+	rows, err := s.pool.Query(ctx, `SELECT DISTINCT ON (aggregate_type, aggregate_id) aggregate_type, aggregate_id, work_id
+		FROM `+s.table.String()+`
+		WHERE aggregate_type IS NOT NULL AND state IN ('scheduled', 'running', 'failed')
+		ORDER BY aggregate_type, aggregate_id, aggregate_seq`)
+	if err != nil {
+		return nil, fmt.Errorf("read held aggregates of %s: %w", s.table.Qualified(), err)
+	}
+	out := map[AggregateKey]string{}
+	var k AggregateKey
+	var id string
+	if _, err := pgx.ForEachRow(rows, []any{&k.Type, &k.ID, &id}, func() error { out[k] = id; return nil }); err != nil {
+		return nil, fmt.Errorf("read held aggregates of %s: %w", s.table.Qualified(), err)
+	}
+	return out, nil
+}
+
+// BlockedAggregates counts the aggregates whose rows wait behind a lower
+// unpublished row that is with the poller or dead-lettered, and returns the
+// oldest few of them with their blocking rows.
+func (s *Store) BlockedAggregates(ctx context.Context, limit int) (total int64, oldest []Blocked, err error) {
+	rows, err := s.pool.Query(ctx, `WITH firsts AS (
+			SELECT DISTINCT ON (aggregate_type, aggregate_id) aggregate_type, aggregate_id, work_id, aggregate_seq, state, created_at
+			FROM `+s.table.String()+`
+			WHERE aggregate_type IS NOT NULL AND state IN `+blockingStates+`
+			ORDER BY aggregate_type, aggregate_id, aggregate_seq),
+		blocked AS (
+			SELECT f.*, (SELECT count(*) FROM `+s.table.String()+` w
+				WHERE w.aggregate_type = f.aggregate_type AND w.aggregate_id = f.aggregate_id
+				  AND w.aggregate_seq > f.aggregate_seq AND w.state IN `+blockingStates+`) AS waiting
+			FROM firsts f WHERE f.state <> 'ready')
+		SELECT aggregate_type, aggregate_id, work_id, aggregate_seq, state, created_at, waiting, count(*) OVER ()
+		FROM blocked WHERE waiting > 0 ORDER BY created_at LIMIT $1`, limit)
+	if err != nil {
+		return 0, nil, fmt.Errorf("read blocked aggregates of %s: %w", s.table.Qualified(), err)
+	}
+	var b Blocked
+	_, err = pgx.ForEachRow(rows, []any{&b.Aggregate.Type, &b.Aggregate.ID, &b.WorkID, &b.Seq, &b.State, &b.Since, &b.Waiting, &total}, func() error {
+		oldest = append(oldest, b)
+		return nil
+	})
+	if err != nil {
+		return 0, nil, fmt.Errorf("read blocked aggregates of %s: %w", s.table.Qualified(), err)
+	}
+	return total, oldest, nil
+}
+
+// ExpireDue moves rows whose deadline passed out of the poller's hands into
+// 'expired' ('scheduled' rows, and 'running' ones whose lease ran out), with
+// last_error saying whether any attempt was made and whether the broker may
+// have taken one: "never attempted", "none accepted" (every attempt was a
+// known rejection) or "possibly accepted". Decided on the database clock.
+// It returns the work IDs it expired.
+func (s *Store) ExpireDue(ctx context.Context) ([]string, error) {
+	rows, err := s.pool.Query(ctx, `UPDATE `+s.table.String()+` AS t SET state = 'expired', claimed_by = NULL, lease_until = NULL,
+			last_error = 'expired: deadline ' || to_char(t.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') || ' passed; ' ||
+			CASE
+				WHEN t.state = 'running' THEN 'possibly accepted: a worker held it when its lease ran out, after ' || t.attempts || ' attempt(s)'
+				WHEN t.attempts = 0 THEN 'never attempted'
+				WHEN t.last_error LIKE 'rejected:%' THEN 'none accepted: ' || t.attempts || ' attempt(s), the last ' || t.last_error
+				ELSE 'possibly accepted: ' || t.attempts || ' attempt(s), the last ' || coalesce(t.last_error, 'without an error')
+			END
+		WHERE t.poll_at IS NOT NULL AND t.expires_at <= clock_timestamp()
+		  AND (t.state = 'scheduled' OR (t.state = 'running' AND t.lease_until <= clock_timestamp()))
+		RETURNING t.work_id`)
+	if err != nil {
+		return nil, fmt.Errorf("expire rows of %s past their deadline: %w", s.table.Qualified(), err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("expire rows of %s past their deadline: %w", s.table.Qualified(), err)
+	}
+	return ids, nil
+}
