@@ -72,6 +72,16 @@ func explainConnectError(err error) error {
 // CheckServer verifies what logical decoding needs from the server and the
 // role, with messages that say how to fix each problem.
 func CheckServer(ctx context.Context, q Querier) error {
+	var standby bool
+	if err := q.QueryRow(ctx, `SELECT pg_is_in_recovery()`).Scan(&standby); err != nil {
+		return fmt.Errorf("read pg_is_in_recovery(): %w", err)
+	}
+	if standby {
+		// PostgreSQL 16+ can decode on a standby, but the relay marks rows
+		// and records its slot: it needs the primary.
+		return fmt.Errorf("%w: the server is a standby (in recovery); the relay writes (marks, claims, its slot record) and needs the primary: point --database-url at it, or list every host with target_session_attrs=read-write (postgres://relay@db1,db2/app?target_session_attrs=read-write) so the relay follows a promotion",
+			ErrStandby)
+	}
 	var walLevel string
 	if err := q.QueryRow(ctx, `SELECT current_setting('wal_level')`).Scan(&walLevel); err != nil {
 		return fmt.Errorf("read wal_level: %w", err)
@@ -98,6 +108,9 @@ func CheckServer(ctx context.Context, q Querier) error {
 	}
 	return nil
 }
+
+// ErrStandby says the relay reached a standby where it needs the primary.
+var ErrStandby = errors.New("connected to a standby")
 
 // EnsurePublication creates the insert-only publication for the table when it
 // is missing, and checks an existing one. Insert-only matters: the relay's own
@@ -218,19 +231,50 @@ type CreatedSlot struct {
 
 // CreateSlot creates a permanent pgoutput slot. Never temporary: a temporary
 // slot vanishes with its connection and so does the position.
-func CreateSlot(ctx context.Context, conn *pgconn.PgConn, name string) (CreatedSlot, error) {
-	res, err := pglogrepl.CreateReplicationSlot(ctx, conn, name, "pgoutput", pglogrepl.CreateReplicationSlotOptions{
-		Mode:           pglogrepl.LogicalReplication,
-		SnapshotAction: "EXPORT_SNAPSHOT",
-	})
-	if err != nil {
-		return CreatedSlot{}, fmt.Errorf("create replication slot %s: %w", name, err)
+//
+// failover (PostgreSQL 17+) makes it a failover slot: standbys with
+// sync_replication_slots keep a copy, which survives a promotion (G14). The
+// option must be part of CREATE_REPLICATION_SLOT itself: any other command
+// on this connection before the backfill read the exported snapshot would
+// destroy it, and pglogrepl's options have no FAILOVER.
+func CreateSlot(ctx context.Context, conn *pgconn.PgConn, name string, failover bool) (CreatedSlot, error) {
+	if !failover {
+		res, err := pglogrepl.CreateReplicationSlot(ctx, conn, name, "pgoutput", pglogrepl.CreateReplicationSlotOptions{
+			Mode:           pglogrepl.LogicalReplication,
+			SnapshotAction: "EXPORT_SNAPSHOT",
+		})
+		if err != nil {
+			return CreatedSlot{}, fmt.Errorf("create replication slot %s: %w", name, err)
+		}
+		return createdSlot(name, res.ConsistentPoint, res.SnapshotName)
 	}
-	lsn, err := pglogrepl.ParseLSN(res.ConsistentPoint)
+	results, err := conn.Exec(ctx, fmt.Sprintf(`CREATE_REPLICATION_SLOT %s LOGICAL pgoutput (SNAPSHOT 'export', FAILOVER true)`,
+		pgx.Identifier{name}.Sanitize())).ReadAll()
 	if err != nil {
-		return CreatedSlot{}, fmt.Errorf("create replication slot %s: parse consistent point %q: %w", name, res.ConsistentPoint, err)
+		return CreatedSlot{}, fmt.Errorf("create failover replication slot %s: %w", name, err)
 	}
-	return CreatedSlot{ConsistentPoint: lsn, Snapshot: res.SnapshotName}, nil
+	if len(results) != 1 || len(results[0].Rows) != 1 || len(results[0].Rows[0]) < 3 {
+		return CreatedSlot{}, fmt.Errorf("create failover replication slot %s: unexpected result %v", name, results)
+	}
+	row := results[0].Rows[0]
+	return createdSlot(name, string(row[1]), string(row[2]))
+}
+
+func createdSlot(name, consistentPoint, snapshot string) (CreatedSlot, error) {
+	lsn, err := pglogrepl.ParseLSN(consistentPoint)
+	if err != nil {
+		return CreatedSlot{}, fmt.Errorf("create replication slot %s: parse consistent point %q: %w", name, consistentPoint, err)
+	}
+	return CreatedSlot{ConsistentPoint: lsn, Snapshot: snapshot}, nil
+}
+
+// EnableFailover turns an existing slot into a failover slot (PostgreSQL
+// 17+). It fails while another connection streams the slot.
+func EnableFailover(ctx context.Context, conn *pgconn.PgConn, name string) error {
+	if _, err := conn.Exec(ctx, fmt.Sprintf(`ALTER_REPLICATION_SLOT %s (FAILOVER true)`, pgx.Identifier{name}.Sanitize())).ReadAll(); err != nil {
+		return fmt.Errorf("make slot %s a failover slot: %w", name, err)
+	}
+	return nil
 }
 
 // SlotLag reads how much WAL the slot holds (the server's WAL position minus

@@ -28,11 +28,15 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 		createStream                                        bool
 		allowStreams                                        config.List
 		ordering                                            string
+		standbySlots                                        config.List
+		failoverSlot                                        bool
 		deadlineMargin                                      time.Duration
 	)
 	fs.DurationVar(&dupWindow, "duplicate-window", natssink.DefaultDuplicateWindow, "duplicate window of the stream when the relay creates it")
 	fs.StringVar(&ordering, "ordering", app.OrderingNone, "none (publish as committed) or aggregate (keep each aggregate's sequence order on every path, G12)")
 	fs.DurationVar(&deadlineMargin, "deadline-margin", poller.DefaultDeadlineMargin, "a row this close to its expires_at is not published (G13): the time a publish and its ack may take")
+	fs.Var(&standbySlots, "standby-slot", "a physical slot of a standby that may be promoted: nothing is published before its standby flushed it (G14); repeat or comma-separate. A name with no slot on the current primary holds nothing back (warned)")
+	fs.BoolVar(&failoverSlot, "failover-slot", true, "create the slot as a failover slot on PostgreSQL 17+, so it survives a promotion of a standby with sync_replication_slots = on")
 	fs.Var(&allowStreams, "allow-stream", "a further stream a row's subject column may name; repeat or comma-separate (default: only --stream; a subject no allowed stream binds is refused)")
 	fs.BoolVar(&createStream, "create-stream", true, "create --stream when it is missing (false: it must exist, e.g. when operators own stream configuration)")
 	fs.IntVar(&replicas, "stream-replicas", 1, "replicas of the stream when the relay creates it (3 on a JetStream cluster)")
@@ -73,6 +77,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	}
 	o.AllowStreams = allowStreams
 	o.Ordering, o.DeadlineMargin = ordering, deadlineMargin
+	o.StandbySlots, o.FailoverSlot = standbySlots, failoverSlot
 	o.DuplicateWindow, o.StreamReplicas, o.AckTimeout, o.NoCreateStream = dupWindow, replicas, ackTimeout, !createStream
 	o.MaxInFlight, o.MaxInFlightBytes = maxInFlight, maxInFlightBytes
 	o.StatusInterval, o.DrainTimeout = statusInterval, drainTimeout

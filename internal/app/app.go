@@ -22,6 +22,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
 	"github.com/outbox-relay/outbox-relay/internal/poller"
 	"github.com/outbox-relay/outbox-relay/internal/relay"
+	"github.com/outbox-relay/outbox-relay/internal/standby"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/replication"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
@@ -52,7 +53,12 @@ type Options struct {
 	// to its deadline a row may still be published (G13).
 	Ordering       string
 	DeadlineMargin time.Duration
-	Policy         store.Policy
+	// StandbySlots are the physical slots of the standbys that may be
+	// promoted; nothing is published before they flushed it (G14).
+	// FailoverSlot creates the slot as a failover slot on PostgreSQL 17+.
+	StandbySlots []string
+	FailoverSlot bool
+	Policy       store.Policy
 
 	DuplicateWindow  time.Duration
 	StreamReplicas   int
@@ -178,6 +184,11 @@ func (o *Options) Validate() error {
 	}
 	if err := ValidateStream(o.Stream); err != nil {
 		return err
+	}
+	for _, s := range o.StandbySlots {
+		if err := replication.ValidateName("standby-slot", s); err != nil {
+			return err
+		}
 	}
 	for _, s := range o.AllowStreams {
 		if err := validateStreamName("--allow-stream", s); err != nil {
@@ -364,6 +375,10 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	}
 	// One store for both paths: they meet in the table and the sink only.
 	st := store.New(pool, o.Table, o.Policy)
+	gate := standby.New(pool, o.StandbySlots, log, m)
+	if err := reportFailover(ctx, pool, o, log); err != nil {
+		return err
+	}
 	r := relay.New(relay.Config{
 		DatabaseURL:      o.DatabaseURL,
 		Table:            o.Table,
@@ -378,6 +393,8 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		BeforeSession:    ensureStream,
 		Ordered:          o.Ordering == OrderingAggregate,
 		DeadlineMargin:   o.DeadlineMargin,
+		Standby:          gate,
+		FailoverSlot:     o.FailoverSlot,
 	}, pool, st, natssink.New(js, o.sinkOptions()), log, m)
 	if o.Started != nil {
 		o.Started(r)
@@ -389,7 +406,12 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	if err != nil {
 		return fmt.Errorf("open JetStream for the poller: %w", err)
 	}
-	p := poller.New(o.pollerConfig(nc.IsConnected), st, natssink.New(pjs, o.sinkOptions()), log, m)
+	pc := o.pollerConfig(nc.IsConnected)
+	if gate != nil {
+		pc.Standby = gate
+		pc.WALPosition = func(ctx context.Context) (replication.LSN, error) { return replication.CurrentFlushLSN(ctx, pool) }
+	}
+	p := poller.New(pc, st, natssink.New(pjs, o.sinkOptions()), log, m)
 
 	g, gctx := errgroup.WithContext(ctx)
 	if o.HTTPAddr != "" {
@@ -461,6 +483,41 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		return nil
 	}
 	return err
+}
+
+// reportFailover says at start what a promotion will do to the slot and to
+// delivery (G14), so an operator learns it before the first failover.
+func reportFailover(ctx context.Context, pool *pgxpool.Pool, o Options, log zerolog.Logger) error {
+	qctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	fs, err := replication.ReadFailoverSupport(qctx, pool)
+	if err != nil {
+		return err
+	}
+	l := log.With().Str("component", "failover").Int("server_version_num", fs.Version).Logger()
+	switch {
+	case !fs.Supported:
+		l.Info().Msg("PostgreSQL before 17 has no failover slots: after a promotion the relay creates a new slot and hands the rows it cannot stream to the poller (lossless, not in commit order)")
+	case !o.FailoverSlot:
+		l.Info().Msg("--failover-slot=false: the slot will not survive a promotion")
+	default:
+		l.Info().Msg("the slot is a failover slot: standbys with sync_replication_slots = on keep a copy that survives a promotion")
+	}
+	if len(o.StandbySlots) == 0 {
+		return nil
+	}
+	listed := map[string]bool{}
+	for _, s := range strings.Split(fs.SynchronizedStandbySlots, ",") {
+		listed[strings.TrimSpace(s)] = true
+	}
+	all := fs.Supported && o.FailoverSlot
+	for _, s := range o.StandbySlots {
+		all = all && listed[s]
+	}
+	if all {
+		l.Info().Strs("standby_slots", o.StandbySlots).Msg("synchronized_standby_slots lists every --standby-slot: the server itself withholds WAL from the failover slot until they flushed it; the relay's own wait then costs nothing")
+	}
+	return nil
 }
 
 // drainNATS drains nc and waits for it to close: Drain itself returns at

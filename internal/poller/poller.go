@@ -31,8 +31,10 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
 	"github.com/outbox-relay/outbox-relay/internal/retry"
+	"github.com/outbox-relay/outbox-relay/internal/standby"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/wire"
+	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/sinks"
 )
 
@@ -53,6 +55,11 @@ type Config struct {
 	// claimed (G13); SweepInterval paces the sweep that expires them.
 	DeadlineMargin time.Duration
 	SweepInterval  time.Duration
+	// Standby, with WALPosition, holds a claimed batch until the named
+	// standbys have flushed past the claim (run --standby-slot, G14): the
+	// rows' inserts committed before it. nil: no standbys.
+	Standby     *standby.Gate
+	WALPosition func(ctx context.Context) (replication.LSN, error)
 
 	// Connected reports whether the broker is reachable; while it is not,
 	// the poller claims nothing (a claim would only burn an attempt). nil:
@@ -216,6 +223,18 @@ func (p *Poller) Poll(ctx context.Context) (int, error) {
 		p.keepLeases(wctx, claimed, stopKeeper, cancel)
 	}()
 	defer func() { close(stopKeeper); <-keeperDone }()
+	if p.cfg.Standby != nil {
+		// Whatever the rows are, their inserts are on the standbys before
+		// any of them is published. The leases are renewed meanwhile; a
+		// batch that cannot wait within them is abandoned to a reclaim.
+		lsn, err := p.cfg.WALPosition(wctx)
+		if err == nil {
+			err = p.cfg.Standby.Wait(wctx, lsn)
+		}
+		if err != nil {
+			return len(claimed), fmt.Errorf("wait for the standbys to flush the claimed rows: %w", err)
+		}
+	}
 
 	batch := make([]inflight, 0, len(claimed))
 	for _, c := range claimed {

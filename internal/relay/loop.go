@@ -62,6 +62,7 @@ type loop struct {
 	settling     bool
 
 	order    *orderState // nil without --ordering aggregate
+	gated    *gateState  // nil without --standby-slot
 	refresh  chan heldRefresh
 	stopping bool
 
@@ -87,6 +88,9 @@ func newLoop(r *Relay, confirmed replication.LSN, held map[store.AggregateKey]st
 	if held != nil {
 		l.order = newOrderState(held)
 	}
+	if r.cfg.Standby != nil {
+		l.gated = newGateState(r.cfg.Standby)
+	}
 	return l
 }
 
@@ -97,6 +101,15 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event
 	l.wg.Add(2)
 	go l.collect(sessCtx)
 	go l.settler(sessCtx)
+	var gateReads chan error
+	if l.gated != nil {
+		gateReads = l.gated.reads
+		l.wg.Add(1)
+		go func() {
+			defer l.wg.Done()
+			l.gated.watch(sessCtx)
+		}()
+	}
 	if l.order != nil {
 		l.wg.Add(1)
 		go func() {
@@ -121,6 +134,11 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event
 			b := l.blocked
 			l.blocked = nil
 			if err := l.publish(sessCtx, b); err != nil {
+				return err
+			}
+		}
+		if l.gated != nil && len(l.gated.events) > 0 {
+			if err := l.releaseGated(sessCtx, confirms); err != nil {
 				return err
 			}
 		}
@@ -158,13 +176,33 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event
 		// Rows acked and waiting for their mark are bounded too: when the
 		// database marks slower than the broker acks, reading WAL waits,
 		// instead of the queue (and memory) growing with the backlog.
-		if l.blocked == nil && !stopping && len(l.pending)+len(l.retry) < l.r.cfg.MaxUnsettled &&
-			(l.order == nil || l.order.parked < l.r.cfg.MaxInFlight) {
+		switch {
+		case l.gated != nil:
+			// The gate buffers; what it releases meets the limits below.
+			if !stopping && l.gated.readMore(4*l.r.cfg.MaxInFlight) {
+				evCh = events
+			}
+		case l.blocked == nil && !stopping && len(l.pending)+len(l.retry) < l.r.cfg.MaxUnsettled &&
+			(l.order == nil || l.order.parked < l.r.cfg.MaxInFlight):
 			evCh = events
 		}
 		select {
 		case ev := <-evCh:
+			if l.gated != nil {
+				l.gated.push(ev)
+				if err := l.releaseGated(sessCtx, confirms); err != nil {
+					return err
+				}
+				continue
+			}
 			if err := l.handleEvent(sessCtx, ev, confirms); err != nil {
+				return err
+			}
+		case err := <-gateReads:
+			if err != nil && sessCtx.Err() == nil {
+				l.r.log.Warn().Err(err).Msg("could not read the standbys' positions; delivery waits for them")
+			}
+			if err := l.releaseGated(sessCtx, confirms); err != nil {
 				return err
 			}
 		case it := <-l.results:

@@ -19,6 +19,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
 	"github.com/outbox-relay/outbox-relay/internal/retry"
+	"github.com/outbox-relay/outbox-relay/internal/standby"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/sinks"
@@ -53,6 +54,12 @@ type Config struct {
 	// DeadlineMargin: a row closer than this to its deadline is handed to
 	// the poller, which decides on the database clock (G13).
 	DeadlineMargin time.Duration
+	// Standby holds delivery back until the named standbys flushed each
+	// transaction's commit (run --standby-slot, G14); nil: no standbys.
+	Standby *standby.Gate
+	// FailoverSlot creates the slot as a failover slot where the server
+	// supports it (PostgreSQL 17+, run --failover-slot).
+	FailoverSlot bool
 
 	// BeforeSession runs before each session, e.g. to create the stream when
 	// missing. An error fails the session (and is retried with backoff).
@@ -376,7 +383,15 @@ func (r *Relay) ensureSlot(ctx context.Context, conn replication.PgConn) (replic
 		r.log.Warn().Str("confirmed_lsn", slot.ConfirmedFlush.String()).
 			Msg("replication slot holds more WAL than max_slot_wal_keep_size and will be invalidated at the next checkpoint unless it catches up")
 	}
+	fs, err := replication.ReadFailoverSupport(ctx, r.pool)
+	if err != nil {
+		return slot, err
+	}
+	failover := r.cfg.FailoverSlot && fs.Supported
 	if slot.Exists {
+		if err := r.checkFailoverSlot(ctx, conn, fs); err != nil {
+			return slot, err
+		}
 		return slot, r.finishBackfill(ctx)
 	}
 
@@ -385,7 +400,7 @@ func (r *Relay) ensureSlot(ctx context.Context, conn replication.PgConn) (replic
 	if err := r.store.MarkBackfillPending(ctx, r.cfg.Slot); err != nil {
 		return slot, err
 	}
-	created, err := replication.CreateSlot(ctx, conn, r.cfg.Slot)
+	created, err := replication.CreateSlot(ctx, conn, r.cfg.Slot, failover)
 	if replication.IsDuplicateObject(err) {
 		// Another instance created it first; its backfill may not be done.
 		if slot, err = replication.LookupSlot(ctx, r.pool, r.cfg.Slot); err != nil {
@@ -396,7 +411,7 @@ func (r *Relay) ensureSlot(ctx context.Context, conn replication.PgConn) (replic
 	if err != nil {
 		return slot, err
 	}
-	r.log.Info().Str("lsn", created.ConsistentPoint.String()).Msg("created replication slot")
+	r.log.Info().Str("lsn", created.ConsistentPoint.String()).Bool("failover", failover).Msg("created replication slot")
 	r.metrics.SlotsCreated.Inc()
 	n, err := r.store.BackfillFromSnapshot(ctx, r.cfg.Slot, created.Snapshot, created.ConsistentPoint.String())
 	switch {
@@ -412,6 +427,35 @@ func (r *Relay) ensureSlot(ctx context.Context, conn replication.PgConn) (replic
 			Msg("handed rows committed before the slot to the poller (backfill)")
 	}
 	return replication.SlotInfo{Exists: true, Plugin: "pgoutput", Active: true, ConfirmedFlush: created.ConsistentPoint}, nil
+}
+
+// checkFailoverSlot reports what an existing slot does across a promotion
+// (G14), and makes it a failover slot where it can: PostgreSQL 17+, asked
+// for, and nobody streaming it (this session has not started yet).
+func (r *Relay) checkFailoverSlot(ctx context.Context, conn replication.PgConn, fs replication.FailoverSupport) error {
+	if !fs.Supported {
+		return nil
+	}
+	failover, synced, err := replication.SlotFailover(ctx, r.pool, r.cfg.Slot)
+	if err != nil {
+		return err
+	}
+	if synced {
+		// A copy a standby kept of the former primary's failover slot:
+		// the promotion kept it. Rows acked but not confirmed before the
+		// promotion are published again and dropped by the broker.
+		r.metrics.FailoverPath.WithLabelValues("slot_survived").Inc()
+		r.log.Info().Msg("the slot is a synced failover slot that survived a promotion: resuming from its confirmed position, no backfill")
+	}
+	if failover || !r.cfg.FailoverSlot {
+		return nil
+	}
+	if err := replication.EnableFailover(ctx, conn, r.cfg.Slot); err != nil {
+		r.log.Warn().Err(err).Msg("could not make the slot a failover slot; it will not survive a promotion (status says how to fix it)")
+		return nil
+	}
+	r.log.Info().Msg("made the slot a failover slot (PostgreSQL 17+): standbys with sync_replication_slots keep a copy that survives a promotion")
+	return nil
 }
 
 // finishBackfill completes a handoff that a crash (or an instance that lost

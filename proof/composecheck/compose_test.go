@@ -556,6 +556,7 @@ func flagNames(t *testing.T, dirs ...string) map[string]bool {
 	}
 	out := map[string]bool{}
 	fset := token.NewFileSet()
+	consts := stringConsts(t, fset, dirs...)
 	for _, dir := range dirs {
 		err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
 			if err != nil || d.IsDir() || !strings.HasSuffix(p, ".go") || strings.HasSuffix(p, "_test.go") {
@@ -578,8 +579,14 @@ func flagNames(t *testing.T, dirs ...string) map[string]bool {
 				if !ok || i >= len(call.Args) {
 					return true
 				}
-				if lit, ok := call.Args[i].(*ast.BasicLit); ok && lit.Kind == token.STRING {
-					if s, err := strconv.Unquote(lit.Value); err == nil {
+				switch arg := call.Args[i].(type) {
+				case *ast.BasicLit:
+					if s, err := strconv.Unquote(arg.Value); err == nil && arg.Kind == token.STRING {
+						out[s] = true
+					}
+				case *ast.Ident:
+					// A name kept in a constant (flagDatabaseURL = "database-url").
+					if s, ok := consts[arg.Name]; ok {
 						out[s] = true
 					}
 				}
@@ -593,6 +600,46 @@ func flagNames(t *testing.T, dirs ...string) map[string]bool {
 	}
 	if len(out) == 0 {
 		t.Fatal("found no flag definitions under cmd/ and internal/")
+	}
+	return out
+}
+
+// stringConsts collects the string constants declared in the non-test Go
+// files under dirs, by name.
+func stringConsts(t *testing.T, fset *token.FileSet, dirs ...string) map[string]string {
+	t.Helper()
+	out := map[string]string{}
+	for _, dir := range dirs {
+		err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+			if err != nil || d.IsDir() || !strings.HasSuffix(p, ".go") || strings.HasSuffix(p, "_test.go") {
+				return err
+			}
+			f, err := parser.ParseFile(fset, p, nil, parser.SkipObjectResolution)
+			if err != nil {
+				return err
+			}
+			ast.Inspect(f, func(n ast.Node) bool {
+				vs, ok := n.(*ast.ValueSpec)
+				if !ok {
+					return true
+				}
+				for k, name := range vs.Names {
+					if k >= len(vs.Values) {
+						break
+					}
+					if lit, ok := vs.Values[k].(*ast.BasicLit); ok && lit.Kind == token.STRING {
+						if s, err := strconv.Unquote(lit.Value); err == nil {
+							out[name.Name] = s
+						}
+					}
+				}
+				return true
+			})
+			return nil
+		})
+		if err != nil {
+			t.Fatalf("scan %s for constants: %v", dir, err)
+		}
 	}
 	return out
 }
