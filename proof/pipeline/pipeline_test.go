@@ -360,8 +360,14 @@ func TestExactlyOnceEffectsAcrossRelayKills(t *testing.T) {
 	}
 	t.Logf("%d effects (%d distinct) from %d stream messages (duplicate window %v; %d republished by the test); inbox: %d applied, %d duplicates dropped, %d retried, %d rejected; %v in all",
 		rows, distinct, info.State.Msgs, info.Config.Duplicates, redriven, st.Applied, st.Duplicates, st.Retried, st.Rejected, time.Since(began).Round(time.Millisecond))
-	if want := uint64(info.State.Msgs) - total; st.Duplicates != want {
+	// Every stored repeat reaches the inbox and is dropped. More drops than
+	// stored repeats are redeliveries after AckWait (5 s here, under a
+	// loaded CI machine): the same stored message twice, dropped the same
+	// way. Fewer would mean a repeat applied or lost.
+	if want := uint64(info.State.Msgs) - total; st.Duplicates < want {
 		t.Errorf("inbox dropped %d duplicates; the stream holds %d messages beyond the %d distinct", st.Duplicates, want, total)
+	} else if st.Duplicates > want {
+		t.Logf("inbox dropped %d more duplicates than the stream holds repeats: redeliveries after AckWait", st.Duplicates-want)
 	}
 	if st.Rejected != 0 {
 		t.Errorf("%d messages rejected", st.Rejected)
