@@ -14,9 +14,11 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/internal/app"
+	"github.com/outbox-relay/outbox-relay/internal/config"
 	"github.com/outbox-relay/outbox-relay/internal/replay"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/termsafe"
+	"github.com/outbox-relay/outbox-relay/replication"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
 
@@ -35,7 +37,15 @@ type statusReport struct {
 		LagSeconds float64 `json:"lag_seconds"`
 		LagSource  string  `json:"lag_seconds_source,omitempty"`
 		WALStatus  string  `json:"wal_status,omitempty"`
+		// Failover: a failover slot (PostgreSQL 17+) that standbys with
+		// sync_replication_slots keep; Synced: this copy came from a former
+		// primary.
+		Failover bool `json:"failover"`
+		Synced   bool `json:"synced"`
 	} `json:"slot"`
+	// Standbys are the --standby-slot standbys: how far behind each is, and
+	// which names have no slot here (they hold nothing back).
+	Standbys []replication.StandbyPosition `json:"standbys,omitempty"`
 	store.Counts
 	// Stream is set when --nats-url is given; Stream.Error says why it
 	// could not be read.
@@ -100,6 +110,8 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	c.register(fs, flagDatabaseURL, flagNATSURL, flagTable, flagSlot, flagStream)
 	asJSON := fs.Bool("json", false, "print JSON for machines")
 	dupWindow := fs.Duration("duplicate-window", natssink.DefaultDuplicateWindow, "the stream's duplicate window, for the replay warning when the stream is not read")
+	var standbySlots config.List
+	fs.Var(&standbySlots, "standby-slot", "the physical slots of the standbys run waits for (run --standby-slot): report their lag and names with no slot")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -135,6 +147,21 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if rep.Counts, err = st.Counts(ctx); err != nil {
 		return err
 	}
+	if slot.Exists {
+		if rep.Slot.Failover, rep.Slot.Synced, err = replication.SlotFailover(ctx, pool, c.slot); err != nil {
+			return err
+		}
+	}
+	if len(standbySlots) > 0 {
+		if rep.Standbys, err = replication.StandbyPositions(ctx, pool, standbySlots); err != nil {
+			return err
+		}
+		for _, s := range rep.Standbys {
+			if !s.Exists {
+				rep.Warnings = append(rep.Warnings, fmt.Sprintf("WARNING: --standby-slot %s names no physical slot on this server: run holds nothing back for it (after a failover, name the new primary's standbys)", s.Slot))
+			}
+		}
+	}
 	window := *dupWindow
 	if c.natsGiven(fs) {
 		si := readStream(ctx, c.natsURL, c.stream)
@@ -146,7 +173,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	rep.DuplicateWindowSeconds = window.Seconds()
 	horizon := replay.Estimate(ev)
 	rep.Slot.LagSeconds, rep.Slot.LagSource = horizon.Seconds, horizon.Source
-	rep.Warnings = replay.Warnings(ev, horizon, window)
+	rep.Warnings = append(rep.Warnings, replay.Warnings(ev, horizon, window)...)
 	if *asJSON {
 		enc := json.NewEncoder(stdout)
 		enc.SetIndent("", "  ")
@@ -180,6 +207,16 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		fmt.Fprintf(stdout, "%s=%d ", s, rep.ByState[s])
 	}
 	fmt.Fprintf(stdout, "\noldest eligible row: %.1fs\n", rep.OldestEligibleSeconds)
+	if rep.Slot.Exists {
+		fmt.Fprintf(stdout, "failover slot: %v (synced from a former primary: %v)\n", rep.Slot.Failover, rep.Slot.Synced)
+	}
+	for _, s := range rep.Standbys {
+		if s.Exists {
+			fmt.Fprintf(stdout, "standby    %s: connected %v, flushed %s, %d bytes behind\n", s.Slot, s.Active, s.Flushed, s.Lag)
+		} else {
+			fmt.Fprintf(stdout, "standby    %s: no such physical slot here\n", s.Slot)
+		}
+	}
 	if len(rep.FailedByReason) > 0 {
 		fmt.Fprintln(stdout, "failed by reason:")
 		reasons := make([]string, 0, len(rep.FailedByReason))
