@@ -69,24 +69,10 @@ func (g *gateState) releasable() int {
 // watch reads the standbys' positions every poll interval while the loop
 // wants them, and reports each read.
 func (g *gateState) watch(ctx context.Context) {
-	t := time.NewTicker(standby.DefaultPoll)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		if !g.want.Load() {
-			continue
-		}
+	pollWhile(ctx, standby.DefaultPoll, g.want.Load, func() error {
 		_, _, err := g.gate.Read(ctx)
-		select {
-		case g.reads <- err:
-		case <-ctx.Done():
-			return
-		}
-	}
+		return err
+	}, g.reads)
 }
 
 // releaseGated feeds the releasable head of the gate through the loop, one

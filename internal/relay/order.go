@@ -170,6 +170,19 @@ func (o *orderState) refreshed(r heldRefresh) {
 // refresher reads the held aggregates every interval while any is held, and
 // sends each read to out.
 func refresher(ctx context.Context, st *store.Store, o *orderState, every time.Duration, out chan<- heldRefresh) {
+	pollWhile(ctx, every, o.active.Load, func() heldRefresh {
+		r := heldRefresh{startedAt: time.Now()}
+		qctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		r.held, r.err = st.HeldAggregates(qctx)
+		cancel()
+		return r
+	}, out)
+}
+
+// pollWhile runs read every interval while want reports true, and sends
+// each result to out, until ctx ends. Nothing is read while nothing is
+// wanted: an idle relay asks the database nothing.
+func pollWhile[T any](ctx context.Context, every time.Duration, want func() bool, read func() T, out chan<- T) {
 	t := time.NewTicker(every)
 	defer t.Stop()
 	for {
@@ -178,13 +191,10 @@ func refresher(ctx context.Context, st *store.Store, o *orderState, every time.D
 			return
 		case <-t.C:
 		}
-		if !o.active.Load() {
+		if !want() {
 			continue
 		}
-		r := heldRefresh{startedAt: time.Now()}
-		qctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		r.held, r.err = st.HeldAggregates(qctx)
-		cancel()
+		r := read()
 		select {
 		case out <- r:
 		case <-ctx.Done():

@@ -557,47 +557,31 @@ func flagNames(t *testing.T, dirs ...string) map[string]bool {
 	out := map[string]bool{}
 	fset := token.NewFileSet()
 	consts := stringConsts(t, fset, dirs...)
-	for _, dir := range dirs {
-		err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
-			if err != nil || d.IsDir() || !strings.HasSuffix(p, ".go") || strings.HasSuffix(p, "_test.go") {
-				return err
-			}
-			f, err := parser.ParseFile(fset, p, nil, parser.SkipObjectResolution)
-			if err != nil {
-				return err
-			}
-			ast.Inspect(f, func(n ast.Node) bool {
-				call, ok := n.(*ast.CallExpr)
-				if !ok {
-					return true
-				}
-				sel, ok := call.Fun.(*ast.SelectorExpr)
-				if !ok {
-					return true
-				}
-				i, ok := nameArg[sel.Sel.Name]
-				if !ok || i >= len(call.Args) {
-					return true
-				}
-				switch arg := call.Args[i].(type) {
-				case *ast.BasicLit:
-					if s, err := strconv.Unquote(arg.Value); err == nil && arg.Kind == token.STRING {
-						out[s] = true
-					}
-				case *ast.Ident:
-					// A name kept in a constant (flagDatabaseURL = "database-url").
-					if s, ok := consts[arg.Name]; ok {
-						out[s] = true
-					}
-				}
-				return true
-			})
-			return nil
-		})
-		if err != nil {
-			t.Fatalf("scan %s for flags: %v", dir, err)
+	walkGoFiles(t, fset, dirs, func(n ast.Node) {
+		call, ok := n.(*ast.CallExpr)
+		if !ok {
+			return
 		}
-	}
+		sel, ok := call.Fun.(*ast.SelectorExpr)
+		if !ok {
+			return
+		}
+		i, ok := nameArg[sel.Sel.Name]
+		if !ok || i >= len(call.Args) {
+			return
+		}
+		switch arg := call.Args[i].(type) {
+		case *ast.BasicLit:
+			if s, err := strconv.Unquote(arg.Value); err == nil && arg.Kind == token.STRING {
+				out[s] = true
+			}
+		case *ast.Ident:
+			// A name kept in a constant (flagDatabaseURL = "database-url").
+			if s, ok := consts[arg.Name]; ok {
+				out[s] = true
+			}
+		}
+	})
 	if len(out) == 0 {
 		t.Fatal("found no flag definitions under cmd/ and internal/")
 	}
@@ -609,6 +593,28 @@ func flagNames(t *testing.T, dirs ...string) map[string]bool {
 func stringConsts(t *testing.T, fset *token.FileSet, dirs ...string) map[string]string {
 	t.Helper()
 	out := map[string]string{}
+	walkGoFiles(t, fset, dirs, func(n ast.Node) {
+		vs, ok := n.(*ast.ValueSpec)
+		if !ok {
+			return
+		}
+		for k, name := range vs.Names {
+			if k >= len(vs.Values) {
+				break
+			}
+			if lit, ok := vs.Values[k].(*ast.BasicLit); ok && lit.Kind == token.STRING {
+				if s, err := strconv.Unquote(lit.Value); err == nil {
+					out[name.Name] = s
+				}
+			}
+		}
+	})
+	return out
+}
+
+// walkGoFiles calls visit on every node of the non-test Go files under dirs.
+func walkGoFiles(t *testing.T, fset *token.FileSet, dirs []string, visit func(ast.Node)) {
+	t.Helper()
 	for _, dir := range dirs {
 		err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
 			if err != nil || d.IsDir() || !strings.HasSuffix(p, ".go") || strings.HasSuffix(p, "_test.go") {
@@ -619,29 +625,15 @@ func stringConsts(t *testing.T, fset *token.FileSet, dirs ...string) map[string]
 				return err
 			}
 			ast.Inspect(f, func(n ast.Node) bool {
-				vs, ok := n.(*ast.ValueSpec)
-				if !ok {
-					return true
-				}
-				for k, name := range vs.Names {
-					if k >= len(vs.Values) {
-						break
-					}
-					if lit, ok := vs.Values[k].(*ast.BasicLit); ok && lit.Kind == token.STRING {
-						if s, err := strconv.Unquote(lit.Value); err == nil {
-							out[name.Name] = s
-						}
-					}
-				}
+				visit(n)
 				return true
 			})
 			return nil
 		})
 		if err != nil {
-			t.Fatalf("scan %s for constants: %v", dir, err)
+			t.Fatalf("scan %s: %v", dir, err)
 		}
 	}
-	return out
 }
 
 // dockerfile is a parsed Dockerfile: its stages in order.
