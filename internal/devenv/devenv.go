@@ -9,8 +9,12 @@
 // (cmd/outbox-relay's deps test checks that). What only tests need (shared
 // servers, a database per test, waiting for conditions) is in testenv.
 //
-// Binaries: PostgreSQL's from OUTBOX_RELAY_TEST_PG_BIN or the highest
-// /usr/lib/postgresql/*/bin; nats-server from NATSOptions.Bin, by default
+// Binaries: PostgreSQL's from PostgresOptions (Version or BinDir), else
+// OUTBOX_RELAY_TEST_PG_BIN, else OUTBOX_RELAY_TEST_PG_VERSION, else the
+// highest /usr/lib/postgresql/*/bin; a major version is Debian's package or
+// one `make pg-versions` installed (PostgresBinDir). A server can get a
+// physical standby (StartStandby) to fail over to. nats-server from
+// NATSOptions.Bin, by default
 // the version pinned in the product's go.mod (PinnedNATSServer). The demo
 // also accepts a nats-server of the user's (FindNATSServer).
 package devenv

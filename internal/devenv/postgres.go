@@ -28,6 +28,14 @@ type PostgresOptions struct {
 	// (shutting the server down immediately all the same), for a person to
 	// read after a failure.
 	KeepFiles bool
+
+	// Version asks for a major version (15, 16, 17, 18; see PostgresBinDir)
+	// and BinDir for the binaries in a directory; at most one of them.
+	// With neither, OUTBOX_RELAY_TEST_PG_BIN, then
+	// OUTBOX_RELAY_TEST_PG_VERSION, then the highest
+	// /usr/lib/postgresql/*/bin decide.
+	Version int
+	BinDir  string
 }
 
 // Postgres is a PostgreSQL server running as a child process with its own data
@@ -35,6 +43,8 @@ type PostgresOptions struct {
 // clients can keep their connection URL across a simulated outage.
 type Postgres struct {
 	binDir  string
+	major   int // from the data directory's PG_VERSION
+	opts    PostgresOptions
 	baseDir string
 	dataDir string
 	sockDir string
@@ -43,6 +53,12 @@ type Postgres struct {
 	args    []string
 	cred    *syscall.Credential
 	keep    bool
+
+	// Set on a standby (StartStandby): its primary, the physical slot it
+	// streams from and the primary_conninfo that Reconnect restores.
+	primary     *Postgres
+	slot        string
+	primaryConn string
 
 	mu     sync.Mutex
 	proc   *child
@@ -57,56 +73,48 @@ const (
 // StartPostgres initialises a fresh cluster in a temporary directory and starts
 // it on a free port.
 func StartPostgres(opts PostgresOptions) (*Postgres, error) {
-	p, err := initPostgres()
+	p, err := initPostgres(opts)
 	if err != nil {
 		return nil, fmt.Errorf("start postgres: %w", err)
 	}
-	p.keep = opts.KeepFiles
+	if err := p.startOnFreePort(); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// startOnFreePort starts a server whose data directory is ready, removing
+// its directory when it cannot.
+func (p *Postgres) startOnFreePort() error {
 	for attempt := 1; ; attempt++ {
 		port, err := freePort()
 		if err != nil {
 			p.removeAll()
-			return nil, fmt.Errorf("start postgres: %w", err)
+			return fmt.Errorf("start postgres: %w", err)
 		}
 		p.port = port
-		p.args = postgresArgs(p.dataDir, p.sockDir, port, opts)
+		p.args = postgresArgs(p.dataDir, p.sockDir, port, p.opts)
 		err = p.Start()
 		if err == nil {
-			return p, nil
+			return nil
 		}
 		// The free port may have been taken in the meantime by another process.
 		if !errors.Is(err, errAddrInUse) || attempt == 3 {
 			p.removeAll()
-			return nil, err
+			return err
 		}
 	}
 }
 
 var errAddrInUse = errors.New("address already in use")
 
-func initPostgres() (*Postgres, error) {
-	binDir, err := postgresBinDir()
+func initPostgres(opts PostgresOptions) (*Postgres, error) {
+	binDir, want, err := postgresBinDir(opts)
 	if err != nil {
 		return nil, err
 	}
-	cred, err := postgresCredential()
+	p, err := newPostgres(binDir, opts)
 	if err != nil {
-		return nil, err
-	}
-	base, err := os.MkdirTemp("", "outbox-relay-pg-")
-	if err != nil {
-		return nil, fmt.Errorf("create temp dir: %w", err)
-	}
-	p := &Postgres{
-		binDir:  binDir,
-		baseDir: base,
-		dataDir: filepath.Join(base, "data"),
-		sockDir: filepath.Join(base, "run"),
-		logPath: filepath.Join(base, "postgres.log"),
-		cred:    cred,
-	}
-	if err := p.prepareDirs(); err != nil {
-		p.removeAll()
 		return nil, err
 	}
 	initdb := exec.Command(filepath.Join(binDir, "initdb"),
@@ -116,8 +124,8 @@ func initPostgres() (*Postgres, error) {
 		"--locale=C", "--no-sync")
 	// initdb resolves its working directory; the postgres user may not be
 	// allowed into the caller's.
-	initdb.Dir = base
-	initdb.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
+	initdb.Dir = p.baseDir
+	initdb.SysProcAttr = &syscall.SysProcAttr{Credential: p.cred}
 	if out, err := initdb.CombinedOutput(); err != nil {
 		p.removeAll()
 		return nil, fmt.Errorf("initdb: %w: %s", err, strings.TrimSpace(string(out)))
@@ -130,8 +138,62 @@ func initPostgres() (*Postgres, error) {
 		p.removeAll()
 		return nil, err
 	}
+	if err := p.readMajor(); err != nil {
+		p.removeAll()
+		return nil, err
+	}
+	if want != 0 && p.major != want {
+		p.removeAll()
+		return nil, fmt.Errorf("asked for PostgreSQL %d, but the binaries in %s made a cluster of version %d", want, binDir, p.major)
+	}
 	return p, nil
 }
+
+// newPostgres makes the directories of a server that has no data yet.
+func newPostgres(binDir string, opts PostgresOptions) (*Postgres, error) {
+	cred, err := postgresCredential()
+	if err != nil {
+		return nil, err
+	}
+	base, err := os.MkdirTemp("", "outbox-relay-pg-")
+	if err != nil {
+		return nil, fmt.Errorf("create temp dir: %w", err)
+	}
+	p := &Postgres{
+		binDir:  binDir,
+		opts:    opts,
+		baseDir: base,
+		dataDir: filepath.Join(base, "data"),
+		sockDir: filepath.Join(base, "run"),
+		logPath: filepath.Join(base, "postgres.log"),
+		cred:    cred,
+		keep:    opts.KeepFiles,
+	}
+	if err := p.prepareDirs(); err != nil {
+		p.removeAll()
+		return nil, err
+	}
+	return p, nil
+}
+
+// readMajor reads the major version from PG_VERSION, which initdb writes:
+// no process to run, and it is the version the data is in.
+func (p *Postgres) readMajor() error {
+	b, err := os.ReadFile(filepath.Join(p.dataDir, "PG_VERSION"))
+	if err != nil {
+		return fmt.Errorf("read the cluster's version: %w", err)
+	}
+	v, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil {
+		return fmt.Errorf("read the cluster's version: PG_VERSION holds %q", b)
+	}
+	p.major = v
+	return nil
+}
+
+// Version returns the server's major version (15, 16, ...), for tests of
+// what only some versions have (failover slots from 17).
+func (p *Postgres) Version() int { return p.major }
 
 // prepareDirs makes the directories the server writes to belong to the
 // postgres user while every parent stays traversable, which initdb and
@@ -200,33 +262,6 @@ func postgresArgs(dataDir, sockDir string, port int, opts PostgresOptions) []str
 		args = append(args, "-c", k+"="+conf[k])
 	}
 	return args
-}
-
-// postgresBinDir picks the newest installed major version so tests follow the
-// server that CI images ship. The variable keeps its test name because `make
-// setup` reads it too, for the tests and the demo alike.
-func postgresBinDir() (string, error) {
-	if dir := os.Getenv("OUTBOX_RELAY_TEST_PG_BIN"); dir != "" {
-		return dir, nil
-	}
-	dirs, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
-	best, bestVer := "", -1.0
-	for _, d := range dirs {
-		v, err := strconv.ParseFloat(filepath.Base(filepath.Dir(d)), 64)
-		if err != nil {
-			continue
-		}
-		if _, err := os.Stat(filepath.Join(d, "postgres")); err != nil {
-			continue
-		}
-		if v > bestVer {
-			best, bestVer = d, v
-		}
-	}
-	if best == "" {
-		return "", errors.New("no PostgreSQL server binaries (initdb, postgres) in /usr/lib/postgresql/*/bin: install them (`make setup` does, through apt) or set OUTBOX_RELAY_TEST_PG_BIN to the directory holding them")
-	}
-	return best, nil
 }
 
 // postgresCredential returns the identity to run initdb and postgres as: both
@@ -359,6 +394,11 @@ func (p *Postgres) Stop(mode string) error {
 	}
 	return nil
 }
+
+// KillImmediate is Stop("immediate"), pg_ctl -m immediate: the way a
+// primary crashes in a failover test, without a shutdown checkpoint or a
+// last word to its standbys.
+func (p *Postgres) KillImmediate() error { return p.Stop("immediate") }
 
 // Restart stops the server in the given mode and starts it again.
 func (p *Postgres) Restart(mode string) error {

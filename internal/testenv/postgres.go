@@ -138,3 +138,36 @@ func dropSlots(ctx context.Context, conn *pgx.Conn, dbname string) error {
 		}
 	}
 }
+
+// StandbyOptions configures StartStandby (see devenv.StandbyOptions).
+type StandbyOptions = devenv.StandbyOptions
+
+// StartStandby starts a physical streaming standby of p (see
+// devenv.Postgres.StartStandby: p restarts once for the copy). Databases
+// created on p, CreateDatabase's included, replicate to it; connect to
+// them with the standby's URL or MultiHostURL. Its files are kept after
+// Close when OUTBOX_RELAY_TEST_KEEP is set.
+func (p *Postgres) StartStandby(opts StandbyOptions) (*Postgres, error) {
+	opts.KeepFiles = opts.KeepFiles || keepFiles()
+	s, err := p.Postgres.StartStandby(opts)
+	if err != nil {
+		return nil, err
+	}
+	return &Postgres{s}, nil
+}
+
+// MultiHostURL returns the URL of dbURL's database on all of servers, in
+// their order, with target_session_attrs=read-write (see
+// devenv.MultiHostURL): a client on it follows a promotion.
+func MultiHostURL(t testing.TB, dbURL string, servers ...*Postgres) string {
+	t.Helper()
+	cfg, err := pgx.ParseConfig(dbURL)
+	if err != nil {
+		t.Fatalf("testenv: multi-host URL for %s: %v", dbURL, err)
+	}
+	ds := make([]*devenv.Postgres, len(servers))
+	for i, s := range servers {
+		ds[i] = s.Postgres
+	}
+	return devenv.MultiHostURL(cfg.Database, ds...)
+}

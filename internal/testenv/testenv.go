@@ -24,8 +24,12 @@
 // StartPostgres or StartNATS, since doing it to the shared servers would break
 // the tests running alongside.
 //
-// Binaries: PostgreSQL from OUTBOX_RELAY_TEST_PG_BIN or the highest
-// /usr/lib/postgresql/*/bin; nats-server from OUTBOX_RELAY_TEST_NATS_SERVER or
+// Binaries: PostgreSQL from PostgresOptions.Version or BinDir, else
+// OUTBOX_RELAY_TEST_PG_BIN, else OUTBOX_RELAY_TEST_PG_VERSION (a major
+// version: 15 is Debian's, 16 to 18 are what `make pg-versions` installs),
+// else the highest /usr/lib/postgresql/*/bin; the shared server follows the
+// variables, so `make test-pg-versions` runs whole packages on each version.
+// nats-server from OUTBOX_RELAY_TEST_NATS_SERVER or
 // the version pinned in go.mod via `go tool -n nats-server`, never from PATH,
 // so that every run tests against the same server. Setting
 // OUTBOX_RELAY_TEST_KEEP=1 keeps data directories and logs after Close.
