@@ -7,7 +7,8 @@ BIN     := bin/outbox-relay
 .PHONY: setup test build demo fmt-check docker clean chaos chaos-short chaos-cluster bench pg-versions test-pg-versions
 
 ## setup: install what demo and test need when it is absent, through apt
-## (Debian/Ubuntu): PostgreSQL server binaries in /usr/lib/postgresql/<v>/bin
+## (Debian/Ubuntu): headless Chromium for the console's browser test,
+## PostgreSQL server binaries in /usr/lib/postgresql/<v>/bin
 ## (skipped when OUTBOX_RELAY_TEST_PG_BIN names others), a C compiler for
 ## go test -race (cgo), and, when running as root, the postgres user to run
 ## PostgreSQL as. Does nothing when everything is there. nats-server needs no
@@ -23,6 +24,7 @@ setup:
 	}; \
 	pkgs=""; \
 	have_pg || pkgs="$$pkgs postgresql-15"; \
+	command -v chromium >/dev/null 2>&1 || pkgs="$$pkgs chromium fonts-dejavu-core"; \
 	if [ "$$(uname -s)" = Linux ] && { ! command -v gcc >/dev/null 2>&1 || [ ! -e /usr/include/stdlib.h ]; }; then \
 		pkgs="$$pkgs gcc libc6-dev"; \
 	fi; \

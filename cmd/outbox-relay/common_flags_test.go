@@ -28,6 +28,7 @@ var ignoredBy = map[string][]string{
 	"prune":   {"nats-url", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"},
 	"version": {"database-url", "nats-url", "table", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"},
 	"demo":    nil,
+	"console": {"nats-url", "publication", "stream", "subject-prefix", "on-publish"},
 }
 
 var allCommonFlags = []string{"database-url", "nats-url", "table", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"}

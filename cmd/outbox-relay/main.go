@@ -27,6 +27,7 @@ func commands() []command {
 		{"status", "print slot lag, rows by state, oldest eligible age and failures", runStatus},
 		{"redrive", "move failed or cancelled rows back to scheduled, keeping work_id and payload", runRedrive},
 		{"cancel", "stop scheduled or failed rows (cancelled), with who and why", runCancel},
+		{"console", "serve the operator console (health, dead letters, redrive, cancel) without streaming", runConsole},
 		{"prune", "delete published (and cancelled) rows older than an age, in batches", runPrune},
 		{"demo", "start throwaway PostgreSQL and NATS (unless URLs are given) and show rows flowing", runDemo},
 		{"version", "print the version", runVersion},

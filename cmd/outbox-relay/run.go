@@ -2,11 +2,13 @@ package main
 
 import (
 	"context"
+	"errors"
 	"io"
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/internal/app"
 	"github.com/outbox-relay/outbox-relay/internal/config"
+	"github.com/outbox-relay/outbox-relay/internal/console"
 	"github.com/outbox-relay/outbox-relay/internal/poller"
 	"github.com/outbox-relay/outbox-relay/internal/relay"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
@@ -31,6 +33,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 		standbySlots                                        config.List
 		failoverSlot                                        bool
 		deadlineMargin                                      time.Duration
+		consoleOpts                                         console.Options
 	)
 	fs.DurationVar(&dupWindow, "duplicate-window", natssink.DefaultDuplicateWindow, "duplicate window of the stream when the relay creates it")
 	fs.StringVar(&ordering, "ordering", app.OrderingNone, "none (publish as committed) or aggregate (keep each aggregate's sequence order on every path, G12)")
@@ -46,6 +49,9 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs.DurationVar(&statusInterval, "status-interval", relay.DefaultStatusInterval, "standby status updates to PostgreSQL (keep well under wal_sender_timeout/2)")
 	fs.DurationVar(&drainTimeout, "drain-timeout", relay.DefaultDrainTimeout, "on SIGTERM, how long to wait for in-flight acks")
 	fs.StringVar(&httpAddr, "http-addr", "", "serve /metrics, /healthz and /readyz here, e.g. :8080 (empty: off)")
+	fs.BoolVar(&consoleOpts.Enabled, "console", false, "serve the operator console under /ui/ on --http-addr (off by default: it reads every payload and can redrive and cancel)")
+	fs.StringVar(&consoleOpts.Token, "console-token", "", "the console's token (bearer, basic auth password or login); required unless --http-addr is loopback, and without it the console is read-only")
+	fs.BoolVar(&consoleOpts.ReadOnly, "console-read-only", false, "the console shows everything and changes nothing")
 	fs.StringVar(&appName, "application-name", "outbox-relay", "application_name of the relay's PostgreSQL sessions")
 	fs.StringVar(&auth.Name, "nats-name", "outbox-relay", "NATS connection name")
 	fs.StringVar(&auth.User, "nats-user", "", "NATS user")
@@ -82,6 +88,10 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	o.MaxInFlight, o.MaxInFlightBytes = maxInFlight, maxInFlightBytes
 	o.StatusInterval, o.DrainTimeout = statusInterval, drainTimeout
 	o.HTTPAddr, o.AppName, o.NATS, o.StatsInterval = httpAddr, appName, auth, statsInterval
+	if consoleOpts.Enabled && httpAddr == "" {
+		return errors.New("--console needs --http-addr: the console is served on it under /ui/")
+	}
+	o.Console = consoleOpts
 	o.WorkerID, o.Lease, o.MaxAttempts = workerID, lease, maxAttempts
 	o.BackoffMin, o.BackoffMax, o.PollInterval, o.PollBatch = backoffMin, backoffMax, pollInterval, pollBatch
 	return app.Run(ctx, o, log)

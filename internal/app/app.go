@@ -19,6 +19,7 @@ import (
 	"github.com/rs/zerolog"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/outbox-relay/outbox-relay/internal/console"
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
 	"github.com/outbox-relay/outbox-relay/internal/poller"
 	"github.com/outbox-relay/outbox-relay/internal/relay"
@@ -76,6 +77,9 @@ type Options struct {
 	// HTTP bounds the --http-addr server; zero fields take the Default*
 	// values of http.go.
 	HTTP HTTPLimits
+	// Console serves the operator console under /ui/ on HTTPAddr when
+	// Console.Enabled (run --console).
+	Console console.Options
 
 	// The fallback poller (zero values take the defaults of `run`).
 	WorkerID     string
@@ -415,7 +419,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 
 	g, gctx := errgroup.WithContext(ctx)
 	if o.HTTPAddr != "" {
-		srv, ln, err := listenHTTP(o.HTTPAddr, o.HTTP, m, r, pool, nc)
+		srv, ln, err := listenHTTP(o.HTTPAddr, o.HTTP, m, r, pool, nc, &o)
 		if err != nil {
 			return err
 		}

@@ -13,8 +13,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/net/netutil"
 
+	"github.com/outbox-relay/outbox-relay/internal/console"
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
 	"github.com/outbox-relay/outbox-relay/internal/relay"
+	"github.com/outbox-relay/outbox-relay/internal/store"
 )
 
 // The --http-addr server serves a scraper and a few probes, never a crowd.
@@ -78,10 +80,11 @@ func (l HTTPLimits) withDefaults() HTTPLimits {
 	return l
 }
 
-// listenHTTP serves /metrics, /healthz and /readyz on addr. The listener is
+// listenHTTP serves /metrics, /healthz and /readyz on addr, and with
+// o.Console.Enabled the operator console under /ui/. The listener is
 // returned apart from the server so that the caller learns the address
 // before serving (":0" in tests).
-func listenHTTP(addr string, lim HTTPLimits, m *metrics.Metrics, r *relay.Relay, pool *pgxpool.Pool, nc *nats.Conn) (*http.Server, net.Listener, error) {
+func listenHTTP(addr string, lim HTTPLimits, m *metrics.Metrics, r *relay.Relay, pool *pgxpool.Pool, nc *nats.Conn, o *Options) (*http.Server, net.Listener, error) {
 	lim = lim.withDefaults()
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}))
@@ -109,6 +112,19 @@ func listenHTTP(addr string, lim HTTPLimits, m *metrics.Metrics, r *relay.Relay,
 		}
 		fmt.Fprintln(w, role.String())
 	})
+	if o.Console.Enabled {
+		// Refused before listening: a console without a token on a
+		// reachable address must not serve for even a moment.
+		ui, err := console.New(o.Console, addr, console.Sources{
+			Store: store.New(pool, o.Table, o.Policy), Catalog: pool, Slot: o.Slot,
+			Role:     func() string { return r.Role().String() },
+			Standbys: console.StandbysFromRegistry(m.Registry),
+		})
+		if err != nil {
+			return nil, nil, fmt.Errorf("--console on --http-addr %s: %w", addr, err)
+		}
+		mux.Handle("/ui/", ui)
+	}
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, nil, fmt.Errorf("listen on --http-addr %s: %w", addr, err)

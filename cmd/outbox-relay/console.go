@@ -1,0 +1,93 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"time"
+
+	"golang.org/x/net/netutil"
+
+	"github.com/outbox-relay/outbox-relay/internal/app"
+	"github.com/outbox-relay/outbox-relay/internal/config"
+	"github.com/outbox-relay/outbox-relay/internal/console"
+)
+
+func runConsole(ctx context.Context, args []string, _, stderr io.Writer) error {
+	var c common
+	fs := newFlagSet("console", `Serves the operator console under /ui/ without streaming or polling: health, dead letters with their
+evidence, redrive and cancel (the same statements as the CLI's), and their history. For operators who
+must not touch the running relay; its role shows "console only".
+
+  outbox-relay console --http-addr 127.0.0.1:8081
+  OUTBOX_RELAY_CONSOLE_TOKEN=... outbox-relay console --http-addr :8081`, stderr)
+	c.register(fs, flagDatabaseURL, flagTable, flagSlot, flagLogLevel, flagLogFormat)
+	var (
+		o            console.Options
+		addr         string
+		standbySlots config.List
+	)
+	o.Enabled = true
+	fs.StringVar(&addr, "http-addr", "127.0.0.1:8081", "serve the console here, under /ui/; an address other than loopback needs --console-token")
+	fs.StringVar(&o.Token, "console-token", "", "the console's token (bearer, basic auth password or login); required unless --http-addr is loopback, and without it the console is read-only")
+	fs.BoolVar(&o.ReadOnly, "console-read-only", false, "the console shows everything and changes nothing")
+	fs.Var(&standbySlots, "standby-slot", "the physical slots of the standbys run waits for (run --standby-slot): show how far behind each is")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	log, err := c.log.Logger(stderr)
+	if err != nil {
+		return err
+	}
+	// Before connecting: a console that may not serve must not wait for a
+	// database first.
+	if err := console.CheckAddr(addr, o.Token); err != nil {
+		return err
+	}
+	st, closeDB, err := openStore(ctx, &c)
+	if err != nil {
+		return err
+	}
+	defer closeDB()
+	src := console.Sources{Store: st, Catalog: st.Pool(), Slot: c.slot}
+	if len(standbySlots) > 0 {
+		src.Standbys = console.StandbysFromCatalog(st.Pool(), standbySlots)
+	}
+	ui, err := console.New(o, addr, src)
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("listen on --http-addr %s: %w", addr, err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/ui/", ui)
+	mux.Handle("/{$}", http.RedirectHandler("/ui/", http.StatusSeeOther))
+	// The same bounds as run's --http-addr server.
+	srv := &http.Server{
+		Handler:           mux,
+		ReadHeaderTimeout: app.DefaultHTTPReadHeaderTimeout,
+		ReadTimeout:       app.DefaultHTTPReadTimeout,
+		WriteTimeout:      app.DefaultHTTPWriteTimeout,
+		IdleTimeout:       app.DefaultHTTPIdleTimeout,
+		MaxHeaderBytes:    app.DefaultHTTPMaxHeaderBytes,
+	}
+	log.Info().Str("addr", ln.Addr().String()).Bool("read_only", !o.Writable()).Msg("serving the console under /ui/")
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(netutil.LimitListener(ln, app.DefaultHTTPMaxConns)) }()
+	select {
+	case err := <-done:
+		return fmt.Errorf("serve the console on %s: %w", addr, err)
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(sctx); err != nil && !errors.Is(err, context.DeadlineExceeded) {
+		return fmt.Errorf("stop the console: %w", err)
+	}
+	return nil
+}
