@@ -174,17 +174,25 @@ func (c *Console) result(a actionForm, req store.OpRequest, res store.OpResult) 
 	return d
 }
 
-func (c *Console) preview(w http.ResponseWriter, r *http.Request) {
-	a, err := c.readAction(r, true)
+// preview runs the action as a dry run: the page lists exactly what would
+// change and what would be refused, and carries those work IDs to apply.
+func (c *Console) preview(w http.ResponseWriter, r *http.Request) { c.act(w, r, true) }
+
+// apply runs the previewed action on the work IDs the preview listed.
+func (c *Console) apply(w http.ResponseWriter, r *http.Request) { c.act(w, r, false) }
+
+func (c *Console) act(w http.ResponseWriter, r *http.Request, preview bool) {
+	a, err := c.readAction(r, preview)
 	if err != nil {
 		c.fail(w, r, http.StatusBadRequest, err.Error())
 		return
 	}
-	if a.Deadline == "new" {
+	if preview && a.Deadline == "new" {
+		// Fixed now, so the apply uses the deadline the preview showed.
 		t, _ := parseDeadline(a.ExpiresAt, time.Now())
 		a.ExpiresAt = t.UTC().Format(time.RFC3339Nano)
 	}
-	req, err := c.request(r, a, true)
+	req, err := c.request(r, a, preview)
 	if err != nil {
 		c.fail(w, r, http.StatusBadRequest, err.Error())
 		return
@@ -194,26 +202,11 @@ func (c *Console) preview(w http.ResponseWriter, r *http.Request) {
 		c.opFailed(w, r, err)
 		return
 	}
-	c.render(w, r, "preview", c.result(a, req, res), http.StatusOK)
-}
-
-func (c *Console) apply(w http.ResponseWriter, r *http.Request) {
-	a, err := c.readAction(r, false)
-	if err != nil {
-		c.fail(w, r, http.StatusBadRequest, err.Error())
-		return
+	page := "result"
+	if preview {
+		page = "preview"
 	}
-	req, err := c.request(r, a, false)
-	if err != nil {
-		c.fail(w, r, http.StatusBadRequest, err.Error())
-		return
-	}
-	res, err := c.run(r, a, req)
-	if err != nil {
-		c.opFailed(w, r, err)
-		return
-	}
-	c.render(w, r, "result", c.result(a, req, res), http.StatusOK)
+	c.render(w, r, page, c.result(a, req, res), http.StatusOK)
 }
 
 func (c *Console) opFailed(w http.ResponseWriter, r *http.Request, err error) {

@@ -232,18 +232,7 @@ func (s *Store) RecentFailures(ctx context.Context, window time.Duration) (map[s
 // RecentHistory returns the newest limit rows of the redrive and cancel
 // history, newest first.
 func (s *Store) RecentHistory(ctx context.Context, limit int) ([]History, error) {
-	rows, err := s.pool.Query(ctx, `SELECT work_id, action, at, "by", reason, previous_state, previous_attempts,
-			previous_generation, coalesce(previous_error, '')
-		FROM `+s.table.derived("redrives", true)+` ORDER BY id DESC LIMIT $1`, int64(limit))
-	if err != nil {
-		return nil, fmt.Errorf("read recent history of %s: %w", s.table.Qualified(), err)
-	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (History, error) {
-		var h History
-		err := r.Scan(&h.WorkID, &h.Action, &h.At, &h.By, &h.Reason, &h.PreviousState, &h.PreviousAttempts,
-			&h.PreviousGeneration, &h.PreviousError)
-		return h, err
-	})
+	out, err := s.history(ctx, `ORDER BY id DESC LIMIT $1`, int64(limit))
 	if err != nil {
 		return nil, fmt.Errorf("read recent history of %s: %w", s.table.Qualified(), err)
 	}

@@ -535,26 +535,34 @@ type History struct {
 	PreviousAttempts   int
 	PreviousGeneration int64
 	PreviousError      string // "" when NULL
+	// Deadline is what a redrive did to the row's deadline: "none", "new:
+	// <time>", or "" when it left it (G13).
+	Deadline string
 }
 
 // History returns the redrive and cancel history of workID, oldest first.
 func (s *Store) History(ctx context.Context, workID string) ([]History, error) {
-	rows, err := s.pool.Query(ctx, `SELECT work_id, action, at, "by", reason, previous_state, previous_attempts,
-			previous_generation, coalesce(previous_error, '')
-		FROM `+s.table.derived("redrives", true)+` WHERE work_id = $1 ORDER BY id`, workID)
-	if err != nil {
-		return nil, fmt.Errorf("read history of %s in %s: %w", workID, s.table.Qualified(), err)
-	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (History, error) {
-		var h History
-		err := r.Scan(&h.WorkID, &h.Action, &h.At, &h.By, &h.Reason, &h.PreviousState, &h.PreviousAttempts,
-			&h.PreviousGeneration, &h.PreviousError)
-		return h, err
-	})
+	out, err := s.history(ctx, `WHERE work_id = $1 ORDER BY id`, workID)
 	if err != nil {
 		return nil, fmt.Errorf("read history of %s in %s: %w", workID, s.table.Qualified(), err)
 	}
 	return out, nil
+}
+
+// history reads history rows; tail is the WHERE/ORDER/LIMIT part.
+func (s *Store) history(ctx context.Context, tail string, args ...any) ([]History, error) {
+	rows, err := s.pool.Query(ctx, `SELECT work_id, action, at, "by", reason, previous_state, previous_attempts,
+			previous_generation, coalesce(previous_error, ''), coalesce(deadline, '')
+		FROM `+s.table.derived("redrives", true)+` `+tail, args...)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (History, error) {
+		var h History
+		err := r.Scan(&h.WorkID, &h.Action, &h.At, &h.By, &h.Reason, &h.PreviousState, &h.PreviousAttempts,
+			&h.PreviousGeneration, &h.PreviousError, &h.Deadline)
+		return h, err
+	})
 }
 
 // OldestReadySeconds is the age, on the database's clock, of the oldest row
