@@ -4,7 +4,7 @@ GO      ?= go
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 BIN     := bin/outbox-relay
 
-.PHONY: setup test build demo fmt-check docker clean chaos chaos-short chaos-cluster bench pg-versions test-pg-versions
+.PHONY: setup test build demo fmt-check docker clean chaos chaos-short chaos-cluster chaos-failover bench pg-versions test-pg-versions
 
 ## setup: install what demo and test need when it is absent, through apt
 ## (Debian/Ubuntu): headless Chromium for the console's browser test,
@@ -120,6 +120,14 @@ chaos-short: setup
 CHAOS_CLUSTER_FLAGS ?= -duration 15m
 chaos-cluster: setup
 	cd proof && $(GO) run ./cmd/outbox-chaos -cluster 3 $(CHAOS_CLUSTER_FLAGS)
+
+## chaos-failover: the chaos run plus pg-failover (G14): PostgreSQL with a
+## physical standby, which is cut off, then the primary killed -m immediate
+## and the standby promoted; the run goes on against the new primary. Not part
+## of `make test`. PostgreSQL 17 comes from pg-versions; for 15,
+## CHAOS_FAILOVER_FLAGS='-pg-version 15'.
+chaos-failover: setup pg-versions
+	cd proof && $(GO) run ./cmd/outbox-chaos -failover -pg-version 17 -duration 3m $(CHAOS_FAILOVER_FLAGS)
 
 ## bench: the end-to-end benchmark (proof/bench): ceilings, CDC and poller
 ## paths, the naive polling publisher, idle cost; flags via BENCH_FLAGS.

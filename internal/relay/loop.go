@@ -200,7 +200,13 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event
 			}
 		case err := <-gateReads:
 			if err != nil && sessCtx.Err() == nil {
-				l.r.log.Warn().Err(err).Msg("could not read the standbys' positions; delivery waits for them")
+				// End the session rather than wait: the walsender holds a
+				// shutting-down server open until this client confirms
+				// what it sent, and while the positions cannot be read
+				// nothing gated can be released or confirmed. The next
+				// session resumes from the slot (found by the chaos run's
+				// pg-failover mode: a fast shutdown hung for 60 s).
+				return fmt.Errorf("read the standbys' positions (--standby-slot): %w", err)
 			}
 			if err := l.releaseGated(sessCtx, confirms); err != nil {
 				return err

@@ -257,6 +257,45 @@ func TestLedgerFigures(t *testing.T) {
 	}
 }
 
+// A promotion: the new primary's table replaces the history. Rows it lacks
+// were taken back (not lost; in the stream they fail the run), held rows the
+// old witness missed join at the new witness's consistent point, and the G3
+// prefix stays where the kept rows put it.
+func TestLedgerPromote(t *testing.T) {
+	l := NewLedger()
+	l.AddWitness([]WitnessRow{{"w-0-1", lsn("0/100")}, {"w-0-2", lsn("0/200")}, {"w-0-3", lsn("0/300")}, {"w-0-4", lsn("0/400")}})
+	l.AddMsg("w-0-1", 1)
+	l.AddMsg("w-0-2", 2)
+	if _, bad := l.CheckG3("k1", lsn("0/200"), 2, nil); len(bad) != 0 {
+		t.Fatal(bad)
+	}
+	l.AddMsg("w-0-4", 3) // published, then taken back: the violation
+	held := map[string]bool{"w-0-1": true, "w-0-2": true, "w-0-3": true, "w-0-5": true, "w-1-9": true}
+	// w-0-6 was acked on the old primary, never witnessed, not held: taken
+	// back. w-1-9 acked and held; w-2-1 acked after the snapshot and
+	// witnessed later: neither.
+	tb, joined := l.Promote(held, lsn("0/250"), []string{"w-0-1", "w-0-6", "w-1-9", "w-2-1"})
+	if tb != 3 || joined != 2 { // w-0-4, w-0-6, w-2-1 (until witnessed)
+		t.Fatalf("taken back %d, joined %d", tb, joined)
+	}
+	l.AddWitness([]WitnessRow{{"w-2-1", lsn("0/260")}})
+	// w-0-5 and w-1-9 ended at or before 0/250 (their upper bound): checked
+	// now; w-0-3 (0/300) and w-2-1 not yet.
+	covered, bad := l.CheckG3("k2", lsn("0/255"), 3, nil)
+	if covered != 2 || len(bad) != 2 {
+		t.Fatalf("k2: covered %d, violations %v", covered, bad)
+	}
+	l.AddMsg("w-0-3", 4)
+	l.AddMsg("w-0-5", 5)
+	l.AddMsg("w-1-9", 6)
+	l.AddMsg("w-2-1", 7)
+	f := l.Figures([]string{"w-0-1", "w-0-6", "w-1-9", "w-2-1"})
+	if f.CommittedRows != 6 || f.Lost != 0 || f.TakenBack != 2 || f.TakenBackInStream != 1 || f.UnknownMsgs != 0 ||
+		f.WitnessGaps != 0 || f.Promotions != 1 || !slices.Equal(f.TakenBackSample, []string{"w-0-4 (committed on a former primary, not on the promoted one)"}) {
+		t.Fatalf("figures %+v", f)
+	}
+}
+
 func TestReportFailures(t *testing.T) {
 	r := &Report{Seed: 42, Faults: map[string]int{FaultRelayKill: 3}}
 	r.G3Checks = 3
@@ -275,6 +314,31 @@ func TestReportFailures(t *testing.T) {
 	}
 	tab := r.Table()
 	for _, s := range []string{"RESULT: FAIL", "seed 42", "n=1 min 1.20"} {
+		if !strings.Contains(tab, s) {
+			t.Errorf("table lacks %q:\n%s", s, tab)
+		}
+	}
+}
+
+func TestReportFailover(t *testing.T) {
+	r := &Report{Seed: 7, Faults: map[string]int{}, FailoverEnabled: true}
+	r.G3Checks = 1
+	if f := r.Failures(); len(f) != 1 || !strings.Contains(f[0], "failovers = 0") {
+		t.Fatalf("pg-failover enabled, none happened: failures %v", f)
+	}
+	r.Failovers = []Failover{{PGVersion: 17, SlotPath: "survived", SlotSynced: true, TakenBack: 700, PromoteSeconds: 0.3, StreamingSeconds: 3.9, OK: true}}
+	r.TakenBack = 690
+	if f := r.Failures(); len(f) != 0 {
+		t.Fatalf("clean failover run fails: %v", f)
+	}
+	r.TakenBackInStream = 1
+	r.TakenBackSample = []string{"w-1-2 (committed on a former primary, not on the promoted one)"}
+	f := r.Failures()
+	if len(f) != 1 || !strings.Contains(f[0], "published but taken back by a promotion = 1") {
+		t.Fatalf("failures %v", f)
+	}
+	tab := r.Table()
+	for _, s := range []string{"pg 17, slot survived", "0.30 / 3.90", "700 / 0", "evidence: w-1-2", "RESULT: FAIL"} {
 		if !strings.Contains(tab, s) {
 			t.Errorf("table lacks %q:\n%s", s, tab)
 		}
@@ -302,5 +366,28 @@ func TestSchedule(t *testing.T) {
 	}
 	if err := ValidateFaults([]string{"relay-kill", "nats-cutt"}); err == nil || !strings.Contains(err.Error(), "nats-cutt") {
 		t.Fatalf("ValidateFaults: %v", err)
+	}
+}
+
+// pg-failover stays out of the default set (make chaos-short runs it), and
+// -failover or -faults brings it in.
+func TestFailoverIsOptIn(t *testing.T) {
+	var c Config
+	c.defaults()
+	if slices.Contains(c.Faults, FaultPGFailover) {
+		t.Fatalf("default faults %v include %s", c.Faults, FaultPGFailover)
+	}
+	c = Config{Failover: true}
+	c.defaults()
+	if !slices.Contains(c.Faults, FaultPGFailover) || len(c.Faults) != len(AllFaults)+1 || slices.Contains(AllFaults, FaultPGFailover) {
+		t.Fatalf("-failover: faults %v, AllFaults %v", c.Faults, AllFaults)
+	}
+	c = Config{Failover: true, Faults: []string{FaultPGFailover, FaultRelayKill}}
+	c.defaults()
+	if len(c.Faults) != 2 {
+		t.Fatalf("-failover with -faults naming it: %v", c.Faults)
+	}
+	if err := ValidateFaults([]string{FaultPGFailover}); err != nil {
+		t.Fatal(err)
 	}
 }

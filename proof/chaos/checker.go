@@ -78,11 +78,17 @@ type Ledger struct {
 	g3Checks     int
 	g3Violations []string
 	handoffs     int
+
+	// takenBack are rows a former primary committed (the witness saw them
+	// or a producer's commit returned) that the promoted standby does not
+	// hold; promotions counts Promote calls.
+	takenBack  map[string]bool
+	promotions int
 }
 
 // NewLedger returns an empty ledger.
 func NewLedger() *Ledger {
-	return &Ledger{known: map[string]bool{}, stream: map[string]*streamEntry{}}
+	return &Ledger{known: map[string]bool{}, stream: map[string]*streamEntry{}, takenBack: map[string]bool{}}
 }
 
 // AddWitness records committed rows. A row seen before is skipped: after a
@@ -96,24 +102,91 @@ func (l *Ledger) AddWitness(rows []WitnessRow) {
 			continue
 		}
 		l.known[r.ID] = true
-		n := len(l.rows)
-		if n == 0 || l.rows[n-1].End <= r.End {
-			l.rows = append(l.rows, r)
+		l.insert(r)
+	}
+}
+
+func (l *Ledger) insert(r WitnessRow) {
+	n := len(l.rows)
+	if n == 0 || l.rows[n-1].End <= r.End {
+		l.rows = append(l.rows, r)
+		return
+	}
+	// Out of order only if decoding restarted mid-way; keep the slice
+	// sorted because the G3 check walks it as a prefix.
+	i := sort.Search(n, func(i int) bool { return l.rows[i].End > r.End })
+	l.rows = append(l.rows, WitnessRow{})
+	copy(l.rows[i+1:], l.rows[i:])
+	l.rows[i] = r
+	if i < l.g3Pos {
+		// Inside the verified prefix no prefix walk would reach it:
+		// the next check verifies it on its own.
+		l.g3Pos++
+		l.late = append(l.late, r)
+	}
+}
+
+// Promote replaces the committed history with a promoted standby's. held
+// are the work ids in the new primary's table as of its new witness's
+// consistent point at (read in the snapshot that witness exported), so
+// every row committed on the new timeline before at is among them and
+// every later one reaches the witness. acked are the ids producers saw
+// commit so far. Rows known before that the new primary does not hold were
+// taken back by the promotion and leave the history (they are not lost:
+// the new primary never had them); held rows the old witness never read
+// join it with at as their end LSN, an upper bound of the real one, which
+// keeps the G3 check sound: it only ever checks them later than it could.
+// It returns how many rows were taken back and how many joined.
+func (l *Ledger) Promote(held map[string]bool, at pglogrepl.LSN, acked []string) (takenBack, joined int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.promotions++
+	kept := l.rows[:0]
+	pos := 0
+	for i, r := range l.rows {
+		if !held[r.ID] {
+			// Not known any more: the history it was known in is gone.
+			delete(l.known, r.ID)
+			l.takenBack[r.ID] = true
+			takenBack++
 			continue
 		}
-		// Out of order only if decoding restarted mid-way; keep the slice
-		// sorted because the G3 check walks it as a prefix.
-		i := sort.Search(n, func(i int) bool { return l.rows[i].End > r.End })
-		l.rows = append(l.rows, WitnessRow{})
-		copy(l.rows[i+1:], l.rows[i:])
-		l.rows[i] = r
 		if i < l.g3Pos {
-			// Inside the verified prefix no prefix walk would reach it:
-			// the next check verifies it on its own.
-			l.g3Pos++
-			l.late = append(l.late, r)
+			pos++
+		}
+		kept = append(kept, r)
+	}
+	clear(l.rows[len(kept):])
+	l.rows, l.g3Pos = kept, pos
+	late := l.late[:0]
+	for _, r := range l.late {
+		if held[r.ID] {
+			late = append(late, r)
 		}
 	}
+	l.late = late
+	for _, id := range acked {
+		// An id the new primary holds, or one it commits after at (which
+		// the witness reports later), is not taken back: Figures decides
+		// at the end, when known is complete.
+		if !held[id] && !l.known[id] && !l.takenBack[id] {
+			l.takenBack[id] = true
+			takenBack++
+		}
+	}
+	ids := make([]string, 0, len(held))
+	for id := range held {
+		if !l.known[id] {
+			ids = append(ids, id)
+		}
+	}
+	sort.Strings(ids)
+	for _, id := range ids {
+		l.known[id] = true
+		l.insert(WitnessRow{ID: id, End: at})
+		joined++
+	}
+	return takenBack, joined
 }
 
 // AddMsg records one stored message.
@@ -195,12 +268,16 @@ type Figures struct {
 	G3Checks          int      `json:"g3_checks"`
 	G3Violations      int      `json:"g3_violations"`
 	G3PollerHandoffs  int      `json:"g3_poller_handoffs"`
+	Promotions        int      `json:"promotions,omitempty"`
+	TakenBack         int      `json:"taken_back_by_promotion,omitempty"`
+	TakenBackInStream int      `json:"published_but_taken_back"`
 	LostSample        []string `json:"lost_sample,omitempty"`
 	PhantomSample     []string `json:"phantom_sample,omitempty"`
 	DuplicateSample   []string `json:"duplicate_sample,omitempty"`
 	G3ViolationSample []string `json:"g3_violation_sample,omitempty"`
 	WitnessGapSample  []string `json:"witness_gap_sample,omitempty"`
 	UnknownMsgSample  []string `json:"unknown_msg_sample,omitempty"`
+	TakenBackSample   []string `json:"published_taken_back_sample,omitempty"`
 }
 
 const sampleSize = 20
@@ -224,12 +301,22 @@ func (l *Ledger) Figures(acked []string) Figures {
 		G3Checks:         l.g3Checks,
 		G3Violations:     len(l.g3Violations),
 		G3PollerHandoffs: l.handoffs,
+		Promotions:       l.promotions,
+	}
+	// A row a producer saw commit on a former primary can turn up on the
+	// new one after all (its WAL reached the standby after the acked ids
+	// were read): then it was not taken back.
+	takenBack := func(id string) bool { return l.takenBack[id] && !l.known[id] }
+	for id := range l.takenBack {
+		if takenBack(id) {
+			f.TakenBack++
+		}
 	}
 	for _, v := range l.g3Violations {
 		addSample(&f.G3ViolationSample, v)
 	}
 	for _, id := range acked {
-		if !l.known[id] {
+		if !l.known[id] && !takenBack(id) {
 			f.WitnessGaps++
 			addSample(&f.WitnessGapSample, id)
 		}
@@ -255,6 +342,9 @@ func (l *Ledger) Figures(acked []string) Figures {
 		case strings.HasPrefix(id, RollbackPrefix):
 			f.Phantoms++
 			addSample(&f.PhantomSample, id)
+		case takenBack(id):
+			f.TakenBackInStream++
+			addSample(&f.TakenBackSample, id+" (committed on a former primary, not on the promoted one)")
 		case !l.known[id]:
 			f.UnknownMsgs++
 			addSample(&f.UnknownMsgSample, id)

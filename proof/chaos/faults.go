@@ -138,6 +138,9 @@ func (r *runner) inject(ctx context.Context, kind string, n int) error {
 
 	case FaultTakeoverKill, FaultTakeoverPartition:
 		return r.takeoverFault(ctx, kind, label)
+
+	case FaultPGFailover:
+		return r.failoverFault(ctx, kind, label)
 	}
 	return fmt.Errorf("unknown fault %q", kind)
 }

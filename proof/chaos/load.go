@@ -16,7 +16,9 @@ import (
 // of 1 to 50 outbox rows at a paced rate, with rolled-back transactions
 // mixed in. Connections go straight to PostgreSQL, so the relay's faults
 // do not slow the load; PostgreSQL restarts do, and a commit whose outcome
-// is unknown is left to the witness to resolve.
+// is unknown is left to the witness to resolve. With pg-failover dbURL names
+// both servers (target_session_attrs=read-write), so the load follows the
+// promotion as an application would.
 type load struct {
 	cfg   Config
 	dbURL string

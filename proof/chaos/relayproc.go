@@ -19,7 +19,7 @@ import (
 type relayInst struct {
 	name    string
 	appName string
-	pgProxy *Proxy
+	pgProxy proxyGroup // one per PostgreSQL server
 	nsProxy proxyGroup // one per NATS node
 	bin     string
 	args    []string

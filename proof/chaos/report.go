@@ -32,6 +32,9 @@ type Report struct {
 	MaxSlotLagBytes  int64          `json:"max_slot_lag_bytes"`
 	Takeovers        []Takeover     `json:"takeovers"`
 	TakeoverFailures int            `json:"takeover_failures"`
+	FailoverEnabled  bool           `json:"failover_enabled,omitempty"`
+	Failovers        []Failover     `json:"failovers,omitempty"`
+	FailoverFailures int            `json:"failover_failures,omitempty"`
 	Faults           map[string]int `json:"faults"`
 	FaultsSkipped    map[string]int `json:"faults_skipped,omitempty"`
 	RelayStarts      int            `json:"relay_starts"`
@@ -63,6 +66,11 @@ func (r *Report) Failures() []string {
 	check("unknown messages", r.UnknownMsgs)
 	check("witness gaps", r.WitnessGaps)
 	check("takeover failures", r.TakeoverFailures)
+	check("published but taken back by a promotion", r.TakenBackInStream)
+	check("failovers without streaming again", r.FailoverFailures)
+	if r.FailoverEnabled && len(r.Failovers) == 0 {
+		out = append(out, "failovers = 0 (pg-failover was enabled but its turn never came: lengthen -duration)")
+	}
 	check("relay panics or races", r.RelayPanics)
 	if r.G3Checks == 0 {
 		out = append(out, "G3 checks = 0 (the run never checked G3)")
@@ -101,6 +109,9 @@ func (r *Report) Table() string {
 	row("takeover after SIGKILL (s)", takeoverSummary(r.Takeovers, "sigkill"), "")
 	row("takeover after partition (s)", takeoverSummary(r.Takeovers, "partition"), "")
 	row("takeover failures", fmt.Sprint(r.TakeoverFailures), must(r.TakeoverFailures))
+	if r.FailoverEnabled {
+		r.failoverRows(row, must)
+	}
 	row("relay starts (unexpected exits)", fmt.Sprintf("%d (%d)", r.RelayStarts, r.RelayExits), "")
 	row("relay panics or data races", fmt.Sprint(r.RelayPanics), must(r.RelayPanics))
 	if r.ClusterNodes > 0 {
@@ -117,11 +128,15 @@ func (r *Report) Table() string {
 	for _, k := range kinds {
 		note := ""
 		if s := r.FaultsSkipped[k]; s > 0 {
-			note = fmt.Sprintf("%d more skipped (no relay backend to hit)", s)
+			why := "no relay backend to hit"
+			if k == FaultPGFailover {
+				why = "already failed over: no standby left"
+			}
+			note = fmt.Sprintf("%d more skipped (%s)", s, why)
 		}
 		row("  "+k, fmt.Sprint(r.Faults[k]), note)
 	}
-	for _, s := range [][]string{r.LostSample, r.PhantomSample, r.DuplicateSample, r.G3ViolationSample, r.WitnessGapSample, r.UnknownMsgSample, r.RelayPanicSample} {
+	for _, s := range [][]string{r.LostSample, r.PhantomSample, r.DuplicateSample, r.TakenBackSample, r.G3ViolationSample, r.WitnessGapSample, r.UnknownMsgSample, r.RelayPanicSample} {
 		for _, v := range s {
 			fmt.Fprintf(&b, "  evidence: %s\n", v)
 		}
@@ -132,6 +147,27 @@ func (r *Report) Table() string {
 		fmt.Fprintf(&b, "RESULT: ok; seed %d\n", r.Seed)
 	}
 	return b.String()
+}
+
+// failoverRows are the rows of a run with pg-failover: what each promotion
+// took back and how long the relay took to stream again.
+func (r *Report) failoverRows(row func(name, value, note string), must func(int) string) {
+	row("promotions (PostgreSQL)", fmt.Sprint(len(r.Failovers)), "standby cut off, primary killed -m immediate, standby promoted")
+	for i, f := range r.Failovers {
+		synced := ""
+		if f.PGVersion >= 17 {
+			synced = fmt.Sprintf(", failover slot synced before: %v", f.SlotSynced)
+		}
+		row(fmt.Sprintf("  promotion %d", i+1), fmt.Sprintf("pg %d, slot %s", f.PGVersion, f.SlotPath),
+			fmt.Sprintf("cut off %.1fs, standby %d bytes behind at the kill%s", f.CutOffSeconds, f.LagBytes, synced))
+		row("    promoted / streaming again (s)", fmt.Sprintf("%.2f / %.2f", f.PromoteSeconds, f.StreamingSeconds),
+			fmt.Sprintf("kill -> accepts writes / promotion -> a relay streams the slot (ok %v)", f.OK))
+		row("    rows taken back / joined", fmt.Sprintf("%d / %d", f.TakenBack, f.Joined),
+			"committed on the old primary, not on the new / held, not seen by a witness (read from the table)")
+	}
+	row("taken back by promotions (rows)", fmt.Sprint(r.TakenBack), "not in the new history: neither lost nor to be published")
+	row("published but taken back", fmt.Sprint(r.TakenBackInStream), must(r.TakenBackInStream))
+	row("failovers without streaming again", fmt.Sprint(r.FailoverFailures), must(r.FailoverFailures))
 }
 
 func takeoverSummary(ts []Takeover, cause string) string {

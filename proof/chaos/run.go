@@ -4,7 +4,9 @@
 // in, and faults at seeded random moments. An independent test_decoding
 // slot (the witness) records every committed row and its transaction's end
 // LSN, so that G3 can be checked after every SIGKILL and G1/G2/G5 at the
-// end, without trusting anything the relay says about itself.
+// end, without trusting anything the relay says about itself. With the
+// opt-in fault pg-failover (failover.go) a standby is promoted and the
+// checker judges against the new primary's history from then on.
 //
 // The checker logic (Ledger, WitnessParser, Report) and the Proxy are plain
 // Go and tested on their own; Run is driven by cmd/outbox-chaos.
@@ -19,6 +21,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -52,7 +55,9 @@ const (
 
 // AllFaults are the kinds a run uses when -faults is not given. Each round
 // of the schedule is a seeded permutation of the enabled kinds in which
-// relay-kill appears relayKillWeight times.
+// relay-kill appears relayKillWeight times. pg-failover is not among them:
+// it needs a standby and changes the history the checker judges against,
+// so a run asks for it (Config.Failover, -failover).
 var AllFaults = []string{
 	FaultRelayKill, FaultNATSKill, FaultPGRestartFast, FaultPGRestartImmed,
 	FaultPGTermWalsender, FaultPGTermConns, FaultNATSCut, FaultPGCut,
@@ -74,6 +79,8 @@ type Config struct {
 	WalSenderTimeout time.Duration
 	DrainTimeout     time.Duration
 	Cluster          int    // 0: one nats-server; n: an n-node JetStream cluster and an R<n> stream
+	PGVersion        int    // PostgreSQL major version (0: testenv's default)
+	Failover         bool   // add pg-failover to the faults (and run a standby)
 	Race             bool   // build the relay with -race
 	RelayBin         string // use this binary instead of building one
 	Keep             bool   // keep the work directory even when the run passes
@@ -105,6 +112,9 @@ func (c *Config) defaults() {
 			c.Faults = ClusterFaults
 		}
 	}
+	if c.Failover && !slices.Contains(c.Faults, FaultPGFailover) {
+		c.Faults = append(slices.Clone(c.Faults), FaultPGFailover)
+	}
 	if c.Log == nil {
 		c.Log = io.Discard
 	}
@@ -113,13 +123,10 @@ func (c *Config) defaults() {
 // ValidateFaults rejects unknown fault names, so a typo in -faults does not
 // silently run fewer faults.
 func ValidateFaults(names []string) error {
-	known := map[string]bool{}
-	for _, f := range ClusterFaults {
-		known[f] = true
-	}
+	all := append(slices.Clone(ClusterFaults), FaultPGFailover)
 	for _, n := range names {
-		if !known[n] {
-			return fmt.Errorf("unknown fault %q (known: %s)", n, strings.Join(ClusterFaults, ","))
+		if !slices.Contains(all, n) {
+			return fmt.Errorf("unknown fault %q (known: %s)", n, strings.Join(all, ","))
 		}
 	}
 	return nil
@@ -160,15 +167,25 @@ type runner struct {
 	rng     *rand.Rand
 	start   time.Time
 	workDir string
-	pg      *testenv.Postgres
+	pg      *testenv.Postgres    // the primary: every PostgreSQL fault targets it
 	ns      *testenv.NATS        // one server, when cfg.Cluster is 0
 	cl      *testenv.NATSCluster // otherwise
-	dbURL   string
 	js      jetstream.JetStream
 	nc      *nats.Conn
 	ledger  *Ledger
 	relays  [2]*relayInst
 	primary int // the instance that runs between takeover faults
+	load    *load
+
+	// With pg-failover: the standby it promotes (nil once promoted) and
+	// the primaries it killed, which must never run again (the relay's
+	// multi-host URL still names them).
+	standby   *testenv.Postgres
+	former    []*testenv.Postgres
+	failovers []Failover
+
+	dbMu  sync.Mutex
+	dbURL string // the checker's way to the current primary, not through a proxy
 
 	witnessMu sync.Mutex
 	witness   WitnessParser
@@ -198,7 +215,8 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	r := &runner{cfg: cfg, rng: rand.New(rand.NewPCG(cfg.Seed, 1)), start: time.Now(), ledger: NewLedger()}
 	r.report = Report{Seed: cfg.Seed, Command: cfg.Command, Started: r.start, WalSenderTimeout: cfg.WalSenderTimeout.String(),
-		Faults: map[string]int{}, FaultsSkipped: map[string]int{}, ClusterNodes: cfg.Cluster}
+		Faults: map[string]int{}, FaultsSkipped: map[string]int{}, ClusterNodes: cfg.Cluster,
+		FailoverEnabled: slices.Contains(cfg.Faults, FaultPGFailover)}
 	r.logf("seed %d; faults %s", cfg.Seed, strings.Join(cfg.Faults, ","))
 	var err error
 	if r.workDir, err = os.MkdirTemp("", "outbox-chaos-"); err != nil {
@@ -228,9 +246,20 @@ func (r *runner) setup(ctx context.Context) error {
 	wg.Add(2)
 	go func() {
 		defer wg.Done()
-		r.pg, pgErr = testenv.StartPostgres(testenv.PostgresOptions{Conf: map[string]string{
+		conf := map[string]string{
 			"wal_sender_timeout": fmt.Sprintf("%dms", r.cfg.WalSenderTimeout.Milliseconds()),
-		}})
+		}
+		if r.failover() {
+			// The standby reconnects within half a second of a primary
+			// restart instead of 5 s, for which --standby-slot would hold
+			// delivery back.
+			conf["wal_retrieve_retry_interval"] = "500ms"
+		}
+		r.pg, pgErr = testenv.StartPostgres(testenv.PostgresOptions{Version: r.cfg.PGVersion, Conf: conf})
+		if pgErr == nil && r.failover() {
+			// Before anything else: making it restarts the primary.
+			r.standby, pgErr = r.pg.StartStandby(testenv.StandbyOptions{Slot: standbySlot})
+		}
 	}()
 	go func() {
 		defer wg.Done()
@@ -249,7 +278,10 @@ func (r *runner) setup(ctx context.Context) error {
 	for _, n := range r.natsNodes() {
 		r.logf("nats-server %s on %d (log %s)", n.ServerName(), n.Port(), n.LogPath())
 	}
-	r.logf("postgres on %d (log %s), relay %s", r.pg.Port(), r.pg.LogPath(), bin)
+	r.logf("postgres %d on %d (log %s), relay %s", r.pg.Version(), r.pg.Port(), r.pg.LogPath(), bin)
+	if r.standby != nil {
+		r.logf("standby on %d (log %s) streams from physical slot %s", r.standby.Port(), r.standby.LogPath(), standbySlot)
+	}
 
 	conn, err := pgx.Connect(ctx, r.pg.URL("postgres"))
 	if err != nil {
@@ -260,9 +292,9 @@ func (r *runner) setup(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("create database: %w", err)
 	}
-	r.dbURL = r.pg.URL(dbName)
+	r.setDB(r.pg.URL(dbName))
 	env := testenv.RelayEnv()
-	if out, err := exec.CommandContext(ctx, bin, "migrate", "--database-url", r.dbURL, "--publication", publication).CombinedOutput(); err != nil {
+	if out, err := exec.CommandContext(ctx, bin, "migrate", "--database-url", r.db(), "--publication", publication).CombinedOutput(); err != nil {
 		return fmt.Errorf("outbox-relay migrate: %w\n%s", err, out)
 	}
 	// The witness exists before the relay's slot and the first row, so it
@@ -280,9 +312,22 @@ func (r *runner) setup(ctx context.Context) error {
 		return fmt.Errorf("jetstream: %w", err)
 	}
 	for i, name := range []string{"a", "b"} {
-		pgp, err := NewProxy(fmt.Sprintf("127.0.0.1:%d", r.pg.Port()))
-		if err != nil {
-			return err
+		// One proxy per PostgreSQL server, in the order of the relay's
+		// multi-host URL, so a fault cuts its path to whichever is primary.
+		var pgp proxyGroup
+		var pgHosts []string
+		for _, s := range r.pgServers() {
+			p, err := NewProxy(fmt.Sprintf("127.0.0.1:%d", s.Port()))
+			if err != nil {
+				pgp.Close()
+				return err
+			}
+			pgp = append(pgp, p)
+			pgHosts = append(pgHosts, fmt.Sprintf("127.0.0.1:%d", p.Port()))
+		}
+		dbArg := fmt.Sprintf("postgres://postgres@%s/%s?sslmode=disable", pgHosts[0], dbName)
+		if r.failover() {
+			dbArg = multiHostURL(pgHosts)
 		}
 		var nsp proxyGroup
 		var natsURLs []string
@@ -301,7 +346,7 @@ func (r *runner) setup(ctx context.Context) error {
 			name: name, appName: app, pgProxy: pgp, nsProxy: nsp, bin: bin, env: env,
 			logPath: filepath.Join(r.workDir, "relay-"+name+".log"),
 			args: []string{
-				"--database-url", fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", pgp.Port(), dbName),
+				"--database-url", dbArg,
 				"--nats-url", strings.Join(natsURLs, ","),
 				"--slot", slotName, "--publication", publication,
 				"--stream", streamName, "--subject-prefix", subjPrefix,
@@ -315,6 +360,9 @@ func (r *runner) setup(ctx context.Context) error {
 		}
 		if r.cfg.Cluster > 0 {
 			r.relays[i].args = append(r.relays[i].args, "--stream-replicas", strconv.Itoa(r.cfg.Cluster))
+		}
+		if r.failover() {
+			r.relays[i].args = append(r.relays[i].args, "--standby-slot", standbySlot)
 		}
 	}
 	return nil
@@ -335,9 +383,13 @@ func (r *runner) cleanup() {
 	if failed || r.cfg.Keep {
 		// testenv removes its directories on Close; the server logs explain
 		// a failure, so keep copies beside the relay logs.
-		if p := r.pgLog(); p != "" {
-			if b, err := os.ReadFile(p); err == nil {
-				_ = os.WriteFile(filepath.Join(r.workDir, filepath.Base(p)), b, 0o644)
+		for _, s := range r.allPG() {
+			name := filepath.Base(s.LogPath())
+			if len(r.allPG()) > 1 {
+				name = fmt.Sprintf("postgres-%d.log", s.Port())
+			}
+			if b, err := os.ReadFile(s.LogPath()); err == nil {
+				_ = os.WriteFile(filepath.Join(r.workDir, name), b, 0o644)
 			}
 		}
 		for _, n := range r.natsNodes() {
@@ -350,8 +402,10 @@ func (r *runner) cleanup() {
 			}
 		}
 	}
-	if r.pg != nil {
-		r.pg.Close()
+	// A standby before its primary (devenv's order); the killed primaries
+	// last, they are stopped already.
+	for _, s := range r.allPG() {
+		s.Close()
 	}
 	if r.ns != nil {
 		r.ns.Close()
@@ -365,11 +419,16 @@ func (r *runner) cleanup() {
 	}
 }
 
-func (r *runner) pgLog() string {
-	if r.pg == nil {
-		return ""
-	}
-	return r.pg.LogPath()
+func (r *runner) db() string {
+	r.dbMu.Lock()
+	defer r.dbMu.Unlock()
+	return r.dbURL
+}
+
+func (r *runner) setDB(u string) {
+	r.dbMu.Lock()
+	r.dbURL = u
+	r.dbMu.Unlock()
 }
 
 // withDB runs fn on a fresh connection straight to PostgreSQL (not through
@@ -380,7 +439,7 @@ func (r *runner) withDB(ctx context.Context, fn func(*pgx.Conn) error) error {
 		err := func() error {
 			cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 			defer cancel()
-			c, err := pgx.Connect(cctx, r.dbURL)
+			c, err := pgx.Connect(cctx, r.db())
 			if err != nil {
 				return err
 			}
@@ -636,7 +695,7 @@ func (r *runner) sample(ctx context.Context) {
 		n++
 		var lag *int64
 		cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
-		if c, err := pgx.Connect(cctx, r.dbURL); err == nil {
+		if c, err := pgx.Connect(cctx, r.db()); err == nil {
 			if c.QueryRow(cctx, `SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1`, slotName).Scan(&lag) == nil && lag != nil {
 				for {
 					cur := r.maxLag.Load()
@@ -693,7 +752,8 @@ func (r *runner) run(ctx context.Context) error {
 	defer func() { stopSampler(); swg.Wait() }()
 
 	pctx, stopLoad := context.WithCancel(ctx)
-	load := newLoad(r.cfg, r.dbURL)
+	load := newLoad(r.cfg, r.loadURL())
+	r.load = load
 	var pwg sync.WaitGroup
 	for p := range r.cfg.Producers {
 		pwg.Add(1)
@@ -807,6 +867,12 @@ func (r *runner) finish(ctx context.Context, load *load) {
 	r.report.UnknownCommits = load.unknown.Load()
 	r.report.MaxSlotLagBytes = r.maxLag.Load()
 	r.report.Takeovers = r.takeover
+	r.report.Failovers = r.failovers
+	for _, f := range r.failovers {
+		if !f.OK {
+			r.report.FailoverFailures++
+		}
+	}
 	for _, t := range r.takeover {
 		if !t.OK {
 			r.report.TakeoverFailures++
