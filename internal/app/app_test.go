@@ -62,7 +62,7 @@ func metric(body, name, labels string) float64 {
 func TestMetricsAfterKnownLoad(t *testing.T) {
 	env := testenv.Shared(t)
 	stream, prefix := env.StreamName(t)
-	dbURL := env.PG.CreateDatabase(t)
+	dbURL := env.PG.CreateOutboxDatabase(t)
 	const password = "pw-never-logged-7731"
 	u, err := url.Parse(dbURL)
 	if err != nil {
@@ -70,15 +70,12 @@ func TestMetricsAfterKnownLoad(t *testing.T) {
 	}
 	u.User = url.UserPassword(u.User.Username(), password) // trust auth ignores it; the relay must still hide it
 	ctx := context.Background()
+	tbl := testenv.OutboxTable
 	conn, err := pgx.Connect(ctx, dbURL)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer conn.Close(ctx)
-	tbl := store.Table{Schema: "public", Name: "outbox"}
-	if _, err := store.Migrate(ctx, conn, tbl); err != nil {
-		t.Fatal(err)
-	}
 
 	logs := &testenv.LogBuffer{}
 	addr := make(chan string, 1)

@@ -75,17 +75,14 @@ func TestHTTPConnectionFlood(t *testing.T) {
 	}
 	env := testenv.Shared(t)
 	stream, prefix := env.StreamName(t)
-	dbURL := env.PG.CreateDatabase(t)
+	dbURL := env.PG.CreateOutboxDatabase(t)
 	ctx := context.Background()
+	tbl := testenv.OutboxTable
 	conn, err := pgx.Connect(ctx, dbURL)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer conn.Close(ctx)
-	tbl := store.Table{Schema: "public", Name: "outbox"}
-	if _, err := store.Migrate(ctx, conn, tbl); err != nil {
-		t.Fatal(err)
-	}
 
 	const (
 		maxConns = 8

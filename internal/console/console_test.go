@@ -17,7 +17,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outbox-relay/outbox-relay/internal/console"
@@ -41,16 +40,8 @@ func setup(t *testing.T, o console.Options) *fixture {
 	t.Helper()
 	ctx := context.Background()
 	env := testenv.Shared(t)
-	dbURL := env.PG.CreateDatabase(t)
-	conn, err := pgx.Connect(ctx, dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tbl := store.Table{Schema: "public", Name: "outbox"}
-	if _, err := store.Migrate(ctx, conn, tbl); err != nil {
-		t.Fatal(err)
-	}
-	conn.Close(ctx)
+	dbURL := env.PG.CreateOutboxDatabase(t)
+	tbl := testenv.OutboxTable
 	pool, err := pgxpool.New(ctx, dbURL)
 	if err != nil {
 		t.Fatal(err)

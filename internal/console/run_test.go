@@ -10,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/internal/app"
@@ -24,17 +23,8 @@ func runOptions(t *testing.T, httpAddr string) app.Options {
 	t.Helper()
 	env := testenv.Shared(t)
 	stream, prefix := env.StreamName(t)
-	dbURL := env.PG.CreateDatabase(t)
-	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	tbl := store.Table{Schema: "public", Name: "outbox"}
-	if _, err := store.Migrate(ctx, conn, tbl); err != nil {
-		t.Fatal(err)
-	}
+	dbURL := env.PG.CreateOutboxDatabase(t)
+	tbl := testenv.OutboxTable
 	return app.Options{
 		DatabaseURL: dbURL, NATSURL: env.NATS.URL(), Table: tbl, Slot: "outbox_relay", Publication: "outbox_relay",
 		Stream: stream, SubjectPrefix: prefix, Policy: store.PolicyMark, DuplicateWindow: 2 * time.Minute,

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/outbox-relay/outbox-relay/internal/devenv"
+	"github.com/outbox-relay/outbox-relay/internal/store"
 )
 
 // PostgresOptions configures StartPostgres (see devenv.PostgresOptions).
@@ -66,6 +67,27 @@ func (p *Postgres) CreateDatabase(t testing.TB) string {
 	}
 	t.Cleanup(func() { p.dropDatabase(t, name) })
 	return p.URL(name)
+}
+
+// OutboxTable is the table CreateOutboxDatabase migrates.
+var OutboxTable = store.Table{Schema: "public", Name: "outbox"}
+
+// CreateOutboxDatabase is CreateDatabase with the outbox table (OutboxTable)
+// migrated in it, what most relay tests start from.
+func (p *Postgres) CreateOutboxDatabase(t testing.TB) string {
+	t.Helper()
+	url := p.CreateDatabase(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatalf("testenv: migrate %s: connect: %v", url, err)
+	}
+	defer conn.Close(context.Background())
+	if _, err := store.Migrate(ctx, conn, OutboxTable); err != nil {
+		t.Fatalf("testenv: migrate %s: %v", url, err)
+	}
+	return url
 }
 
 // dropDatabase is lenient about an unreachable server, because fault tests
