@@ -46,6 +46,8 @@ type Stream struct {
 	confirmed pglogrepl.LSN // what the server was told
 	acked     pglogrepl.LSN // what the relay confirmed (may be ahead of confirmed until the next update)
 	lastEnd   pglogrepl.LSN // end LSN of the last COMMIT handed to the relay
+
+	interruptDone chan struct{} // closed once Run's stop watcher has exited
 }
 
 // Start issues START_REPLICATION at 0/0, so the server resumes at the slot's
@@ -97,7 +99,9 @@ func (s *Stream) Run(ctx context.Context, out chan<- Event, confirms <-chan pglo
 	netConn := s.conn.Conn()
 	watchDone := make(chan struct{})
 	defer close(watchDone)
+	s.interruptDone = make(chan struct{})
 	go func() {
+		defer close(s.interruptDone)
 		select {
 		case <-stop:
 		case <-ctx.Done():
@@ -247,6 +251,7 @@ func (s *Stream) drain(ctx context.Context, confirms <-chan pglogrepl.LSN) error
 		select {
 		case lsn, ok := <-confirms:
 			if !ok {
+				s.confirmIdleEnd(ctx)
 				return s.sendStatus(ctx, false)
 			}
 			s.ack(lsn)
@@ -257,6 +262,67 @@ func (s *Stream) drain(ctx context.Context, confirms <-chan pglogrepl.LSN) error
 		case <-ctx.Done():
 			return ctx.Err()
 		}
+	}
+}
+
+// finalKeepaliveWait bounds how long a stopping stream waits for the
+// server's answer in confirmIdleEnd.
+const finalKeepaliveWait = 500 * time.Millisecond
+
+// confirmIdleEnd runs when the relay has settled everything it was given
+// and is stopping: it asks the server for its position and, if the answer
+// comes before any more WAL, confirms it. Without it the slot stays at the
+// last outbox commit, behind everything written after it (the relay's own
+// marks among it), and the next session's walsender decodes all of that WAL
+// again before it reaches new rows. A keepalive arrives in order after the
+// WAL sent before it, so when it comes first, nothing unread lies below its
+// position; any WAL message instead means there is work for the next
+// session, and the position stays where it is.
+func (s *Stream) confirmIdleEnd(ctx context.Context) {
+	if s.dec.InTransaction() || s.acked < s.lastEnd || ctx.Err() != nil {
+		return
+	}
+	// The stop watcher moves the read deadline to now; it must be done
+	// before the wait below sets its own.
+	select {
+	case <-s.interruptDone:
+	case <-time.After(finalKeepaliveWait):
+		return
+	}
+	netConn := s.conn.Conn()
+	if err := netConn.SetReadDeadline(time.Now().Add(finalKeepaliveWait)); err != nil {
+		return
+	}
+	defer func() { _ = netConn.SetReadDeadline(time.Now()) }()
+	// The walsender answers between records with the end of what it has
+	// read; the same answer twice means it is waiting for WAL, past
+	// everything committed before the stop.
+	var last pglogrepl.LSN
+	for {
+		if err := s.sendStatus(ctx, true); err != nil {
+			return
+		}
+		msg, err := s.conn.ReceiveMessage(context.Background())
+		if err != nil {
+			return
+		}
+		cd, ok := msg.(*pgproto3.CopyData)
+		if !ok || len(cd.Data) == 0 || cd.Data[0] != pglogrepl.PrimaryKeepaliveMessageByteID {
+			return
+		}
+		pkm, err := pglogrepl.ParsePrimaryKeepaliveMessage(cd.Data[1:])
+		if err != nil {
+			return
+		}
+		s.noteServerEnd(pkm.ServerWALEnd)
+		if pkm.ServerWALEnd > s.acked {
+			s.acked = pkm.ServerWALEnd
+			s.lastEnd = pkm.ServerWALEnd
+		}
+		if pkm.ServerWALEnd == last {
+			return
+		}
+		last = pkm.ServerWALEnd
 	}
 }
 

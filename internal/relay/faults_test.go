@@ -289,3 +289,35 @@ func TestIdleOutboxBusyDatabase(t *testing.T) {
 	})
 	t.Logf("wrote %d MB of WAL on another table; slot lag now %d bytes", walBytes>>20, lag)
 }
+
+// A relay stopping with everything settled confirms past the WAL written
+// after its last outbox commit (its own marks among it), so the next
+// session's walsender does not decode that WAL again. Without this, a relay
+// restarted often re-read every earlier session's marks: the drain slowed
+// round after round on the same table (issue 13). The stop comes right after
+// the last mark, before the walsender has necessarily read it, as when a
+// benchmark or a deploy stops the relay as soon as the backlog is drained.
+func TestStopConfirmsPastOwnMarks(t *testing.T) {
+	h := newHarness(t, sharedSetup(t))
+	h.start()
+	ids := h.insertRows("marks", 2000, 100)
+	h.waitPublished(len(ids), 60*time.Second)
+	testenv.WaitFor(t, 30*time.Second, "every row marked", func() (bool, error) {
+		n := h.countState("ready")
+		return n == 0, fmt.Errorf("%d rows still ready", n)
+	})
+	var end string
+	if err := h.pool.QueryRow(context.Background(), `SELECT pg_current_wal_lsn()::text`).Scan(&end); err != nil {
+		t.Fatal(err)
+	}
+	endLSN, _ := pglogrepl.ParseLSN(end)
+	before, _ := h.slotConfirmed()
+	h.stop()
+	after, lag := h.slotConfirmed()
+	afterLSN, _ := pglogrepl.ParseLSN(after)
+	if afterLSN < endLSN {
+		t.Fatalf("slot confirmed %s after stop (was %s while running); the marks end at %s", after, before, end)
+	}
+	t.Logf("confirmed %s while running, %s after stop; marks end at %s; lag now %d bytes", before, after, end, lag)
+	h.assertExactlyOnce(ids)
+}
