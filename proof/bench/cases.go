@@ -27,6 +27,7 @@ type bench struct {
 	dir     string
 	self    string
 	payload string
+	kept    map[string]*path // -same-table: each case's path, kept for the next round
 }
 
 // path is one way rows get from the table to the stream: the relay's CDC
@@ -40,6 +41,8 @@ type path struct {
 	state     string // inserted state; "" = default ready
 	remaining string // SQL: rows not published yet
 	start     func() (*proc, error)
+	idBase    int    // -same-table: rows of earlier rounds already in the table
+	baseMsgs  uint64 // -same-table: messages of earlier rounds already in the stream
 }
 
 func caseKind(k string) string {
@@ -55,6 +58,9 @@ func caseKind(k string) string {
 }
 
 func (b *bench) names(k string, round int) (db, stream, prefix string) {
+	if b.cfg.SameTable && round > 1 {
+		round = 1
+	}
 	flat := strings.ReplaceAll(k, "-", "_")
 	return fmt.Sprintf("b%d_%s", round, flat), strings.ToUpper(fmt.Sprintf("b%d_%s", round, flat)),
 		fmt.Sprintf("b%d.%s.", round, strings.ReplaceAll(k, "-", ""))
@@ -91,6 +97,14 @@ func (b *bench) migrate(url string) error {
 // inserted (rows committed before the slot would go to the poller, G9), and
 // stops it again.
 func (b *bench) setup(ctx context.Context, k string, round int) (*path, error) {
+	if p := b.kept[k]; p != nil {
+		// -same-table: the case's database, table, slot and stream of round 1,
+		// holding every earlier round's rows and messages.
+		p.idBase += b.cfg.Rows
+		n, err := b.s.streamMsgs(ctx, p.stream)
+		p.baseMsgs = n
+		return p, err
+	}
 	db, stream, prefix := b.names(k, round)
 	url, err := b.s.createDB(ctx, db)
 	if err != nil {
@@ -176,12 +190,20 @@ func (b *bench) createStream(ctx context.Context, name, prefix string) error {
 	return nil
 }
 
-func (b *bench) teardown(p *path) {
+func (b *bench) teardown(p *path, k string, round int) {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	if p == nil {
 		return
 	}
+	if b.cfg.SameTable && round >= 1 && round < b.cfg.Rounds && caseKind(k) != "" {
+		if b.kept == nil {
+			b.kept = map[string]*path{}
+		}
+		b.kept[k] = p
+		return
+	}
+	delete(b.kept, k)
 	b.s.deleteStream(ctx, p.stream)
 	if err := b.s.dropDB(ctx, p.db); err != nil {
 		fmt.Fprintf(os.Stderr, "outbox-bench: %v\n", err)
@@ -191,13 +213,13 @@ func (b *bench) teardown(p *path) {
 func (b *bench) newLoad(p *path, rows int, rate float64) *load {
 	return &load{
 		url: p.url, table: p.table, state: p.state, rows: rows, rowsPerTx: b.cfg.RowsPerTx,
-		producers: b.cfg.Producers, rate: rate, payload: b.payload, base: time.Now(),
+		producers: b.cfg.Producers, rate: rate, payload: b.payload, base: time.Now(), idBase: p.idBase,
 	}
 }
 
 func (b *bench) runCase(ctx context.Context, k string, round int) (r Result, err error) {
 	p, err := b.setup(ctx, k, round)
-	defer b.teardown(p)
+	defer b.teardown(p, k, round)
 	if err != nil {
 		return r, err
 	}
@@ -325,7 +347,12 @@ func (b *bench) backlog(ctx context.Context, p *path) (Result, error) {
 	if err != nil {
 		return Result{}, err
 	}
-	r := Result{Rows: l.rows, InsertRate: float64(l.rows) / el.Seconds()}
+	r := Result{Rows: l.rows, InsertRate: float64(l.rows) / el.Seconds(), Extra: map[string]float64{}}
+	if p.kind != "naive" {
+		if r.Extra["slot_wal_mb_from_restart"], r.Extra["slot_wal_mb_from_confirmed"], err = b.s.slotWAL(ctx, p.db, slotName); err != nil {
+			return r, err
+		}
+	}
 	natsCPU := newCPUMeter(pidCPU(b.s.nats.PID()))
 	machine := newCPUMeter(MachineBusy)
 	t0 := time.Now()
@@ -340,13 +367,13 @@ func (b *bench) backlog(ctx context.Context, p *path) (Result, error) {
 			return r, err
 		}
 	}
-	acked, settled, err := b.waitDrained(ctx, p, l.rows, pr, drainTimeout(l.rows))
+	acked, settled, err := b.waitDrained(ctx, p, l.rows+int(p.baseMsgs), pr, drainTimeout(l.rows))
 	if err != nil {
 		return r, err
 	}
 	r.Seconds = settled.Sub(t0).Seconds()
 	r.MsgsPerSec = float64(l.rows) / r.Seconds
-	r.Extra = map[string]float64{"acked_seconds": acked.Sub(t0).Seconds()}
+	r.Extra["acked_seconds"] = acked.Sub(t0).Seconds()
 	if r.PubCPUSeconds, r.PubPeakRSSMB, err = pr.usage(); err != nil {
 		return r, err
 	}
@@ -376,7 +403,7 @@ func (b *bench) live(ctx context.Context, p *path) (Result, error) {
 	}
 	time.Sleep(300 * time.Millisecond) // let the publisher connect and settle
 	l := b.newLoad(p, n, b.cfg.Rate)
-	col, err := collect(ctx, b.s.js, p.stream, l.base, n)
+	col, err := collect(ctx, b.s.js, p.stream, l.base, n, p.idBase)
 	if err != nil {
 		return Result{}, err
 	}
@@ -391,7 +418,7 @@ func (b *bench) live(ctx context.Context, p *path) (Result, error) {
 	if err := col.wait(ctx, drainTimeout(n)); err != nil {
 		return Result{}, err
 	}
-	_, settled, err := b.waitDrained(ctx, p, n, pr, drainTimeout(n))
+	_, settled, err := b.waitDrained(ctx, p, n+int(p.baseMsgs), pr, drainTimeout(n))
 	if err != nil {
 		return Result{}, err
 	}

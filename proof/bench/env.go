@@ -146,6 +146,20 @@ func (s *servers) walsenderPID(ctx context.Context, db, slot string, timeout tim
 	}
 }
 
+// slotWAL returns how much WAL (MB) the slot's next reader must decode:
+// from its restart_lsn, and from its confirmed position, to the server's
+// current position. Logical decoding reads every record in that range, of
+// every table and database, before it reaches the newest commit.
+func (s *servers) slotWAL(ctx context.Context, db, slot string) (fromRestart, fromConfirmed float64, err error) {
+	err = s.admin.QueryRow(ctx, `SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn) / 1e6,
+		pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn) / 1e6
+		FROM pg_replication_slots WHERE slot_name = $1 AND database = $2`, slot, db).Scan(&fromRestart, &fromConfirmed)
+	if err != nil {
+		return 0, 0, fmt.Errorf("slot %s in %s: read its WAL positions: %w", slot, db, err)
+	}
+	return fromRestart, fromConfirmed, nil
+}
+
 // waitSlotInactive waits until no walsender streams the slot.
 func (s *servers) waitSlotInactive(ctx context.Context, db, slot string, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)

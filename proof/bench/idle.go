@@ -61,7 +61,7 @@ func (b *bench) activity(ctx context.Context, db string) (activity, int64, error
 func (b *bench) idle(ctx context.Context) (IdleResult, error) {
 	var ir IdleResult
 	p, err := b.setup(ctx, CDCLive, 0)
-	defer b.teardown(p)
+	defer b.teardown(p, "", 0)
 	if err != nil {
 		return ir, err
 	}
@@ -127,7 +127,7 @@ func rusageCPU() (float64, error) {
 func (b *bench) profiledBacklog(ctx context.Context) (Result, error) {
 	r := Result{Case: "cdc-backlog-inprocess"}
 	p, err := b.setup(ctx, CDCBacklog, 99)
-	defer b.teardown(p)
+	defer b.teardown(p, "", 0)
 	if err != nil {
 		return r, err
 	}
@@ -228,7 +228,7 @@ func (b *bench) appOptions(p *path) app.Options {
 func (b *bench) profiledLive(ctx context.Context) (Result, error) {
 	r := Result{Case: "cdc-live-inprocess"}
 	p, err := b.setup(ctx, CDCLive, 99)
-	defer b.teardown(p)
+	defer b.teardown(p, "", 0)
 	if err != nil {
 		return r, err
 	}
@@ -246,7 +246,7 @@ func (b *bench) profiledLive(ctx context.Context) (Result, error) {
 	}
 	n := b.cfg.liveRows()
 	l := b.newLoad(p, n, b.cfg.Rate)
-	col, err := collect(ctx, b.s.js, p.stream, l.base, n)
+	col, err := collect(ctx, b.s.js, p.stream, l.base, n, 0)
 	if err != nil {
 		return r, err
 	}

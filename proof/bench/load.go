@@ -49,6 +49,7 @@ type load struct {
 	producers int
 	rate      float64 // rows/s, 0 = as fast as possible
 	payload   string
+	idBase    int // row i is workID(idBase+i): rounds on one table (-same-table) do not collide
 
 	base     time.Time
 	commitNs []int64 // per row: when its COMMIT returned, ns since base
@@ -110,7 +111,7 @@ func (l *load) run(ctx context.Context) (time.Duration, error) {
 				first := k * l.rowsPerTx
 				last := min(first+l.rowsPerTx, l.rows)
 				for i := first; i < last; i++ {
-					ids = append(ids, workID(i))
+					ids = append(ids, workID(l.idBase+i))
 					payloads = append(payloads, l.payload)
 				}
 				if _, err := conn.Exec(gctx, sql, ids, payloads); err != nil {
@@ -141,15 +142,21 @@ type collector struct {
 	once   sync.Once
 }
 
-func collect(ctx context.Context, js jetstream.JetStream, stream string, base time.Time, n int) (*collector, error) {
+func collect(ctx context.Context, js jetstream.JetStream, stream string, base time.Time, n, idBase int) (*collector, error) {
 	c := &collector{base: base, recvNs: make([]int64, n), n: n, done: make(chan struct{})}
-	cons, err := js.OrderedConsumer(ctx, stream, jetstream.OrderedConsumerConfig{})
+	cfg := jetstream.OrderedConsumerConfig{}
+	if idBase > 0 {
+		// The stream holds earlier rounds' messages (-same-table).
+		cfg.DeliverPolicy = jetstream.DeliverNewPolicy
+	}
+	cons, err := js.OrderedConsumer(ctx, stream, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("consumer on %s: %w", stream, err)
 	}
 	c.cc, err = cons.Consume(func(m jetstream.Msg) {
 		now := int64(time.Since(base))
 		i, ok := parseWorkID(m.Headers().Get("Nats-Msg-Id"))
+		i -= idBase
 		if !ok || i < 0 || i >= n || c.recvNs[i] != 0 {
 			return
 		}

@@ -59,6 +59,10 @@ type Config struct {
 	RelayPGOptions string
 	ProfileCase    string // cdc-backlog or cdc-live
 	MemProfile     string // and write its heap profile here when every message is acked
+	// SameTable keeps each case's database, table, slot and stream from one
+	// round to the next, as a deployment does: round N drains its rows from a
+	// table that already holds the earlier rounds' rows.
+	SameTable bool
 
 	Out io.Writer // the table
 	Log io.Writer // progress

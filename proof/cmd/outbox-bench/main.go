@@ -50,6 +50,7 @@ func main() {
 	fs.BoolVar(&c.Keep, "keep", false, "keep the relay's and the polling publisher's logs (their directory is printed)")
 	fs.StringVar(&c.ProfileCase, "profile-case", bench.CDCBacklog, "with -cpuprofile: which case to run with the relay in-process (cdc-backlog or cdc-live)")
 	fs.StringVar(&c.RelayPGOptions, "relay-pg-options", "", `experiment: server settings for the relay's sessions (libpq options), e.g. "-c plan_cache_mode=force_custom_plan"`)
+	fs.BoolVar(&c.SameTable, "same-table", false, "keep each case's database, table and stream across rounds: later rounds drain on a table holding the earlier rounds' rows")
 	_ = fs.Parse(os.Args[1:])
 	c.Cases = strings.Split(cases, ",")
 	c.Out, c.Log = os.Stdout, os.Stderr
