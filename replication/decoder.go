@@ -64,13 +64,15 @@ func (f outboxField) String() string { return outboxFieldNames[f] }
 var outboxColumnList = strings.Join(outboxFieldNames[:firstOptional], ", ")
 
 // relationInfo is what a Relation message told us about one relation id. For
-// the outbox table idx holds the tuple position of each field, so that decoding a
-// row is a few slice lookups instead of a search by name.
+// the outbox table idx holds the tuple position of each field, and fieldAt the
+// reverse (field+1 per position, 0 for a column the relay does not read), so
+// that one pass over an Insert finds every value without a search by name.
 type relationInfo struct {
-	id     uint32
-	outbox bool
-	ncols  int
-	idx    [numOutboxFields]int
+	id      uint32
+	outbox  bool
+	ncols   int
+	idx     [numOutboxFields]int
+	fieldAt []uint8
 	// err is set when the outbox relation lacks a column: its inserts cannot
 	// be decoded until a later Relation message describes a usable table.
 	err error
@@ -95,10 +97,6 @@ type Decoder struct {
 	xid        uint32
 	commitLSN  pglogrepl.LSN
 	commitTime time.Time
-
-	// scratch gathers a row's text columns so that they become one string
-	// allocation, sliced per field.
-	scratch []byte
 }
 
 // NewDecoder returns a Decoder that emits rows of t. An empty schema means
@@ -162,47 +160,74 @@ func parseMessage(walData []byte) (m pglogrepl.Message, err error) {
 	return m, nil
 }
 
-func (d *Decoder) begin(walData []byte) (Event, bool, error) {
-	m, err := parseMessage(walData)
-	if err != nil {
-		return Event{}, false, err
+// Begin and Commit have fixed layouts and come with every transaction, so
+// they are read in place; only a short one goes through pglogrepl, for the
+// same error it has always produced.
+const (
+	beginLen  = 1 + 8 + 8 + 4     // type, final LSN, commit time, xid
+	commitLen = 1 + 1 + 8 + 8 + 8 // type, flags, commit LSN, end LSN, commit time
+)
+
+// microsecFromUnixEpochToY2K is where pgoutput's timestamps count from.
+const microsecFromUnixEpochToY2K = 946684800 * 1000000
+
+// pgTime converts a pgoutput timestamp (microseconds since 2000-01-01 UTC)
+// with the same arithmetic as pglogrepl, so that an out-of-range value wraps
+// exactly as it did when pglogrepl decoded these messages.
+func pgTime(b []byte) time.Time {
+	us := int64(binary.BigEndian.Uint64(b))
+	return time.Unix(0, (microsecFromUnixEpochToY2K+us)*1000).UTC()
+}
+
+// shortMessage is the error for a message below its fixed size, in
+// pglogrepl's words, which are what callers and operators have seen so far.
+func shortMessage(walData []byte) error {
+	if _, err := parseMessage(walData); err != nil {
+		return err
 	}
-	b := m.(*pglogrepl.BeginMessage)
+	return fmt.Errorf("decode pgoutput %q message: message of %d bytes is too short", walData[0], len(walData))
+}
+
+func (d *Decoder) begin(walData []byte) (Event, bool, error) {
+	if len(walData) < beginLen {
+		return Event{}, false, shortMessage(walData)
+	}
+	finalLSN := pglogrepl.LSN(binary.BigEndian.Uint64(walData[1:]))
+	xid := binary.BigEndian.Uint32(walData[17:])
 	if d.inTxn {
 		// With streaming off pgoutput never interleaves transactions; a second
 		// BEGIN means events of xid d.xid were lost or the decoder was reused
 		// across sessions, and the caller's view of the open one is wrong.
-		return Event{}, false, fmt.Errorf("decode begin of xid %d: transaction xid %d is still open", b.Xid, d.xid)
+		return Event{}, false, fmt.Errorf("decode begin of xid %d: transaction xid %d is still open", xid, d.xid)
 	}
 	d.inTxn = true
-	d.xid = b.Xid
-	d.commitLSN = b.FinalLSN
-	d.commitTime = b.CommitTime.UTC()
+	d.xid = xid
+	d.commitLSN = finalLSN
+	d.commitTime = pgTime(walData[9:])
 	return Event{Type: EventBegin, Xid: d.xid, CommitLSN: d.commitLSN, CommitTime: d.commitTime}, true, nil
 }
 
 func (d *Decoder) commit(walData []byte) (Event, bool, error) {
-	m, err := parseMessage(walData)
-	if err != nil {
-		return Event{}, false, err
+	if len(walData) < commitLen {
+		return Event{}, false, shortMessage(walData)
 	}
-	c := m.(*pglogrepl.CommitMessage)
+	commitLSN := pglogrepl.LSN(binary.BigEndian.Uint64(walData[2:]))
 	if !d.inTxn {
-		return Event{}, false, fmt.Errorf("decode commit at %s: no transaction is open", c.CommitLSN)
+		return Event{}, false, fmt.Errorf("decode commit at %s: no transaction is open", commitLSN)
 	}
-	if c.CommitLSN != d.commitLSN {
+	if commitLSN != d.commitLSN {
 		// The slot is confirmed from commit positions: a mismatch means the
 		// stream is not what the decoder thinks it is, and confirming would
 		// risk skipping rows.
-		return Event{}, false, fmt.Errorf("decode commit of xid %d: commit lsn %s differs from the %s announced by its begin", d.xid, c.CommitLSN, d.commitLSN)
+		return Event{}, false, fmt.Errorf("decode commit of xid %d: commit lsn %s differs from the %s announced by its begin", d.xid, commitLSN, d.commitLSN)
 	}
 	d.inTxn = false
 	return Event{
 		Type:       EventCommit,
 		Xid:        d.xid,
-		CommitLSN:  c.CommitLSN,
-		EndLSN:     c.TransactionEndLSN,
-		CommitTime: c.CommitTime.UTC(),
+		CommitLSN:  commitLSN,
+		EndLSN:     pglogrepl.LSN(binary.BigEndian.Uint64(walData[10:])),
+		CommitTime: pgTime(walData[18:]),
 	}, true, nil
 }
 
@@ -218,10 +243,12 @@ func (d *Decoder) relation(walData []byte) error {
 		for f := range rel.idx {
 			rel.idx[f] = -1
 		}
+		rel.fieldAt = make([]uint8, len(r.Columns))
 		for pos, c := range r.Columns {
 			for f, name := range outboxFieldNames {
 				if c.Name == name {
 					rel.idx[f] = pos
+					rel.fieldAt[pos] = uint8(f) + 1
 					break
 				}
 			}
@@ -278,142 +305,193 @@ func (d *Decoder) insert(walData []byte) (Event, bool, error) {
 	if rel.err != nil {
 		return Event{}, false, fmt.Errorf("decode insert in xid %d: %w", d.xid, rel.err)
 	}
-	if err := checkInsert(walData); err != nil {
+	var vals fieldValues
+	ncols, err := readInsert(walData, rel.fieldAt, &vals)
+	if err != nil {
 		return Event{}, false, fmt.Errorf("decode insert into %s in xid %d: %w", d.table, d.xid, err)
 	}
-	m, err := parseMessage(walData)
-	if err != nil {
-		return Event{}, false, err
+	if ncols != rel.ncols {
+		return Event{}, false, fmt.Errorf("decode insert into %s in xid %d: tuple has %d columns, its relation message described %d",
+			d.table, d.xid, ncols, rel.ncols)
 	}
-	row, err := d.row(rel, m.(*pglogrepl.InsertMessage).Tuple)
+	row, err := d.row(walData, &vals)
 	if err != nil {
 		return Event{}, false, err
 	}
 	return Event{Type: EventRow, Xid: d.xid, CommitLSN: d.commitLSN, CommitTime: d.commitTime, Row: row}, true, nil
 }
 
-// checkInsert walks an Insert message without allocating and reports whether
-// it is whole. pglogrepl trusts the lengths it reads: a corrupt column length
-// would make it allocate up to 4 GiB before noticing the message is short.
-func checkInsert(walData []byte) error {
+// fieldValue locates one field's column in the Insert message being decoded.
+// kind 0 means the table has no such column, which decodes as NULL.
+type fieldValue struct {
+	kind       byte
+	start, end int
+}
+
+type fieldValues [numOutboxFields]fieldValue
+
+// bytes returns the value's bytes in msg; never nil, because rowErr tells a
+// known work_id from none by nil-ness and an empty work_id is still known.
+func (v fieldValue) bytes(msg []byte) []byte { return msg[v.start:v.end] }
+
+// readInsert walks an Insert message once, in place, checking that it is
+// whole, and records in vals where the columns of the outbox fields are.
+// Every length is checked against what is left of the message first: a
+// corrupt one must stop the stream with an error, not a panic. fieldAt maps
+// tuple positions to fields; when the tuple's column count differs from it
+// nothing is recorded, and the caller reports the mismatch once the message
+// is known to be whole, so that a truncated message is reported as such.
+func readInsert(walData []byte, fieldAt []uint8, vals *fieldValues) (ncols int, err error) {
 	const header = 1 + 4 + 1 + 2 // type, relation id, 'N', column count
 	if len(walData) < header {
-		return fmt.Errorf("message of %d bytes is too short", len(walData))
+		return 0, fmt.Errorf("message of %d bytes is too short", len(walData))
 	}
 	if walData[5] != 'N' {
-		return fmt.Errorf("tuple type %q, want 'N'", walData[5])
+		return 0, fmt.Errorf("tuple type %q, want 'N'", walData[5])
 	}
-	ncols := int(binary.BigEndian.Uint16(walData[6:]))
+	ncols = int(binary.BigEndian.Uint16(walData[6:]))
+	if ncols != len(fieldAt) {
+		fieldAt = nil
+	}
 	p := header
 	for i := range ncols {
 		if p >= len(walData) {
-			return fmt.Errorf("message ends at column %d of %d", i, ncols)
+			return 0, fmt.Errorf("message ends at column %d of %d", i, ncols)
 		}
 		kind := walData[p]
 		p++
+		start := p
 		switch kind {
 		case pglogrepl.TupleDataTypeNull, pglogrepl.TupleDataTypeToast:
 		case pglogrepl.TupleDataTypeText, pglogrepl.TupleDataTypeBinary:
 			if len(walData)-p < 4 {
-				return fmt.Errorf("message ends in the length of column %d of %d", i, ncols)
+				return 0, fmt.Errorf("message ends in the length of column %d of %d", i, ncols)
 			}
 			n := uint64(binary.BigEndian.Uint32(walData[p:]))
 			p += 4
 			if n > uint64(len(walData)-p) {
-				return fmt.Errorf("column %d of %d claims %d bytes, the message has %d left", i, ncols, n, len(walData)-p)
+				return 0, fmt.Errorf("column %d of %d claims %d bytes, the message has %d left", i, ncols, n, len(walData)-p)
 			}
+			start = p
 			p += int(n)
 		default:
-			return fmt.Errorf("column %d of %d has unknown tuple data kind %q", i, ncols, kind)
+			return 0, fmt.Errorf("column %d of %d has unknown tuple data kind %q", i, ncols, kind)
+		}
+		if i < len(fieldAt) {
+			if f := fieldAt[i]; f != 0 {
+				vals[f-1] = fieldValue{kind: kind, start: start, end: p}
+			}
 		}
 	}
 	if p != len(walData) {
-		return fmt.Errorf("%d bytes follow the last column", len(walData)-p)
+		return 0, fmt.Errorf("%d bytes follow the last column", len(walData)-p)
 	}
-	return nil
+	return ncols, nil
 }
 
-func (d *Decoder) row(rel *relationInfo, tuple *pglogrepl.TupleData) (*Row, error) {
-	cols := tuple.Columns
-	if len(cols) != rel.ncols {
-		return nil, fmt.Errorf("decode insert into %s in xid %d: tuple has %d columns, its relation message described %d",
-			d.table, d.xid, len(cols), rel.ncols)
-	}
+// rowAndAggregate lets a row of an aggregate cost the same one allocation
+// as a row without one.
+type rowAndAggregate struct {
+	row Row
+	agg Aggregate
+}
+
+// row turns the located values into a Row. Everything a Row keeps is copied
+// out of msg, whose buffer pgconn reuses for the next message: the text
+// fields into one string and the jsonb ones into one buffer. They are apart
+// so that a work_id or aggregate key kept after the row is settled (the held
+// aggregates of G12) does not keep a large payload alive.
+func (d *Decoder) row(msg []byte, vals *fieldValues) (*Row, error) {
 	var (
-		vals [numOutboxFields][]byte
-		null [numOutboxFields]bool
+		null   [numOutboxFields]bool
+		workID []byte
 	)
-	var workID []byte
 	for f := range numOutboxFields {
-		if rel.idx[f] < 0 {
-			null[f] = true // an optional column the table does not have
-			continue
-		}
-		c := cols[rel.idx[f]]
-		switch c.DataType {
+		switch vals[f].kind {
 		case pglogrepl.TupleDataTypeText:
-			vals[f] = c.Data
-		case pglogrepl.TupleDataTypeNull:
+		case 0, pglogrepl.TupleDataTypeNull:
 			null[f] = true
 		case pglogrepl.TupleDataTypeToast:
 			return nil, d.rowErr(workID, f, "is an unchanged-TOAST placeholder, not a value")
 		case pglogrepl.TupleDataTypeBinary:
 			return nil, d.rowErr(workID, f, "is in binary format: start replication without binary mode")
 		default:
-			return nil, d.rowErr(workID, f, fmt.Sprintf("has unknown tuple data kind %q", c.DataType))
+			// readInsert lets no other kind through.
+			return nil, d.rowErr(workID, f, fmt.Sprintf("has unknown tuple data kind %q", vals[f].kind))
 		}
 		if null[f] && f != fSubject && f != fHeaders && f < firstOptional {
 			return nil, d.rowErr(workID, f, "is NULL")
 		}
 		if f == fWorkID {
-			workID = vals[f]
+			workID = vals[f].bytes(msg)
 		}
 	}
-	at, err := parseTimestamptz(vals[fAvailableAt])
+	at, err := parseTimestamptz(vals[fAvailableAt].bytes(msg))
 	if err != nil {
 		return nil, d.rowErr(workID, fAvailableAt, "is unparsable: "+err.Error())
 	}
-
-	// One string for the text fields and one buffer for the jsonb ones keeps
-	// a row at three allocations; nothing may alias the message buffer.
-	s := append(d.scratch[:0], vals[fWorkID]...)
-	s = append(s, vals[fKind]...)
-	s = append(s, vals[fSubject]...)
-	s = append(s, vals[fState]...)
-	d.scratch = s
-	text := string(s)
-	i, j, k := len(vals[fWorkID]), len(vals[fWorkID])+len(vals[fKind]), len(s)-len(vals[fState])
-
-	np, nh := len(vals[fPayload]), len(vals[fHeaders])
-	buf := make([]byte, np+nh)
-	copy(buf, vals[fPayload])
-	copy(buf[np:], vals[fHeaders])
-
-	row := &Row{
-		WorkID:      text[:i],
-		Kind:        text[i:j],
-		Subject:     text[j:k],
-		State:       text[k:],
-		Payload:     buf[:np:np],
-		AvailableAt: at,
-	}
-	if !null[fHeaders] {
-		row.Headers = buf[np:]
-	}
-	if !null[fAggregateType] && !null[fAggregateID] && !null[fAggregateSeq] {
-		seq, err := strconv.ParseInt(string(vals[fAggregateSeq]), 10, 64)
+	ordered := !null[fAggregateType] && !null[fAggregateID] && !null[fAggregateSeq]
+	var seq int64
+	if ordered {
+		seq, err = strconv.ParseInt(string(vals[fAggregateSeq].bytes(msg)), 10, 64)
 		if err != nil {
 			return nil, d.rowErr(workID, fAggregateSeq, "is unparsable: "+err.Error())
 		}
-		row.Aggregate = &Aggregate{Type: string(vals[fAggregateType]), ID: string(vals[fAggregateID]), Seq: seq}
 	}
+	var exp time.Time
 	if !null[fExpiresAt] {
-		exp, err := parseTimestamptz(vals[fExpiresAt])
+		exp, err = parseTimestamptz(vals[fExpiresAt].bytes(msg))
 		if err != nil {
 			return nil, d.rowErr(workID, fExpiresAt, "is unparsable: "+err.Error())
 		}
-		row.ExpiresAt = exp
 	}
+
+	// A NULL or missing field's value is empty, so it adds nothing.
+	parts := [...][]byte{
+		vals[fWorkID].bytes(msg), vals[fKind].bytes(msg), vals[fSubject].bytes(msg), vals[fState].bytes(msg),
+		nil, nil,
+	}
+	if ordered {
+		parts[4], parts[5] = vals[fAggregateType].bytes(msg), vals[fAggregateID].bytes(msg)
+	}
+	n := 0
+	for _, p := range parts {
+		n += len(p)
+	}
+	var sb strings.Builder
+	sb.Grow(n)
+	var ends [len(parts)]int
+	for i, p := range parts {
+		sb.Write(p)
+		ends[i] = sb.Len()
+	}
+	text := sb.String()
+
+	payload, headers := vals[fPayload].bytes(msg), vals[fHeaders].bytes(msg)
+	np := len(payload)
+	buf := make([]byte, np+len(headers))
+	copy(buf, payload)
+	copy(buf[np:], headers)
+
+	var row *Row
+	if ordered {
+		ra := &rowAndAggregate{agg: Aggregate{Type: text[ends[3]:ends[4]], ID: text[ends[4]:ends[5]], Seq: seq}}
+		row = &ra.row
+		row.Aggregate = &ra.agg
+	} else {
+		row = new(Row)
+	}
+	row.WorkID = text[:ends[0]]
+	row.Kind = text[ends[0]:ends[1]]
+	row.Subject = text[ends[1]:ends[2]]
+	row.State = text[ends[2]:ends[3]]
+	// Capped, so that appending to one cannot write into the other.
+	row.Payload = buf[:np:np]
+	if !null[fHeaders] {
+		row.Headers = buf[np:]
+	}
+	row.AvailableAt = at
+	row.ExpiresAt = exp
 	return row, nil
 }
 
@@ -510,16 +588,23 @@ func (p *tsParser) lit(c byte) {
 	p.pos++
 }
 
-// digits reads between lo and hi decimal digits.
+// digits reads between lo and hi decimal digits. It works on locals because
+// it runs a dozen times per timestamp and the parser's fields live in memory.
 func (p *tsParser) digits(lo, hi int) int {
-	n, start := 0, p.pos
-	for p.pos < len(p.b) && p.pos-start < hi && '0' <= p.b[p.pos] && p.b[p.pos] <= '9' {
-		n = n*10 + int(p.b[p.pos]-'0')
-		p.pos++
+	start := p.pos
+	end := min(len(p.b), start+hi)
+	n, i := 0, start
+	for ; i < end; i++ {
+		c := p.b[i] - '0'
+		if c > 9 {
+			break
+		}
+		n = n*10 + int(c)
 	}
-	if p.pos-start < lo {
+	if i-start < lo {
 		p.bad = true
 	}
+	p.pos = i
 	return n
 }
 

@@ -756,6 +756,7 @@ func TestDecodeRowOwnsItsBytes(t *testing.T) {
 		t.Fatal(err)
 	}
 	_ = append(ev.Row.Payload, "XXXXXXXX"...)
+	_ = append(ev.Row.Headers, "XXXXXXXX"...)
 	if got, want := decEventString(ev), wantRow(7, 0x100, commitTime1, sampleOutboxRow("w-1")); got != want {
 		t.Errorf("after reuse:\n got %s\nwant %s", got, want)
 	}
@@ -785,18 +786,54 @@ func FuzzDecoder(f *testing.F) {
 }
 
 func BenchmarkDecodeInsert(b *testing.B) {
+	benchmarkDecodeInsert(b, testOutboxCols, sampleOutboxVals("order-103-created"))
+}
+
+// BenchmarkDecodeInsertOrdered decodes a row with an aggregate and a deadline
+// (run --ordering aggregate), which costs no more allocations than one without.
+func BenchmarkDecodeInsertOrdered(b *testing.B) {
+	cols := append(append([]string{}, testOutboxCols...), "aggregate_type", "aggregate_id", "aggregate_seq", "expires_at")
+	vals := sampleOutboxVals("order-103-created")
+	vals["aggregate_type"], vals["aggregate_id"], vals["aggregate_seq"] = textVal("order"), textVal("103"), textVal("3")
+	vals["expires_at"] = textVal("2026-12-01 10:00:00.5+01")
+	benchmarkDecodeInsert(b, cols, vals)
+}
+
+func benchmarkDecodeInsert(b *testing.B, cols []string, vals map[string]tupleVal) {
 	d := NewDecoder(testOutboxTable)
-	for _, m := range [][]byte{encBegin(0x100, commitTime1, 7), encRelation(testOutboxRelID, "public", "outbox", testOutboxCols...)} {
+	for _, m := range [][]byte{encBegin(0x100, commitTime1, 7), encRelation(testOutboxRelID, "public", "outbox", cols...)} {
 		if _, _, err := d.Decode(m); err != nil {
 			b.Fatal(err)
 		}
 	}
-	msg := encRow(testOutboxRelID, testOutboxCols, sampleOutboxVals("order-103-created"))
+	msg := encRow(testOutboxRelID, cols, vals)
 	b.SetBytes(int64(len(msg)))
 	b.ReportAllocs()
 	for b.Loop() {
 		if _, ok, err := d.Decode(msg); !ok || err != nil {
 			b.Fatal(ok, err)
+		}
+	}
+}
+
+// BenchmarkDecodeTransaction decodes the Begin, Insert and Commit of a
+// one-row transaction, the common shape of an outbox write.
+func BenchmarkDecodeTransaction(b *testing.B) {
+	d := NewDecoder(testOutboxTable)
+	if _, _, err := d.Decode(encRelation(testOutboxRelID, "public", "outbox", testOutboxCols...)); err != nil {
+		b.Fatal(err)
+	}
+	msgs := [][]byte{
+		encBegin(0x100, commitTime1, 7),
+		encRow(testOutboxRelID, testOutboxCols, sampleOutboxVals("order-103-created")),
+		encCommit(0x100, 0x130, commitTime1),
+	}
+	b.ReportAllocs()
+	for b.Loop() {
+		for _, m := range msgs {
+			if _, ok, err := d.Decode(m); !ok || err != nil {
+				b.Fatal(ok, err)
+			}
 		}
 	}
 }
