@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -48,6 +49,26 @@ type Stream struct {
 	lastEnd   pglogrepl.LSN // end LSN of the last COMMIT handed to the relay
 
 	interruptDone chan struct{} // closed once Run's stop watcher has exited
+	batch         []Event       // events read and not yet handed to the relay
+}
+
+// MaxBatch is the most events the stream hands over at once.
+const MaxBatch = 128
+
+// batches recycles event slices between the stream and the relay.
+var batches = sync.Pool{New: func() any { b := make([]Event, 0, MaxBatch); return &b }}
+
+func newBatch() []Event { return (*batches.Get().(*[]Event))[:0] }
+
+// ReleaseBatch hands a batch the relay is done with back for reuse. The
+// caller must not touch it afterwards.
+func ReleaseBatch(b []Event) {
+	if cap(b) != MaxBatch {
+		return
+	}
+	clear(b[:cap(b)])
+	b = b[:0]
+	batches.Put(&b)
 }
 
 // Start issues START_REPLICATION at 0/0, so the server resumes at the slot's
@@ -83,7 +104,11 @@ func Start(ctx context.Context, conn *pgconn.PgConn, cfg StreamConfig, slotConfi
 // until confirms is closed, send the last status update, return nil).
 // confirms carries positions the relay has settled; a position may only be
 // sent once every transaction ending at or before it is settled.
-func (s *Stream) Run(ctx context.Context, out chan<- Event, confirms <-chan pglogrepl.LSN, stop <-chan struct{}) error {
+//
+// Events go out in batches: a whole transaction, or MaxBatch events of a
+// larger one, so the relay wakes once per transaction rather than once per
+// message. The receiver owns a batch and may hand it back with ReleaseBatch.
+func (s *Stream) Run(ctx context.Context, out chan<- []Event, confirms <-chan pglogrepl.LSN, stop <-chan struct{}) error {
 	ticker := time.NewTicker(s.cfg.StatusInterval)
 	defer ticker.Stop()
 	nextStatus := time.Now().Add(s.cfg.StatusInterval)
@@ -200,7 +225,16 @@ func (s *Stream) Run(ctx context.Context, out chan<- Event, confirms <-chan pglo
 				if ev.Type == EventCommit {
 					s.lastEnd = ev.EndLSN
 				}
-				if err := s.emit(ctx, out, ev, confirms, stop, ticker.C); err != nil {
+				if s.batch == nil {
+					s.batch = newBatch()
+				}
+				s.batch = append(s.batch, ev)
+				if ev.Type != EventCommit && len(s.batch) < MaxBatch {
+					continue
+				}
+				batch := s.batch
+				s.batch = nil
+				if err := s.emit(ctx, out, batch, confirms, stop, ticker.C); err != nil {
 					if errors.Is(err, errStopped) {
 						return s.drain(ctx, confirms)
 					}
@@ -220,10 +254,10 @@ var errStopped = errors.New("stream stopped")
 // emit hands ev to the relay. While the relay pushes back (broker slow or
 // down), it keeps taking confirmations and sending status updates, so the
 // server does not time the connection out.
-func (s *Stream) emit(ctx context.Context, out chan<- Event, ev Event, confirms <-chan pglogrepl.LSN, stop <-chan struct{}, tick <-chan time.Time) error {
+func (s *Stream) emit(ctx context.Context, out chan<- []Event, batch []Event, confirms <-chan pglogrepl.LSN, stop <-chan struct{}, tick <-chan time.Time) error {
 	for {
 		select {
-		case out <- ev:
+		case out <- batch:
 			return nil
 		case lsn, ok := <-confirms:
 			if !ok {

@@ -7,6 +7,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/outbox-relay/outbox-relay/internal/checkpoint"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/wire"
@@ -51,6 +53,7 @@ type loop struct {
 	cur           *checkpoint.Txn
 	curCommitTime time.Time
 	curCommitLSN  replication.LSN
+	curHeaders    map[string][]string // CDCHeaders of the open transaction, built on its first row
 
 	inflight      int
 	inflightBytes int
@@ -61,10 +64,17 @@ type loop struct {
 	retry        []*item   // settled too early (not visible yet)
 	settling     bool
 
+	batch []replication.Event // the batch being handled; held is its unhandled rest
+	held  []replication.Event
+
 	order    *orderState // nil without --ordering aggregate
 	gated    *gateState  // nil without --standby-slot
 	refresh  chan heldRefresh
 	stopping bool
+
+	// Counters of every ack, bound to their labels once: a label lookup
+	// per message hashes the labels each time.
+	publishedOK, publishedDup prometheus.Counter
 
 	queue      chan *item // to the collector, in publish order
 	results    chan *item
@@ -85,6 +95,8 @@ func newLoop(r *Relay, confirmed replication.LSN, held map[store.AggregateKey]st
 		settleResp: make(chan settleResult, 1),
 		refresh:    make(chan heldRefresh),
 	}
+	l.publishedOK = r.metrics.Published.WithLabelValues("cdc", "ok")
+	l.publishedDup = r.metrics.Published.WithLabelValues("cdc", "duplicate")
 	if held != nil {
 		l.order = newOrderState(held)
 	}
@@ -97,7 +109,7 @@ func newLoop(r *Relay, confirmed replication.LSN, held map[store.AggregateKey]st
 // wait returns once the helper goroutines have exited (after sessCtx ends).
 func (l *loop) wait() { l.wg.Wait() }
 
-func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event, confirms chan replication.LSN, stop chan struct{}, streamDone <-chan error) error {
+func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Event, confirms chan replication.LSN, stop chan struct{}, streamDone <-chan error) error {
 	l.wg.Add(2)
 	go l.collect(sessCtx)
 	go l.settler(sessCtx)
@@ -137,6 +149,19 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event
 				return err
 			}
 		}
+		// The rest of a batch goes through as far as the limits allow; the
+		// next batch is read only once this one is done.
+		for len(l.held) > 0 && l.gated == nil && l.mayRead(stopping) {
+			ev := l.held[0]
+			l.held = l.held[1:]
+			if err := l.handleEvent(sessCtx, ev, confirms); err != nil {
+				return err
+			}
+		}
+		if len(l.held) == 0 && l.batch != nil {
+			replication.ReleaseBatch(l.batch)
+			l.batch = nil
+		}
 		if l.gated != nil && len(l.gated.events) > 0 {
 			if err := l.releaseGated(sessCtx, confirms); err != nil {
 				return err
@@ -172,32 +197,29 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event
 			return l.finish(confirms, streamDone)
 		}
 
-		var evCh <-chan replication.Event
-		// Rows acked and waiting for their mark are bounded too: when the
-		// database marks slower than the broker acks, reading WAL waits,
-		// instead of the queue (and memory) growing with the backlog.
+		var evCh <-chan []replication.Event
 		switch {
 		case l.gated != nil:
 			// The gate buffers; what it releases meets the limits below.
 			if !stopping && l.gated.readMore(4*l.r.cfg.MaxInFlight) {
 				evCh = events
 			}
-		case l.blocked == nil && !stopping && len(l.pending)+len(l.retry) < l.r.cfg.MaxUnsettled &&
-			(l.order == nil || l.order.parked < l.r.cfg.MaxInFlight):
+		case len(l.held) == 0 && l.mayRead(stopping):
 			evCh = events
 		}
 		select {
-		case ev := <-evCh:
+		case batch := <-evCh:
 			if l.gated != nil {
-				l.gated.push(ev)
+				for _, ev := range batch {
+					l.gated.push(ev)
+				}
+				replication.ReleaseBatch(batch)
 				if err := l.releaseGated(sessCtx, confirms); err != nil {
 					return err
 				}
 				continue
 			}
-			if err := l.handleEvent(sessCtx, ev, confirms); err != nil {
-				return err
-			}
+			l.batch, l.held = batch, batch
 		case err := <-gateReads:
 			if err != nil && sessCtx.Err() == nil {
 				// End the session rather than wait: the walsender holds a
@@ -253,6 +275,15 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan replication.Event
 	}
 }
 
+// mayRead reports whether the next event may be handled now. Rows acked
+// and waiting for their mark are bounded too: when the database marks
+// slower than the broker acks, reading WAL waits, instead of the queue (and
+// memory) growing with the backlog.
+func (l *loop) mayRead(stopping bool) bool {
+	return l.blocked == nil && !stopping && len(l.pending)+len(l.retry) < l.r.cfg.MaxUnsettled &&
+		(l.order == nil || l.order.parked < l.r.cfg.MaxInFlight)
+}
+
 // finish sends the final confirmation and lets the stream send its last
 // status update and return.
 func (l *loop) finish(confirms chan replication.LSN, streamDone <-chan error) error {
@@ -287,6 +318,7 @@ func (l *loop) handleEvent(ctx context.Context, ev replication.Event, confirms c
 			l.r.oldestOpen.Store(ev.CommitTime.UnixNano())
 		}
 		l.curCommitLSN = ev.CommitLSN
+		l.curHeaders = nil
 	case replication.EventRow:
 		if l.cur == nil {
 			return errors.New("row outside a transaction")
@@ -345,10 +377,13 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row) error {
 	if row.Aggregate != nil {
 		aggType, aggID, aggSeq = row.Aggregate.Type, row.Aggregate.ID, row.Aggregate.Seq
 	}
-	msg, err := wire.BuildMessage(wire.Row{
+	if l.curHeaders == nil {
+		l.curHeaders = wire.SharedHeaders(CDCHeaders(l.curCommitLSN, l.curCommitTime))
+	}
+	msg, err := wire.BuildMessageShared(wire.Row{
 		WorkID: row.WorkID, Kind: row.Kind, Subject: row.Subject, Payload: row.Payload, Headers: row.Headers,
 		AggregateType: aggType, AggregateID: aggID, AggregateSeq: aggSeq, ExpiresAt: row.ExpiresAt,
-	}, l.r.cfg.SubjectPrefix, CDCHeaders(l.curCommitLSN, l.curCommitTime))
+	}, l.r.cfg.SubjectPrefix, l.curHeaders)
 	if err != nil {
 		re, _ := sinks.IsRejected(err)
 		l.reject(it, re)
@@ -455,12 +490,12 @@ func (l *loop) handleResult(ctx context.Context, it *item) error {
 		// resumes from the slot and republishes under the same IDs.
 		return fmt.Errorf("%w: %w", errOutage, it.err)
 	}
-	result := "ok"
 	if it.ack.Duplicate {
-		result = "duplicate"
+		l.publishedDup.Inc()
 		l.r.metrics.Duplicates.Inc()
+	} else {
+		l.publishedOK.Inc()
 	}
-	l.r.metrics.Published.WithLabelValues("cdc", result).Inc()
 	l.r.metrics.CommitToAck.Observe(time.Since(it.commitTime).Seconds())
 	it.settle.Outcome = store.Published
 	it.settle.Seq = it.ack.Sequence

@@ -336,7 +336,7 @@ func (r *Relay) session(ctx context.Context) error {
 		}
 	}
 	l := newLoop(r, slot.ConfirmedFlush, held)
-	events := make(chan replication.Event, 1024)
+	events := make(chan []replication.Event, 16)
 	confirms := make(chan replication.LSN, 1)
 	stop := make(chan struct{})
 	streamDone := make(chan error, 1)

@@ -45,6 +45,25 @@ const (
 // would be stored as another row's message. The error, always a
 // *sinks.RejectedError, means the row can never be published as it is.
 func BuildMessage(r Row, subjectPrefix string, extra map[string]string) (*sinks.Message, error) {
+	return BuildMessageShared(r, subjectPrefix, SharedHeaders(extra))
+}
+
+// SharedHeaders turns path-specific headers into the form
+// BuildMessageShared takes, so that headers common to many messages (the
+// CDC path's commit position and time, the same for every row of a
+// transaction) are built once.
+func SharedHeaders(extra map[string]string) map[string][]string {
+	out := make(map[string][]string, len(extra))
+	for k, v := range extra {
+		out[k] = []string{v}
+	}
+	return out
+}
+
+// BuildMessageShared is BuildMessage with the extra headers already built by
+// SharedHeaders. Their value slices are shared by every message built from
+// them, and nothing downstream writes to them.
+func BuildMessageShared(r Row, subjectPrefix string, extra map[string][]string) (*sinks.Message, error) {
 	if err := ValidateWorkID(r.WorkID); err != nil {
 		return nil, &sinks.RejectedError{Reason: ReasonInvalidWorkID, Err: err}
 	}
@@ -92,7 +111,7 @@ func BuildMessage(r Row, subjectPrefix string, extra map[string]string) (*sinks.
 		hdr[HeaderExpiresAt] = []string{FormatDeadline(r.ExpiresAt)}
 	}
 	for k, v := range extra {
-		hdr[k] = []string{v}
+		hdr[k] = v
 	}
 	if n := HeaderBlockSize(r.WorkID, hdr); n > MaxHeaderBytes {
 		return nil, &sinks.RejectedError{Reason: ReasonHeaderTooLarge, Err: fmt.Errorf(
