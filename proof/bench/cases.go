@@ -126,7 +126,7 @@ func (b *bench) setup(ctx context.Context, k string, round int) (*path, error) {
 			p.remaining = `SELECT count(*) FROM outbox WHERE state IN ('scheduled', 'running')`
 		}
 		p.start = func() (*proc, error) {
-			return startProc("relay", logPath, b.cfg.RelayBin, b.relayArgs(p, poll)...)
+			return startProcEnv("relay", logPath, b.cfg.RelayBin, b.cfg.RelayEnv, b.relayArgs(p, poll)...)
 		}
 		pr, err := p.start()
 		if err != nil {

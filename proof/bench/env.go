@@ -191,6 +191,11 @@ type proc struct {
 }
 
 func startProc(name, logPath, bin string, args ...string) (*proc, error) {
+	return startProcEnv(name, logPath, bin, nil, args...)
+}
+
+// startProcEnv is startProc with extra environment variables (KEY=value).
+func startProcEnv(name, logPath, bin string, extraEnv []string, args ...string) (*proc, error) {
 	f, err := os.OpenFile(logPath, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
 	if err != nil {
 		return nil, err
@@ -205,7 +210,7 @@ func startProc(name, logPath, bin string, args ...string) (*proc, error) {
 			env = append(env, kv)
 		}
 	}
-	cmd.Env = env
+	cmd.Env = append(env, extraEnv...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start %s: %w", name, err)

@@ -63,6 +63,9 @@ type Config struct {
 	// round to the next, as a deployment does: round N drains its rows from a
 	// table that already holds the earlier rounds' rows.
 	SameTable bool
+	// RelayEnv is extra environment for the relay child (KEY=value), for
+	// experiments with the Go runtime (GOMAXPROCS, GOGC).
+	RelayEnv []string
 
 	Out io.Writer // the table
 	Log io.Writer // progress

@@ -51,7 +51,11 @@ func main() {
 	fs.StringVar(&c.ProfileCase, "profile-case", bench.CDCBacklog, "with -cpuprofile: which case to run with the relay in-process (cdc-backlog or cdc-live)")
 	fs.StringVar(&c.RelayPGOptions, "relay-pg-options", "", `experiment: server settings for the relay's sessions (libpq options), e.g. "-c plan_cache_mode=force_custom_plan"`)
 	fs.BoolVar(&c.SameTable, "same-table", false, "keep each case's database, table and stream across rounds: later rounds drain on a table holding the earlier rounds' rows")
+	relayEnv := fs.String("relay-env", "", "experiment: comma-separated KEY=value environment for the relay child, e.g. GOMAXPROCS=1,GOGC=200")
 	_ = fs.Parse(os.Args[1:])
+	if *relayEnv != "" {
+		c.RelayEnv = strings.Split(*relayEnv, ",")
+	}
 	c.Cases = strings.Split(cases, ",")
 	c.Out, c.Log = os.Stdout, os.Stderr
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
