@@ -45,6 +45,13 @@ type Future interface {
 	Wait(ctx context.Context) (Ack, error)
 }
 
+// Ready is what a Future may also implement: Ready reports, without
+// blocking, that Wait would return at once. A caller collecting many
+// futures uses it to take every answer already in with one wake-up.
+type Ready interface {
+	Ready() bool
+}
+
 // Sink publishes messages to a broker.
 type Sink interface {
 	// Publish starts publishing m. It may block while the client's own buffers

@@ -284,7 +284,7 @@ func (o *Options) pollerConfig(connected func() bool) poller.Config {
 // sinkOptions says where the sinks may publish: the relay's stream and the
 // streams --allow-stream names.
 func (o *Options) sinkOptions() natssink.Options {
-	return natssink.Options{Stream: o.Stream, SubjectPrefix: o.SubjectPrefix, AllowStreams: o.AllowStreams}
+	return natssink.Options{Stream: o.Stream, SubjectPrefix: o.SubjectPrefix, AllowStreams: o.AllowStreams, AckTimeout: o.AckTimeout}
 }
 
 // DefaultWorkerID is hostname-pid: unique per process on a host.
@@ -352,9 +352,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	defer drainNATS(nc, 5*time.Second)
 
 	m := metrics.New()
-	js, err := jetstream.New(nc,
-		jetstream.WithPublishAsyncTimeout(o.AckTimeout),
-		jetstream.WithPublishAsyncMaxPending(o.MaxInFlight*2+16))
+	js, err := jetstream.New(nc)
 	if err != nil {
 		return fmt.Errorf("open JetStream: %w", err)
 	}
@@ -404,18 +402,14 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		o.Started(r)
 	}
 
-	// The poller has a JetStream context of its own, so its async publishes
-	// and the CDC path's do not share a pending window.
-	pjs, err := jetstream.New(nc, jetstream.WithPublishAsyncTimeout(o.AckTimeout))
-	if err != nil {
-		return fmt.Errorf("open JetStream for the poller: %w", err)
-	}
 	pc := o.pollerConfig(nc.IsConnected)
 	if gate != nil {
 		pc.Standby = gate
 		pc.WALPosition = func(ctx context.Context) (replication.LSN, error) { return replication.CurrentFlushLSN(ctx, pool) }
 	}
-	p := poller.New(pc, st, natssink.New(pjs, o.sinkOptions()), log, m)
+	// Each sink has its own pending publishes: the two paths never wait
+	// behind each other's acks.
+	p := poller.New(pc, st, natssink.New(js, o.sinkOptions()), log, m)
 
 	g, gctx := errgroup.WithContext(ctx)
 	if o.HTTPAddr != "" {

@@ -65,7 +65,7 @@ func ValidateSubject(s string) error {
 	if strings.HasPrefix(first, "$") || first == "_INBOX" {
 		return fmt.Errorf("%w: subject %q is in the NATS server's own namespace ($... is the server's API, _INBOX.... are replies another client waits for): a row may only publish into a stream", ErrReservedSubject, s)
 	}
-	for _, tok := range strings.Split(s, ".") {
+	for tok := range strings.SplitSeq(s, ".") {
 		switch tok {
 		case "":
 			return fmt.Errorf("subject %q has an empty token (a leading, trailing or doubled dot)", s)

@@ -32,6 +32,9 @@ type Options struct {
 	// before it is read again (DefaultBindingRefresh when zero). A subject
 	// no allowed stream binds triggers a new read at most once a second.
 	Refresh time.Duration
+	// AckTimeout is how long a publish waits for the broker's ack before
+	// it fails with sinks.ErrAckTimeout (see New for the default).
+	AckTimeout time.Duration
 }
 
 // DefaultBindingRefresh is how long the allowed streams' subject lists are

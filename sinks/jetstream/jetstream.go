@@ -18,11 +18,12 @@ import (
 	"github.com/outbox-relay/outbox-relay/sinks"
 )
 
-// API is the part of JetStream the sink uses: publishing, the subjects of
-// the streams it may publish into, and a stream lookup to tell "no stream
-// binds this subject" from "JetStream is restarting".
+// API is the part of JetStream the sink uses: the connection it publishes
+// on, and the stream lookups that tell which streams bind a subject and
+// "no stream binds this subject" from "JetStream is restarting". A
+// jetstream.JetStream is one.
 type API interface {
-	jetstream.Publisher
+	Conn() *nats.Conn
 	StreamNameBySubject(ctx context.Context, subject string) (string, error)
 	Stream(ctx context.Context, name string) (jetstream.Stream, error)
 }
@@ -31,14 +32,22 @@ type API interface {
 type Sink struct {
 	js      API
 	binding *binding
+	pub     *publisher
 }
 
 var _ sinks.Sink = (*Sink)(nil)
 
-// New returns a sink on js that publishes only into the streams o allows.
-// Create js with jetstream.WithPublishAsyncTimeout: without an ack timeout a
-// future can wait forever across a broker loss.
-func New(js API, o Options) *Sink { return &Sink{js: js, binding: newBinding(o)} }
+// New returns a sink that publishes on js's connection, only into the
+// streams o allows. A publish waits o.AckTimeout for its ack, or
+// DefaultAckTimeout when that is zero: never forever, or a future could
+// wait forever across a broker loss.
+func New(js API, o Options) *Sink {
+	timeout := o.AckTimeout
+	if timeout <= 0 {
+		timeout = DefaultAckTimeout
+	}
+	return &Sink{js: js, binding: newBinding(o), pub: newPublisher(js.Conn(), timeout)}
+}
 
 // Publish implements sinks.Sink.
 func (s *Sink) Publish(ctx context.Context, m *sinks.Message) (sinks.Future, error) {
@@ -56,36 +65,38 @@ func (s *Sink) Publish(ctx context.Context, m *sinks.Message) (sinks.Future, err
 	if err := s.binding.check(ctx, s.js, m.Subject); err != nil {
 		return nil, err
 	}
-	hdr := nats.Header(m.Header)
-	if hdr == nil {
-		hdr = nats.Header{}
+	f := &future{sink: s, msg: m, hdr: nats.Header(m.Header)}
+	if f.hdr == nil {
+		f.hdr = nats.Header{}
 	}
-	hdr[jetstream.MsgIDHeader] = []string{m.ID}
-	f, err := s.js.PublishMsgAsync(&nats.Msg{Subject: m.Subject, Data: m.Data, Header: hdr})
-	if err != nil {
+	// The message's ID goes into its header map, as nats.go's WithMsgID
+	// would put it (a republished message has it already).
+	if vs := f.hdr[jetstream.MsgIDHeader]; len(vs) != 1 || vs[0] != m.ID {
+		f.id[0] = m.ID
+		f.hdr[jetstream.MsgIDHeader] = f.id[:]
+	}
+	if _, err := s.pub.publish(f); err != nil {
 		return nil, classify(ctx, s.js, m.Subject, fmt.Errorf("publish %s to %s: %w", m.ID, m.Subject, err))
 	}
-	return &future{sink: s, f: f, id: m.ID, subject: m.Subject}, nil
+	return f, nil
 }
 
-type future struct {
-	sink        *Sink
-	f           jetstream.PubAckFuture
-	id, subject string
-}
-
+// Wait implements sinks.Future.
 func (f *future) Wait(ctx context.Context) (sinks.Ack, error) {
-	select {
-	case ack := <-f.f.Ok():
-		return sinks.Ack{Stream: ack.Stream, Sequence: ack.Sequence, Duplicate: ack.Duplicate}, nil
-	case err := <-f.f.Err():
-		if errors.Is(err, jetstream.ErrAsyncPublishTimeout) {
-			return sinks.Ack{}, fmt.Errorf("ack for %s on %s: %w: %w", f.id, f.subject, sinks.ErrAckTimeout, err)
+	if ch := f.done(); ch != nil {
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return sinks.Ack{}, ctx.Err()
 		}
-		return sinks.Ack{}, classify(ctx, f.sink.js, f.subject, fmt.Errorf("ack for %s on %s: %w", f.id, f.subject, err))
-	case <-ctx.Done():
-		return sinks.Ack{}, ctx.Err()
 	}
+	if f.err == nil {
+		return f.ack, nil
+	}
+	if errors.Is(f.err, jetstream.ErrAsyncPublishTimeout) {
+		return sinks.Ack{}, fmt.Errorf("ack for %s on %s: %w: %w", f.msg.ID, f.msg.Subject, sinks.ErrAckTimeout, f.err)
+	}
+	return sinks.Ack{}, classify(ctx, f.sink.js, f.msg.Subject, fmt.Errorf("ack for %s on %s: %w", f.msg.ID, f.msg.Subject, f.err))
 }
 
 // classify turns err into a *sinks.RejectedError when the broker refused the

@@ -26,7 +26,7 @@ type fixture struct {
 	stream, prefix string
 }
 
-func newFixture(t *testing.T) *fixture {
+func newFixture(t testing.TB) *fixture {
 	t.Helper()
 	env := testenv.Shared(t)
 	f := &fixture{}
