@@ -77,7 +77,7 @@ type loop struct {
 	publishedOK, publishedDup prometheus.Counter
 
 	queue      chan *item // to the collector, in publish order
-	results    chan *item
+	results    chan []*item
 	settleReq  chan []*item
 	settleResp chan settleResult
 	wg         sync.WaitGroup
@@ -90,7 +90,7 @@ func newLoop(r *Relay, confirmed replication.LSN, held map[store.AggregateKey]st
 		r:          r,
 		cp:         checkpoint.New(confirmed),
 		queue:      make(chan *item, r.cfg.MaxInFlight+1),
-		results:    make(chan *item, r.cfg.MaxInFlight+1),
+		results:    make(chan []*item, 64),
 		settleReq:  make(chan []*item),
 		settleResp: make(chan settleResult, 1),
 		refresh:    make(chan heldRefresh),
@@ -233,10 +233,14 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Eve
 			if err := l.releaseGated(sessCtx, confirms); err != nil {
 				return err
 			}
-		case it := <-l.results:
-			if err := l.handleResult(sessCtx, it); err != nil {
-				return err
+		case its := <-l.results:
+			for _, it := range its {
+				if err := l.handleResult(sessCtx, it); err != nil {
+					return err
+				}
 			}
+			l.r.metrics.InFlight.Set(float64(l.inflight))
+			l.r.metrics.InFlightBytes.Set(float64(l.inflightBytes))
 		case res := <-l.settleResp:
 			l.settling = false
 			if res.err != nil {
@@ -462,24 +466,54 @@ func (l *loop) handOff(it *item) {
 
 // collect waits for every future in publish order. Waiting in order costs
 // little (acks mostly arrive in order) and checks every single one: a
-// completed batch can hold failures.
+// completed batch can hold failures. Answers already in when one arrives
+// go to the loop with it, so a busy stream wakes the loop once per group of
+// acks rather than once per ack.
 func (l *loop) collect(ctx context.Context) {
 	defer l.wg.Done()
-	for it := range l.queue {
+	var next *item
+	for {
+		it := next
+		next = nil
+		if it == nil {
+			var ok bool
+			if it, ok = <-l.queue; !ok {
+				return
+			}
+		}
 		it.ack, it.err = it.fut.Wait(ctx)
+		batch := append(make([]*item, 0, 16), it)
+	more:
+		for len(batch) < maxCollect {
+			select {
+			case n, ok := <-l.queue:
+				if !ok {
+					break more
+				}
+				if r, isReady := n.fut.(sinks.Ready); !isReady || !r.Ready() {
+					next = n
+					break more
+				}
+				n.ack, n.err = n.fut.Wait(ctx)
+				batch = append(batch, n)
+			default:
+				break more
+			}
+		}
 		select {
-		case l.results <- it:
+		case l.results <- batch:
 		case <-ctx.Done():
 			return
 		}
 	}
 }
 
+// maxCollect bounds the acks handed to the loop at once.
+const maxCollect = 256
+
 func (l *loop) handleResult(ctx context.Context, it *item) error {
 	l.inflight--
 	l.inflightBytes -= it.size
-	l.r.metrics.InFlight.Set(float64(l.inflight))
-	l.r.metrics.InFlightBytes.Set(float64(l.inflightBytes))
 	if it.err != nil {
 		if re, ok := sinks.IsRejected(it.err); ok {
 			l.reject(it, re)
@@ -499,8 +533,8 @@ func (l *loop) handleResult(ctx context.Context, it *item) error {
 	l.r.metrics.CommitToAck.Observe(time.Since(it.commitTime).Seconds())
 	it.settle.Outcome = store.Published
 	it.settle.Seq = it.ack.Sequence
-	// Only what the mark needs stays: the message and its future (a
-	// channel and a timer each) are garbage from here.
+	// Only what the mark needs stays: the message (payload and headers)
+	// and its future are garbage from here.
 	it.msg, it.fut = nil, nil
 	l.pending = append(l.pending, it)
 	if it.ordered && !l.stopping {
