@@ -16,11 +16,21 @@ type Message struct {
 	Subject string
 	Data    []byte
 	Header  map[string][]string
+
+	// Checked says the subject and every header were checked as a broker
+	// takes them, and HeaderBytes is then the header block's size with the
+	// ID (wire.BuildMessage sets both), so a sink need not walk the
+	// headers again for each message.
+	Checked     bool
+	HeaderBytes int
 }
 
 // Size is what the message counts against in-flight byte limits.
 func (m *Message) Size() int {
 	n := len(m.ID) + len(m.Subject) + len(m.Data)
+	if m.Checked {
+		return n + m.HeaderBytes
+	}
 	for k, vs := range m.Header {
 		for _, v := range vs {
 			n += len(k) + len(v) + 4

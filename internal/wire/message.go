@@ -113,12 +113,13 @@ func BuildMessageShared(r Row, subjectPrefix string, extra map[string][]string) 
 	for k, v := range extra {
 		hdr[k] = v
 	}
-	if n := HeaderBlockSize(r.WorkID, hdr); n > MaxHeaderBytes {
+	n := HeaderBlockSize(r.WorkID, hdr)
+	if n > MaxHeaderBytes {
 		return nil, &sinks.RejectedError{Reason: ReasonHeaderTooLarge, Err: fmt.Errorf(
 			"row %s: its headers take %d bytes, over JetStream's %d-byte limit for a message's header block: send fewer or shorter headers (%s)",
 			r.WorkID, n, MaxHeaderBytes, largestHeaders(hdr))}
 	}
-	return &sinks.Message{ID: r.WorkID, Subject: subject, Data: r.Payload, Header: hdr}, nil
+	return &sinks.Message{ID: r.WorkID, Subject: subject, Data: r.Payload, Header: hdr, Checked: true, HeaderBytes: n}, nil
 }
 
 // FormatDeadline is how Outbox-Expires-At carries a deadline: RFC 3339 in

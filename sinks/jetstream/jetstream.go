@@ -51,16 +51,10 @@ func New(js API, o Options) *Sink {
 
 // Publish implements sinks.Sink.
 func (s *Sink) Publish(ctx context.Context, m *sinks.Message) (sinks.Future, error) {
-	if err := ValidateSubject(m.Subject); err != nil {
-		reason := wire.ReasonInvalidSubject
-		if errors.Is(err, wire.ErrReservedSubject) {
-			reason = wire.ReasonReservedSubject
+	if !m.Checked {
+		if err := checkMessage(m); err != nil {
+			return nil, err
 		}
-		return nil, &sinks.RejectedError{Reason: reason, Err: err}
-	}
-	if n := wire.HeaderBlockSize(m.ID, m.Header); n > wire.MaxHeaderBytes {
-		return nil, &sinks.RejectedError{Reason: wire.ReasonHeaderTooLarge, Err: fmt.Errorf(
-			"message %.40q: header block of %d bytes, over JetStream's %d-byte limit", m.ID, n, wire.MaxHeaderBytes)}
 	}
 	if err := s.binding.check(ctx, s.js, m.Subject); err != nil {
 		return nil, err
@@ -97,6 +91,23 @@ func (f *future) Wait(ctx context.Context) (sinks.Ack, error) {
 		return sinks.Ack{}, fmt.Errorf("ack for %s on %s: %w: %w", f.msg.ID, f.msg.Subject, sinks.ErrAckTimeout, f.err)
 	}
 	return sinks.Ack{}, classify(ctx, f.sink.js, f.msg.Subject, fmt.Errorf("ack for %s on %s: %w", f.msg.ID, f.msg.Subject, f.err))
+}
+
+// checkMessage refuses what the broker or the client would mangle: a
+// message built by wire.BuildMessage was checked there already.
+func checkMessage(m *sinks.Message) error {
+	if err := ValidateSubject(m.Subject); err != nil {
+		reason := wire.ReasonInvalidSubject
+		if errors.Is(err, wire.ErrReservedSubject) {
+			reason = wire.ReasonReservedSubject
+		}
+		return &sinks.RejectedError{Reason: reason, Err: err}
+	}
+	if n := wire.HeaderBlockSize(m.ID, m.Header); n > wire.MaxHeaderBytes {
+		return &sinks.RejectedError{Reason: wire.ReasonHeaderTooLarge, Err: fmt.Errorf(
+			"message %.40q: header block of %d bytes, over JetStream's %d-byte limit", m.ID, n, wire.MaxHeaderBytes)}
+	}
+	return nil
 }
 
 // classify turns err into a *sinks.RejectedError when the broker refused the
