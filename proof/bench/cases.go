@@ -378,6 +378,10 @@ func (b *bench) backlog(ctx context.Context, p *path) (Result, error) {
 		return r, err
 	}
 	r.PubCPUPerMsgUS = r.PubCPUSeconds / float64(l.rows) * 1e6
+	if sw, sc, err := ProcSwitches(pr.pid()); err == nil {
+		r.Extra["pub_switches_per_msg"] = sw / float64(l.rows)
+		r.Extra["pub_syscalls_per_msg"] = sc / float64(l.rows)
+	}
 	if wsPID != 0 {
 		// A new walsender started with this relay: all its CPU is this drain's.
 		r.WalsenderCPU, _ = ProcCPU(wsPID)
@@ -408,6 +412,7 @@ func (b *bench) live(ctx context.Context, p *path) (Result, error) {
 		return Result{}, err
 	}
 	pubCPU := newCPUMeter(pidCPU(pr.pid()))
+	sw0, sc0, _ := ProcSwitches(pr.pid())
 	wsCPU := newCPUMeter(pidCPU(wsPID))
 	natsCPU := newCPUMeter(pidCPU(b.s.nats.PID()))
 	machine := newCPUMeter(MachineBusy)
@@ -438,6 +443,10 @@ func (b *bench) live(ctx context.Context, p *path) (Result, error) {
 	r.Throughput = throughput(col.recvNs)
 	r.PubCPUSeconds = pubCPU.delta()
 	r.PubCPUPerMsgUS = r.PubCPUSeconds / float64(n) * 1e6
+	if sw1, sc1, err := ProcSwitches(pr.pid()); err == nil {
+		r.Extra["pub_switches_per_msg"] = (sw1 - sw0) / float64(n)
+		r.Extra["pub_syscalls_per_msg"] = (sc1 - sc0) / float64(n)
+	}
 	if _, rss, err := pr.usage(); err == nil {
 		r.PubPeakRSSMB = rss
 	} else {

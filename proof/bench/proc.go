@@ -118,3 +118,38 @@ func (m *cpuMeter) delta() float64 {
 func pidCPU(pid int) func() (float64, error) {
 	return func() (float64, error) { return ProcCPU(pid) }
 }
+
+// ProcSwitches returns the context switches of every live thread of pid
+// (voluntary plus involuntary: a goroutine hand-off that parks or wakes a
+// thread is one) and its read and write system calls (/proc/<pid>/io).
+// Per message they show where CPU time goes that an instruction count
+// misses: the kernel's part of waking threads and moving bytes.
+func ProcSwitches(pid int) (switches, syscalls float64, err error) {
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		return 0, 0, err
+	}
+	for _, t := range tasks {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/status", pid, t.Name()))
+		if err != nil {
+			continue // the thread exited
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			if k, v, ok := strings.Cut(line, ":"); ok && strings.HasSuffix(k, "ctxt_switches") {
+				n, _ := strconv.ParseFloat(strings.TrimSpace(v), 64)
+				switches += n
+			}
+		}
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/io", pid))
+	if err != nil {
+		return switches, 0, err
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if k, v, ok := strings.Cut(line, ":"); ok && (k == "syscr" || k == "syscw") {
+			n, _ := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			syscalls += n
+		}
+	}
+	return switches, syscalls, nil
+}
