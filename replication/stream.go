@@ -23,7 +23,13 @@ type StreamConfig struct {
 	// nothing changed. Keep it well under half of the server's
 	// wal_sender_timeout (60s by default), or the server drops the stream.
 	StatusInterval time.Duration
-	Logger         zerolog.Logger
+	// Linger is how long a transaction may wait for the ones after it, so
+	// that a trickle of small transactions reaches the relay (and the broker,
+	// and the marks) in groups: one wake-up of each goroutine per group
+	// instead of per message. A batch that fills goes at once; 0 hands each
+	// transaction over as soon as its commit is read.
+	Linger time.Duration
+	Logger zerolog.Logger
 }
 
 // Stats are the stream's positions, readable from any goroutine.
@@ -137,6 +143,16 @@ func (s *Stream) Run(ctx context.Context, out chan<- []Event, confirms <-chan pg
 		_ = netConn.SetReadDeadline(time.Now())
 	}()
 	var deadline time.Time
+	var lingerUntil time.Time // when the batch's first commit has waited Linger; zero: none waits
+	// At a trickle (the last batch went out because nothing more came
+	// within Linger), the stream does not read while a commit lingers: what
+	// arrives meanwhile waits in the socket and is then taken with one read,
+	// instead of a wake-up and a read per message. While WAL flows (batches
+	// fill), it reads on.
+	var trickle, draining bool
+	lingerTimer := time.NewTimer(time.Hour)
+	lingerTimer.Stop()
+	defer lingerTimer.Stop()
 	defer func() { _ = netConn.SetReadDeadline(time.Time{}) }()
 
 	for {
@@ -158,8 +174,40 @@ func (s *Stream) Run(ctx context.Context, out chan<- []Event, confirms <-chan pg
 			nextStatus = time.Now().Add(s.cfg.StatusInterval)
 		}
 
-		if !nextStatus.Equal(deadline) {
-			deadline = nextStatus
+		if trickle && s.batch != nil && !lingerUntil.IsZero() && !draining {
+			if d := time.Until(lingerUntil); d > 0 {
+				lingerTimer.Reset(d)
+				select {
+				case <-stop:
+					return s.drain(ctx, confirms)
+				case <-ctx.Done():
+					return ctx.Err()
+				case lsn, ok := <-confirms:
+					lingerTimer.Stop()
+					if !ok {
+						return s.sendStatus(ctx, false)
+					}
+					s.ack(lsn)
+					continue
+				case <-lingerTimer.C:
+				}
+			}
+			draining = true
+			// A deadline just ahead: the read below takes what the socket
+			// holds, and the first read that would wait ends the batch.
+			deadline = time.Now().Add(drainWait)
+			if err := netConn.SetReadDeadline(deadline); err != nil {
+				return fmt.Errorf("set read deadline on slot %s: %w", s.cfg.Slot, err)
+			}
+		}
+		wake := nextStatus
+		if draining {
+			wake = deadline
+		} else if s.batch != nil && !lingerUntil.IsZero() && lingerUntil.Before(wake) {
+			wake = lingerUntil
+		}
+		if !wake.Equal(deadline) {
+			deadline = wake
 			if err := netConn.SetReadDeadline(deadline); err != nil {
 				return fmt.Errorf("set read deadline on slot %s: %w", s.cfg.Slot, err)
 			}
@@ -179,6 +227,15 @@ func (s *Stream) Run(ctx context.Context, out chan<- []Event, confirms <-chan pg
 			default:
 			}
 			if pgconn.Timeout(err) && ctx.Err() == nil {
+				if s.batch != nil && !lingerUntil.IsZero() && (draining || !time.Now().Before(lingerUntil)) {
+					trickle, draining = true, false
+					if err := s.flush(ctx, out, confirms, stop, ticker.C, &lingerUntil); err != nil {
+						if errors.Is(err, errStopped) {
+							return s.drain(ctx, confirms)
+						}
+						return err
+					}
+				}
 				continue
 			}
 			return fmt.Errorf("receive from slot %s: %w", s.cfg.Slot, err)
@@ -229,12 +286,22 @@ func (s *Stream) Run(ctx context.Context, out chan<- []Event, confirms <-chan pg
 					s.batch = newBatch()
 				}
 				s.batch = append(s.batch, ev)
-				if ev.Type != EventCommit && len(s.batch) < MaxBatch {
-					continue
+				if len(s.batch) < MaxBatch {
+					if ev.Type != EventCommit {
+						continue
+					}
+					if s.cfg.Linger > 0 {
+						now := time.Now()
+						if lingerUntil.IsZero() {
+							lingerUntil = now.Add(s.cfg.Linger)
+						}
+						if trickle || now.Before(lingerUntil) {
+							continue
+						}
+					}
 				}
-				batch := s.batch
-				s.batch = nil
-				if err := s.emit(ctx, out, batch, confirms, stop, ticker.C); err != nil {
+				trickle, draining = false, false
+				if err := s.flush(ctx, out, confirms, stop, ticker.C, &lingerUntil); err != nil {
 					if errors.Is(err, errStopped) {
 						return s.drain(ctx, confirms)
 					}
@@ -250,6 +317,18 @@ func (s *Stream) Run(ctx context.Context, out chan<- []Event, confirms <-chan pg
 }
 
 var errStopped = errors.New("stream stopped")
+
+// drainWait is how long a read after a lingering trickle waits for more:
+// enough for the read to be tried, not enough to add latency.
+const drainWait = 50 * time.Microsecond
+
+// flush hands the batch read so far to the relay.
+func (s *Stream) flush(ctx context.Context, out chan<- []Event, confirms <-chan pglogrepl.LSN, stop <-chan struct{}, tick <-chan time.Time, lingerUntil *time.Time) error {
+	batch := s.batch
+	s.batch = nil
+	*lingerUntil = time.Time{}
+	return s.emit(ctx, out, batch, confirms, stop, tick)
+}
 
 // emit hands ev to the relay. While the relay pushes back (broker slow or
 // down), it keeps taking confirmations and sending status updates, so the

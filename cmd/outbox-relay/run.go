@@ -19,21 +19,21 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs := newFlagSet("run", "Streams committed outbox INSERTs from the replication slot to JetStream and confirms the slot only after the broker acked.", stderr)
 	c.register(fs, commonFlags...)
 	var (
-		dupWindow, ackTimeout, statusInterval, drainTimeout time.Duration
-		maxInFlight, maxInFlightBytes, replicas             int
-		httpAddr, appName                                   string
-		auth                                                app.NATSAuth
-		workerID                                            string
-		lease, backoffMin, backoffMax, pollInterval         time.Duration
-		maxAttempts, pollBatch                              int
-		statsInterval                                       time.Duration
-		createStream                                        bool
-		allowStreams                                        config.List
-		ordering                                            string
-		standbySlots                                        config.List
-		failoverSlot                                        bool
-		deadlineMargin                                      time.Duration
-		consoleOpts                                         console.Options
+		dupWindow, ackTimeout, statusInterval, drainTimeout, linger time.Duration
+		maxInFlight, maxInFlightBytes, replicas                     int
+		httpAddr, appName                                           string
+		auth                                                        app.NATSAuth
+		workerID                                                    string
+		lease, backoffMin, backoffMax, pollInterval                 time.Duration
+		maxAttempts, pollBatch                                      int
+		statsInterval                                               time.Duration
+		createStream                                                bool
+		allowStreams                                                config.List
+		ordering                                                    string
+		standbySlots                                                config.List
+		failoverSlot                                                bool
+		deadlineMargin                                              time.Duration
+		consoleOpts                                                 console.Options
 	)
 	fs.DurationVar(&dupWindow, "duplicate-window", natssink.DefaultDuplicateWindow, "duplicate window of the stream when the relay creates it")
 	fs.StringVar(&ordering, "ordering", app.OrderingNone, "none (publish as committed) or aggregate (keep each aggregate's sequence order on every path, G12)")
@@ -46,6 +46,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs.DurationVar(&ackTimeout, "ack-timeout", natssink.DefaultAckTimeout, "how long a publish waits for the broker's ack before the session restarts")
 	fs.IntVar(&maxInFlight, "max-in-flight", relay.DefaultMaxInFlight, "messages published and not yet acked")
 	fs.IntVar(&maxInFlightBytes, "max-in-flight-bytes", relay.DefaultMaxInFlightBytes, "bytes published and not yet acked")
+	fs.DurationVar(&linger, "linger", relay.DefaultLinger, "how long a committed transaction may wait for the next ones before it is published (0: not at all); groups a trickle of small transactions into fewer wake-ups")
 	fs.DurationVar(&statusInterval, "status-interval", relay.DefaultStatusInterval, "standby status updates to PostgreSQL (keep well under wal_sender_timeout/2)")
 	fs.DurationVar(&drainTimeout, "drain-timeout", relay.DefaultDrainTimeout, "on SIGTERM, how long to wait for in-flight acks")
 	fs.StringVar(&httpAddr, "http-addr", "", "serve /metrics, /healthz and /readyz here, e.g. :8080 (empty: off)")
@@ -87,6 +88,13 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	o.DuplicateWindow, o.StreamReplicas, o.AckTimeout, o.NoCreateStream = dupWindow, replicas, ackTimeout, !createStream
 	o.MaxInFlight, o.MaxInFlightBytes = maxInFlight, maxInFlightBytes
 	o.StatusInterval, o.DrainTimeout = statusInterval, drainTimeout
+	o.Linger = linger
+	if linger == 0 {
+		o.Linger = -1
+	}
+	if linger < 0 {
+		return errors.New("--linger " + linger.String() + ": must be 0 or more")
+	}
 	o.HTTPAddr, o.AppName, o.NATS, o.StatsInterval = httpAddr, appName, auth, statsInterval
 	if consoleOpts.Enabled && httpAddr == "" {
 		return errors.New("--console needs --http-addr: the console is served on it under /ui/")

@@ -66,6 +66,7 @@ type Options struct {
 	NoCreateStream   bool // --create-stream=false: the stream must exist
 	AckTimeout       time.Duration
 	MaxInFlight      int
+	Linger           time.Duration // 0: relay.DefaultLinger; <0: none
 	MaxInFlightBytes int
 	StatusInterval   time.Duration
 	DrainTimeout     time.Duration
@@ -389,6 +390,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		SubjectPrefix:    o.SubjectPrefix,
 		AppName:          o.AppName,
 		MaxInFlight:      o.MaxInFlight,
+		Linger:           o.Linger,
 		MaxInFlightBytes: o.MaxInFlightBytes,
 		StatusInterval:   o.StatusInterval,
 		DrainTimeout:     o.DrainTimeout,

@@ -315,7 +315,11 @@ func TestStopConfirmsPastOwnMarks(t *testing.T) {
 	h.stop()
 	after, lag := h.slotConfirmed()
 	afterLSN, _ := pglogrepl.ParseLSN(after)
-	if afterLSN < endLSN {
+	// Within a WAL page of the end: pg_current_wal_lsn() is where WAL is
+	// written up to, which can lie a little past the last record the
+	// walsender read (a page boundary, a background record). The marks of
+	// 2,000 rows are about 150 kB of WAL.
+	if afterLSN+16<<10 < endLSN {
 		t.Fatalf("slot confirmed %s after stop (was %s while running); the marks end at %s", after, before, end)
 	}
 	t.Logf("confirmed %s while running, %s after stop; marks end at %s; lag now %d bytes", before, after, end, lag)

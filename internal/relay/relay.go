@@ -40,6 +40,7 @@ type Config struct {
 	SettleDelay      time.Duration // how long a partial batch waits for more rows before it is settled
 	MaxUnsettled     int           // rows acked (or handed off) and not yet settled before reading WAL pauses
 	StatusInterval   time.Duration // standby status updates
+	Linger           time.Duration // how long a transaction waits for the next ones (replication.StreamConfig.Linger); <0: not at all
 	DrainTimeout     time.Duration // how long shutdown waits for in-flight acks
 	RejectRetry      time.Duration // delay before the poller retries a row the broker rejected
 	BackoffMin       time.Duration // reconnect backoff after a failed session
@@ -72,6 +73,11 @@ const (
 	DefaultMaxInFlightBytes = 4 << 20
 	DefaultStatusInterval   = 2 * time.Second
 	DefaultDrainTimeout     = 10 * time.Second
+	// DefaultLinger groups transactions that arrive less than this apart:
+	// at one row per transaction it cuts the relay's wake-ups and system
+	// calls per message, for at most this much added latency
+	// (docs/benchmarks.md).
+	DefaultLinger = 2 * time.Millisecond
 )
 
 func (c *Config) setDefaults() {
@@ -94,6 +100,9 @@ func (c *Config) setDefaults() {
 	}
 	def(&c.SettleDelay, 5*time.Millisecond)
 	def(&c.StatusInterval, DefaultStatusInterval)
+	if c.Linger == 0 {
+		c.Linger = DefaultLinger
+	}
 	def(&c.DrainTimeout, DefaultDrainTimeout)
 	def(&c.RejectRetry, 5*time.Second)
 	def(&c.BackoffMin, 200*time.Millisecond)
@@ -309,6 +318,7 @@ func (r *Relay) session(ctx context.Context) error {
 		Publication:    r.cfg.Publication,
 		Table:          replication.Table{Schema: r.cfg.Table.Schema, Name: r.cfg.Table.Name},
 		StatusInterval: r.cfg.StatusInterval,
+		Linger:         max(r.cfg.Linger, 0),
 		Logger:         r.log,
 	}, slot.ConfirmedFlush, &r.stats)
 	if err != nil {
