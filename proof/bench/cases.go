@@ -67,12 +67,12 @@ func (b *bench) names(k string, round int) (db, stream, prefix string) {
 }
 
 func (b *bench) relayArgs(p *path, poll time.Duration) []string {
-	return []string{"run",
+	return append([]string{"run",
 		"--database-url", b.relayURL(p.url), "--nats-url", b.s.nats.URL(),
 		"--stream", p.stream, "--subject-prefix", p.prefix, "--on-publish", b.cfg.Policy,
 		"--poll-interval", poll.String(), "--stats-interval", "0",
 		"--application-name", relayAppName, "--worker-id", "bench", "--log-level", "warn",
-	}
+	}, b.cfg.RelayArgs...)
 }
 
 // relayURL adds -relay-pg-options (server settings for the relay's

@@ -66,6 +66,8 @@ type Config struct {
 	// RelayEnv is extra environment for the relay child (KEY=value), for
 	// experiments with the Go runtime (GOMAXPROCS, GOGC).
 	RelayEnv []string
+	// RelayArgs are extra flags for the relay child's run command.
+	RelayArgs []string
 
 	Out io.Writer // the table
 	Log io.Writer // progress
