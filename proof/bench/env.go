@@ -127,8 +127,13 @@ func (s *servers) walsenderPID(ctx context.Context, db, slot string, timeout tim
 	deadline := time.Now().Add(timeout)
 	for {
 		var pid *int32
+		// Streaming, not only active: while CREATE_REPLICATION_SLOT runs the
+		// slot is already listed with its walsender, but it is ephemeral
+		// and goes away if the relay stops then (seen: the setup's stop
+		// lost the slot, and the case found none).
 		err := s.admin.QueryRow(ctx,
-			`SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1 AND database = $2`, slot, db).Scan(&pid)
+			`SELECT s.active_pid FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid
+			WHERE s.slot_name = $1 AND s.database = $2 AND r.state = 'streaming'`, slot, db).Scan(&pid)
 		if err == nil && pid != nil {
 			return int(*pid), nil
 		}
