@@ -27,6 +27,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
@@ -40,13 +41,19 @@ import (
 
 // Config holds the poller's knobs.
 type Config struct {
-	WorkerID      string
-	Lease         time.Duration // how long a claim is held; publishes and their acks must fit in it
-	PollInterval  time.Duration // pause between polls when the last batch was not full (±50% jitter)
-	BackoffMin    time.Duration
-	BackoffMax    time.Duration
-	MaxAttempts   int // attempts (claims) before a row is failed
-	Batch         int // rows per claim
+	WorkerID     string
+	Lease        time.Duration // how long a claim is held; publishes and their acks must fit in it
+	PollInterval time.Duration // pause between polls when the last batch was not full (±50% jitter)
+	BackoffMin   time.Duration
+	BackoffMax   time.Duration
+	MaxAttempts  int // attempts (claims) before a row is failed
+	Batch        int // rows per claim
+	// Pipeline is how many claimed batches Run keeps in flight: the next
+	// claim runs while earlier batches wait for their acks and completions,
+	// so the database and the broker work at the same time instead of
+	// taking turns. Capped to MaxInFlightRows rows in flight (one batch at
+	// least). 0: DefaultPipeline; 1: one batch at a time.
+	Pipeline      int
 	SubjectPrefix string
 	// Ordered claims, per aggregate, only its lowest unpublished sequence
 	// (run --ordering aggregate, G12).
@@ -78,12 +85,22 @@ const (
 	DefaultBackoffMax   = 5 * time.Minute
 	DefaultPollInterval = time.Second
 	DefaultMaxAttempts  = 10
-	DefaultBatch        = 100
+	DefaultBatch        = 500
+	DefaultPipeline     = 2
+	// MaxInFlightRows bounds Pipeline × Batch: the poller's JetStream
+	// context holds at most 4,000 unacked publishes (nats.go's default)
+	// before a publish stalls, and every claimed row holds a lease.
+	MaxInFlightRows = 2000
 	// DefaultDeadlineMargin is how close to its deadline a row may still be
 	// published: the time a publish and its ack may take.
 	DefaultDeadlineMargin = time.Second
 	DefaultSweepInterval  = 5 * time.Second
 )
+
+// maxInFlightBytes stops pipelining batches of large payloads: their time
+// goes to moving bytes, which a second batch in flight does not shorten,
+// while it would hold another batch of payloads in memory.
+const maxInFlightBytes = 8 << 20
 
 // WithDefaults returns c with its zero knobs set to the defaults.
 func (c Config) WithDefaults() Config {
@@ -104,6 +121,9 @@ func (c Config) WithDefaults() Config {
 	if c.Batch == 0 {
 		c.Batch = DefaultBatch
 	}
+	if c.Pipeline == 0 {
+		c.Pipeline = DefaultPipeline
+	}
 	return c
 }
 
@@ -117,6 +137,9 @@ type Poller struct {
 	// failures, stale claims): a few per half minute, not one per poll.
 	noisy zerolog.Logger
 	m     *metrics.Metrics
+	// The per-row counters, bound once: a label lookup per message is a
+	// measurable share of a batch's CPU.
+	pubOK, pubDuplicate prometheus.Counter
 }
 
 // New returns a poller; Run starts it.
@@ -133,19 +156,43 @@ func New(cfg Config, st *store.Store, sink sinks.Sink, log zerolog.Logger, m *me
 	if cfg.MaxAttempts < 1 {
 		cfg.MaxAttempts = 1
 	}
+	if cfg.Pipeline < 1 {
+		cfg.Pipeline = DefaultPipeline
+	}
+	cfg.Pipeline = max(1, min(cfg.Pipeline, MaxInFlightRows/cfg.Batch))
 	l := log.With().Str("component", "poller").Str("worker", cfg.WorkerID).Logger()
 	return &Poller{cfg: cfg, st: st, sink: sink, log: l, m: m,
-		noisy: l.Sample(&zerolog.BurstSampler{Burst: 5, Period: 30 * time.Second})}
+		noisy:        l.Sample(&zerolog.BurstSampler{Burst: 5, Period: 30 * time.Second}),
+		pubOK:        m.Published.WithLabelValues("poller", "ok"),
+		pubDuplicate: m.Published.WithLabelValues("poller", "duplicate"),
+	}
 }
 
-// Run polls until ctx ends; it returns nil then. Database and broker errors
-// are logged and retried at the next poll: the poller never gives up.
+// Run polls until ctx ends; it returns nil then, once the batches in flight
+// are finished. Database and broker errors are logged and retried at the
+// next poll: the poller never gives up.
+//
+// Up to cfg.Pipeline batches are in flight: the next claim runs while the
+// batches before it wait for their acks and completions. Each batch is on
+// its own from its claim on (its own leases, renewals and guarded
+// statements), exactly as if another worker had claimed it, so pipelining
+// changes no guard.
 func (p *Poller) Run(ctx context.Context) error {
-	p.log.Info().Dur("lease", p.cfg.Lease).Int("max_attempts", p.cfg.MaxAttempts).Int("batch", p.cfg.Batch).Msg("poller started")
-	immediate := false
+	p.log.Info().Dur("lease", p.cfg.Lease).Int("max_attempts", p.cfg.MaxAttempts).Int("batch", p.cfg.Batch).
+		Int("pipeline", p.cfg.Pipeline).Msg("poller started")
+	f := flight{done: make(chan int, p.cfg.Pipeline)}
+	// Claimed batches are finished even when ctx ends: a stop records what
+	// the broker acked instead of leaving it to a reclaim.
+	defer f.waitAll()
+	// The first claim runs at once, before the first sweep: a relay that
+	// starts on a backlog has no reason to wait a poll interval, and the
+	// sweep then runs while the first batch is published. Sweeping second
+	// lets no expired row through: the claim itself leaves alone rows too
+	// close to their deadline.
+	immediate := true
 	var lastSweep time.Time
-	for {
-		if time.Since(lastSweep) >= p.cfg.SweepInterval {
+	for first := true; ; first = false {
+		if !first && time.Since(lastSweep) >= p.cfg.SweepInterval {
 			lastSweep = time.Now()
 			p.sweep(ctx)
 		}
@@ -162,10 +209,7 @@ func (p *Poller) Run(ctx context.Context) error {
 			return nil
 		}
 		immediate = false
-		if p.cfg.Connected != nil && !p.cfg.Connected() {
-			continue
-		}
-		n, err := p.Poll(ctx)
+		claimed, err := p.claimNext(ctx, &f)
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil
@@ -173,7 +217,74 @@ func (p *Poller) Run(ctx context.Context) error {
 			p.noisy.Warn().Err(err).Msg("poll failed; retrying at the next interval (repeats are sampled)")
 			continue
 		}
-		immediate = n >= p.cfg.Batch
+		if len(claimed) == 0 {
+			continue
+		}
+		size := 0
+		for _, c := range claimed {
+			size += len(c.Payload) + len(c.Headers)
+		}
+		f.batches++
+		f.bytes += size
+		go func() {
+			defer func() { f.done <- size }()
+			if err := p.process(ctx, claimed); err != nil {
+				p.noisy.Warn().Err(err).Int("claims", len(claimed)).Msg("batch failed; its rows are reclaimed once their leases expire (repeats are sampled)")
+			}
+		}()
+		immediate = len(claimed) >= p.cfg.Batch
+	}
+}
+
+// claimNext claims the next batch once there is room for it in f, unless
+// the broker is unreachable (a claim would only burn an attempt). It
+// returns nothing when ctx ends first.
+func (p *Poller) claimNext(ctx context.Context, f *flight) ([]store.Claimed, error) {
+	if p.cfg.Connected != nil && !p.cfg.Connected() {
+		return nil, nil
+	}
+	if !f.waitRoom(ctx, p.cfg.Pipeline) {
+		return nil, nil
+	}
+	return p.claim(ctx)
+}
+
+// flight counts the batches Run has claimed and not finished, and their
+// payload bytes. Only Run's goroutine touches the counts; a batch reports
+// its end (its bytes) on done, which has room for every batch in flight.
+type flight struct {
+	batches, bytes int
+	done           chan int
+}
+
+// waitRoom waits until another batch may be claimed: fewer than pipeline
+// batches in flight, and fewer than maxInFlightBytes of payload unless none
+// is. false: ctx ended first.
+func (f *flight) waitRoom(ctx context.Context, pipeline int) bool {
+	for {
+		select {
+		case n := <-f.done:
+			f.batches--
+			f.bytes -= n
+			continue
+		default:
+		}
+		if f.batches == 0 || (f.batches < pipeline && f.bytes < maxInFlightBytes) {
+			return true
+		}
+		select {
+		case n := <-f.done:
+			f.batches--
+			f.bytes -= n
+		case <-ctx.Done():
+			return false
+		}
+	}
+}
+
+func (f *flight) waitAll() {
+	for ; f.batches > 0; f.batches-- {
+		f.bytes -= <-f.done
 	}
 }
 
@@ -202,14 +313,26 @@ type inflight struct {
 // Poll claims one batch, publishes it, and records each row's outcome with
 // guarded statements. It returns how many rows it claimed.
 func (p *Poller) Poll(ctx context.Context) (int, error) {
-	claimed, err := p.st.Claim(ctx, p.cfg.WorkerID, p.cfg.Lease, p.cfg.Batch, store.ClaimOptions{Ordered: p.cfg.Ordered, DeadlineMargin: p.cfg.DeadlineMargin})
-	if err != nil {
+	claimed, err := p.claim(ctx)
+	if err != nil || len(claimed) == 0 {
 		return 0, err
 	}
-	if len(claimed) == 0 {
-		return 0, nil
+	return len(claimed), p.process(ctx, claimed)
+}
+
+func (p *Poller) claim(ctx context.Context) ([]store.Claimed, error) {
+	claimed, err := p.st.Claim(ctx, p.cfg.WorkerID, p.cfg.Lease, p.cfg.Batch, store.ClaimOptions{Ordered: p.cfg.Ordered, DeadlineMargin: p.cfg.DeadlineMargin})
+	if err != nil {
+		return nil, fmt.Errorf("claim: %w", err)
 	}
-	p.m.Claims.Add(float64(len(claimed)))
+	if len(claimed) > 0 {
+		p.m.Claims.Add(float64(len(claimed)))
+	}
+	return claimed, nil
+}
+
+// process publishes a claimed batch and records each row's outcome.
+func (p *Poller) process(ctx context.Context, claimed []store.Claimed) error {
 	// The claims are committed. Finish this batch even if ctx ends meanwhile
 	// (its outcomes are worth recording), renewing the leases while acks are
 	// slow, but never past a lease that could not be renewed: after that
@@ -232,11 +355,12 @@ func (p *Poller) Poll(ctx context.Context) (int, error) {
 			err = p.cfg.Standby.Wait(wctx, lsn)
 		}
 		if err != nil {
-			return len(claimed), fmt.Errorf("wait for the standbys to flush the claimed rows: %w", err)
+			return fmt.Errorf("wait for the standbys to flush the claimed rows: %w", err)
 		}
 	}
 
 	batch := make([]inflight, 0, len(claimed))
+	extra := make(map[string]string, 2)
 	for _, c := range claimed {
 		if c.Reclaimed && c.Attempts > p.cfg.MaxAttempts {
 			// A worker held it and vanished (or stalled) on its last
@@ -245,13 +369,13 @@ func (p *Poller) Poll(ctx context.Context) (int, error) {
 			p.fail(wctx, c, fmt.Sprintf("uncertain: lease expired after %d attempts (max attempts reached)", c.Attempts-1))
 			continue
 		}
+		// BuildMessage copies extra's values, so one map serves the batch.
+		extra[wire.HeaderAttempt] = strconv.Itoa(c.Attempts)
+		extra[wire.HeaderClaimGeneration] = strconv.FormatInt(c.ClaimGeneration, 10)
 		msg, err := wire.BuildMessage(wire.Row{
 			WorkID: c.WorkID, Kind: c.Kind, Subject: c.Subject, Payload: c.Payload, Headers: c.Headers,
 			AggregateType: c.AggregateType, AggregateID: c.AggregateID, AggregateSeq: c.AggregateSeq, ExpiresAt: c.ExpiresAt,
-		}, p.cfg.SubjectPrefix, map[string]string{
-			wire.HeaderAttempt:         strconv.Itoa(c.Attempts),
-			wire.HeaderClaimGeneration: strconv.FormatInt(c.ClaimGeneration, 10),
-		})
+		}, p.cfg.SubjectPrefix, extra)
 		if err != nil {
 			batch = append(batch, inflight{c: c, err: err})
 			continue
@@ -260,19 +384,19 @@ func (p *Poller) Poll(ctx context.Context) (int, error) {
 		batch = append(batch, inflight{c: c, f: f, err: err})
 	}
 
-	var acked []store.Completion
+	acked := make([]store.Completion, 0, len(batch))
 	for i := range batch {
 		in := &batch[i]
 		if in.err == nil {
 			ack, err := in.f.Wait(wctx)
 			if err == nil {
 				acked = append(acked, store.Completion{WorkID: in.c.WorkID, Generation: in.c.ClaimGeneration, Seq: ack.Sequence})
-				result := "ok"
 				if ack.Duplicate {
-					result = "duplicate"
+					p.pubDuplicate.Inc()
 					p.m.Duplicates.Inc()
+				} else {
+					p.pubOK.Inc()
 				}
-				p.m.Published.WithLabelValues("poller", result).Inc()
 				continue
 			}
 			in.err = err
@@ -290,7 +414,7 @@ func (p *Poller) Poll(ctx context.Context) (int, error) {
 		if err != nil {
 			// The rows stay running; their leases expire and another
 			// claim publishes them again (deduplicated by Nats-Msg-Id).
-			return len(claimed), fmt.Errorf("complete %d acked rows: %w", len(acked), err)
+			return fmt.Errorf("complete %d acked rows: %w", len(acked), err)
 		}
 		if len(done) < len(acked) {
 			ok := make(map[string]struct{}, len(done))
@@ -304,7 +428,7 @@ func (p *Poller) Poll(ctx context.Context) (int, error) {
 			}
 		}
 	}
-	return len(claimed), nil
+	return nil
 }
 
 // keepLeases renews the batch's leases every third of the lease until stop

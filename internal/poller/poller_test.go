@@ -29,7 +29,7 @@ func TestMain(m *testing.M) { testenv.Main(m) }
 var table = store.Table{Schema: "public", Name: "outbox"}
 
 type fixture struct {
-	t      *testing.T
+	t      testing.TB
 	dbURL  string
 	prefix string
 	stream string
@@ -38,7 +38,7 @@ type fixture struct {
 	js     jetstream.JetStream
 }
 
-func newFixture(t *testing.T) *fixture {
+func newFixture(t testing.TB) *fixture {
 	t.Helper()
 	ctx := context.Background()
 	env := testenv.Shared(t)
@@ -103,7 +103,7 @@ func (f *fixture) pollerWithSink(id string, cfg poller.Config, wrap func(sinks.S
 
 // run starts p and returns a stop function that cancels it and checks that
 // Run returned nil.
-func run(t *testing.T, ps ...*poller.Poller) (stop func()) {
+func run(t testing.TB, ps ...*poller.Poller) (stop func()) {
 	ctx, cancel := context.WithCancel(context.Background())
 	errs := make(chan error, len(ps))
 	for _, p := range ps {
@@ -124,7 +124,7 @@ func run(t *testing.T, ps ...*poller.Poller) (stop func()) {
 	return stop
 }
 
-func counter(t *testing.T, c prometheus.Counter) float64 {
+func counter(t testing.TB, c prometheus.Counter) float64 {
 	t.Helper()
 	var d dto.Metric
 	if err := c.Write(&d); err != nil {
