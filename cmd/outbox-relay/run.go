@@ -25,7 +25,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 		auth                                                        app.NATSAuth
 		workerID                                                    string
 		lease, backoffMin, backoffMax, pollInterval                 time.Duration
-		maxAttempts, pollBatch                                      int
+		maxAttempts, pollBatch, pollPipeline                        int
 		statsInterval                                               time.Duration
 		createStream                                                bool
 		allowStreams                                                config.List
@@ -70,6 +70,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs.DurationVar(&backoffMax, "backoff-max", poller.DefaultBackoffMax, "upper bound of the retry delay")
 	fs.DurationVar(&pollInterval, "poll-interval", poller.DefaultPollInterval, "pause between poller claims when the last batch was not full (±50% jitter)")
 	fs.IntVar(&pollBatch, "poll-batch", poller.DefaultBatch, "rows per poller claim")
+	fs.IntVar(&pollPipeline, "poll-pipeline", poller.DefaultPipeline, "claimed batches the poller keeps in flight: the next claim runs while earlier batches wait for their acks (1: one at a time)")
 	fs.DurationVar(&statsInterval, "stats-interval", app.DefaultStatsInterval, "how often the rows-by-state and oldest-eligible metrics are read from the table (one scan of it; 0: never)")
 	if err := parse(fs, args); err != nil {
 		return err
@@ -102,5 +103,6 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	o.Console = consoleOpts
 	o.WorkerID, o.Lease, o.MaxAttempts = workerID, lease, maxAttempts
 	o.BackoffMin, o.BackoffMax, o.PollInterval, o.PollBatch = backoffMin, backoffMax, pollInterval, pollBatch
+	o.PollPipeline = pollPipeline
 	return app.Run(ctx, o, log)
 }

@@ -90,6 +90,7 @@ type Options struct {
 	BackoffMax   time.Duration
 	PollInterval time.Duration
 	PollBatch    int
+	PollPipeline int // claimed batches in flight; 0: poller.DefaultPipeline
 
 	NATS NATSAuth
 
@@ -258,8 +259,8 @@ func (o *Options) Validate() error {
 	if pc := o.pollerConfig(nil); o.Lease < 0 || pc.Lease <= o.AckTimeout {
 		return fmt.Errorf("--lease %s: must be longer than --ack-timeout %s, or a claim expires while its publish is still waiting for the ack", pc.Lease, o.AckTimeout)
 	}
-	if o.MaxAttempts < 0 || o.PollBatch < 0 || o.PollInterval < 0 {
-		return fmt.Errorf("--max-attempts %d, --poll-batch %d, --poll-interval %s: may not be negative", o.MaxAttempts, o.PollBatch, o.PollInterval)
+	if o.MaxAttempts < 0 || o.PollBatch < 0 || o.PollInterval < 0 || o.PollPipeline < 0 {
+		return fmt.Errorf("--max-attempts %d, --poll-batch %d, --poll-interval %s, --poll-pipeline %d: may not be negative", o.MaxAttempts, o.PollBatch, o.PollInterval, o.PollPipeline)
 	}
 	if o.BackoffMin < 0 || o.BackoffMax < 0 || (o.BackoffMax > 0 && o.BackoffMin > o.BackoffMax) {
 		return fmt.Errorf("--backoff-min %s, --backoff-max %s: want 0 <= min <= max", o.BackoffMin, o.BackoffMax)
@@ -272,7 +273,7 @@ func (o *Options) Validate() error {
 func (o *Options) pollerConfig(connected func() bool) poller.Config {
 	c := poller.Config{
 		WorkerID: o.WorkerID, Lease: o.Lease, MaxAttempts: o.MaxAttempts,
-		BackoffMin: o.BackoffMin, BackoffMax: o.BackoffMax, PollInterval: o.PollInterval, Batch: o.PollBatch,
+		BackoffMin: o.BackoffMin, BackoffMax: o.BackoffMax, PollInterval: o.PollInterval, Batch: o.PollBatch, Pipeline: o.PollPipeline,
 		SubjectPrefix: o.SubjectPrefix, Connected: connected,
 		Ordered: o.Ordering == OrderingAggregate, DeadlineMargin: o.DeadlineMargin,
 	}
