@@ -133,7 +133,7 @@ func (s *servers) walsenderPID(ctx context.Context, db, slot string, timeout tim
 		// lost the slot, and the case found none).
 		err := s.admin.QueryRow(ctx,
 			`SELECT s.active_pid FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid
-			WHERE s.slot_name = $1 AND s.database = $2 AND r.state = 'streaming'`, slot, db).Scan(&pid)
+			WHERE s.slot_name = $1 AND s.database = $2 AND r.state IN ('catchup', 'streaming')`, slot, db).Scan(&pid)
 		if err == nil && pid != nil {
 			return int(*pid), nil
 		}

@@ -276,14 +276,19 @@ func connectNATS(t *testing.T, url string) jetstream.JetStream {
 type slotState struct {
 	exists    bool
 	active    bool
+	streaming bool // its walsender runs START_REPLICATION (catchup or streaming), not only creating it
 	confirmed pglogrepl.LSN
 }
 
 func readSlot(ctx context.Context, conn *pgx.Conn, slot string) (slotState, error) {
 	var s slotState
 	var confirmed *string
-	err := conn.QueryRow(ctx, `SELECT active, confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1`, slot).
-		Scan(&s.active, &confirmed)
+	// streaming: START_REPLICATION has run. While CREATE_REPLICATION_SLOT
+	// runs the slot is already active, but ephemeral: a relay stopped then
+	// leaves no slot (seen: rows inserted meanwhile went to the poller).
+	err := conn.QueryRow(ctx, `SELECT s.active, s.confirmed_flush_lsn::text, coalesce(r.state IN ('catchup', 'streaming'), false)
+		FROM pg_replication_slots s LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = $1`, slot).
+		Scan(&s.active, &confirmed, &s.streaming)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return s, nil
 	}
@@ -313,7 +318,7 @@ func waitSlot(t *testing.T, conn *pgx.Conn, slot string, active bool, timeout ti
 			return false, err
 		}
 		if active {
-			return s.exists && s.active, nil
+			return s.exists && s.active && s.streaming, nil
 		}
 		return s.exists && !s.active, nil
 	})
