@@ -2,10 +2,8 @@ package store
 
 import (
 	"context"
-	"strings"
 	"testing"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -14,12 +12,5 @@ func ExplainClaim(ctx context.Context, t *testing.T, pool *pgxpool.Pool, tbl Tab
 	t.Helper()
 	s := New(pool, tbl, PolicyMark)
 	rows, err := pool.Query(ctx, "EXPLAIN "+s.claimSQL(true), batch, "explain", int64(1e6), int64(1e6))
-	if err != nil {
-		t.Fatal(err)
-	}
-	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	if err != nil {
-		t.Fatal(err)
-	}
-	return strings.Join(lines, "\n")
+	return PlanText(t, rows, err)
 }

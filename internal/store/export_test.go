@@ -23,6 +23,12 @@ func ExplainSettle(ctx context.Context, t *testing.T, pool *pgxpool.Pool, tbl Ta
 	}
 	defer tx.Rollback(ctx) //nolint:errcheck
 	rows, err := tx.Query(ctx, "EXPLAIN "+buildSettleSQL(tbl, policy), args...)
+	return PlanText(t, rows, err)
+}
+
+// PlanText is the text of an EXPLAIN query's result.
+func PlanText(t *testing.T, rows pgx.Rows, err error) string {
+	t.Helper()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -96,12 +96,5 @@ func explain(ctx context.Context, t *testing.T, pool *pgxpool.Pool, sql string, 
 	t.Helper()
 	// Run as the statements run: unnamed, planned for these arguments.
 	rows, err := pool.Query(ctx, "EXPLAIN "+sql, append([]any{store.Unplanned}, args...)...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	if err != nil {
-		t.Fatal(err)
-	}
-	return strings.Join(lines, "\n")
+	return store.PlanText(t, rows, err)
 }
