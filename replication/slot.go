@@ -112,57 +112,114 @@ func CheckServer(ctx context.Context, q Querier) error {
 // ErrStandby says the relay reached a standby where it needs the primary.
 var ErrStandby = errors.New("connected to a standby")
 
+// ReadyFilter is the publication's row filter on the outbox table, as
+// written at creation; ReadyFilterCatalog is the same as PostgreSQL prints
+// it back (pg_get_expr). Only a row inserted 'ready' is the CDC path's: one
+// inserted in any other state ('scheduled': for later, or left to the
+// poller) belongs to the poller. Unfiltered, the walsender converts every
+// such row to text and sends it, and the relay decodes it only to drop it
+// (on a poller backlog that was a third of the relay's CPU and a quarter of
+// the walsender's; docs/benchmarks.md).
+const (
+	ReadyFilter        = `(state = 'ready')`
+	ReadyFilterCatalog = `(state = 'ready'::text)`
+)
+
+// Publication is what EnsurePublication found.
+type Publication struct {
+	// Filtered: the publication streams only 'ready' inserts (ReadyFilter).
+	// false: an older publication, without a row filter; the relay drops
+	// the other rows itself, and FilterPublication adds the filter.
+	Filtered bool
+}
+
 // EnsurePublication creates the insert-only publication for the table when it
 // is missing, and checks an existing one. Insert-only matters: the relay's own
-// updates (marks, claims) must never come back through the slot.
-func EnsurePublication(ctx context.Context, q Querier, name, schema, table string) error {
+// updates (marks, claims) must never come back through the slot. A row filter
+// other than ReadyFilter, or a column list, is refused: a 'ready' row the
+// publication leaves out would never be published by anything.
+func EnsurePublication(ctx context.Context, q Querier, name, schema, table string) (Publication, error) {
 	qualified := pgx.Identifier{schema, table}.Sanitize()
 	var exists bool
 	if err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = $1)`, name).Scan(&exists); err != nil {
-		return fmt.Errorf("look up publication %s: %w", name, err)
+		return Publication{}, fmt.Errorf("look up publication %s: %w", name, err)
 	}
 	if !exists {
-		_, err := q.Exec(ctx, `CREATE PUBLICATION `+pgx.Identifier{name}.Sanitize()+` FOR TABLE `+qualified+` WITH (publish = 'insert')`)
+		_, err := q.Exec(ctx, `CREATE PUBLICATION `+pgx.Identifier{name}.Sanitize()+` FOR TABLE `+qualified+` WHERE `+ReadyFilter+` WITH (publish = 'insert')`)
 		var pgErr *pgconn.PgError
 		switch {
 		case errors.As(err, &pgErr) && pgErr.Code == pgerrcode.DuplicateObject:
 			// Created concurrently by another instance; check it below.
 		case errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InsufficientPrivilege:
-			return fmt.Errorf("create publication %s: %w (the table's owner or a superuser must create it: run outbox-relay migrate as the owner)", name, err)
+			return Publication{}, fmt.Errorf("create publication %s: %w (the table's owner or a superuser must create it: run outbox-relay migrate as the owner)", name, err)
 		case err != nil:
-			return fmt.Errorf("create publication %s for %s: %w", name, qualified, err)
+			return Publication{}, fmt.Errorf("create publication %s for %s: %w", name, qualified, err)
 		}
 	}
-	var ins, upd, del, trunc, hasTable bool
+	var ins, upd, del, trunc, hasTable, columnList bool
+	var filter *string
+	// The table's own entry (pg_publication_rel) holds its row filter and
+	// column list; a publication FOR ALL TABLES or FOR TABLES IN SCHEMA has
+	// none, and neither filters.
 	err := q.QueryRow(ctx, `SELECT p.pubinsert, p.pubupdate, p.pubdelete, p.pubtruncate,
-			EXISTS (SELECT 1 FROM pg_catalog.pg_publication_tables t WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = $3)
-		FROM pg_catalog.pg_publication p WHERE p.pubname = $1`, name, schema, table).Scan(&ins, &upd, &del, &trunc, &hasTable)
+			EXISTS (SELECT 1 FROM pg_catalog.pg_publication_tables t WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = $3),
+			pg_catalog.pg_get_expr(r.prqual, r.prrelid), coalesce(r.prattrs IS NOT NULL, false)
+		FROM pg_catalog.pg_publication p
+		LEFT JOIN (pg_catalog.pg_publication_rel r
+			JOIN pg_catalog.pg_class c ON c.oid = r.prrelid
+			JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace AND n.nspname = $2)
+			ON r.prpubid = p.oid AND c.relname = $3
+		WHERE p.pubname = $1`, name, schema, table).Scan(&ins, &upd, &del, &trunc, &hasTable, &filter, &columnList)
 	if err != nil {
-		return fmt.Errorf("read publication %s: %w", name, err)
+		return Publication{}, fmt.Errorf("read publication %s: %w", name, err)
 	}
+	pubName := pgx.Identifier{name}.Sanitize()
 	if !hasTable {
-		return fmt.Errorf("publication %s does not include %s: ALTER PUBLICATION %s ADD TABLE %s, or choose another --publication",
-			name, qualified, pgx.Identifier{name}.Sanitize(), qualified)
+		return Publication{}, fmt.Errorf("publication %s does not include %s: ALTER PUBLICATION %s ADD TABLE %s WHERE %s, or choose another --publication",
+			name, qualified, pubName, qualified, ReadyFilter)
 	}
 	var others []string
 	rows, err := q.Query(ctx, `SELECT format('%I.%I', schemaname, tablename) FROM pg_catalog.pg_publication_tables
 		WHERE pubname = $1 AND (schemaname, tablename) <> ($2, $3) ORDER BY 1 LIMIT 5`, name, schema, table)
 	if err != nil {
-		return fmt.Errorf("read tables of publication %s: %w", name, err)
+		return Publication{}, fmt.Errorf("read tables of publication %s: %w", name, err)
 	}
 	if others, err = pgx.CollectRows(rows, pgx.RowTo[string]); err != nil {
-		return fmt.Errorf("read tables of publication %s: %w", name, err)
+		return Publication{}, fmt.Errorf("read tables of publication %s: %w", name, err)
 	}
 	if len(others) > 0 {
 		// The slot would stream those tables' inserts too: decoded and
 		// dropped by this relay, or, when another relay shares the slot,
 		// confirmed past before that relay published them.
-		return fmt.Errorf("publication %s also publishes %s: the relay needs a publication of %s alone; create one (outbox-relay migrate --publication <new name>) or ALTER PUBLICATION %s DROP TABLE ...",
-			name, strings.Join(others, ", "), qualified, pgx.Identifier{name}.Sanitize())
+		return Publication{}, fmt.Errorf("publication %s also publishes %s: the relay needs a publication of %s alone; create one (outbox-relay migrate --publication <new name>) or ALTER PUBLICATION %s DROP TABLE ...",
+			name, strings.Join(others, ", "), qualified, pubName)
 	}
 	if !ins || upd || del || trunc {
-		return fmt.Errorf("publication %s must publish inserts only (the relay's own updates would come back through the slot): ALTER PUBLICATION %s SET (publish = 'insert')",
-			name, pgx.Identifier{name}.Sanitize())
+		return Publication{}, fmt.Errorf("publication %s must publish inserts only (the relay's own updates would come back through the slot): ALTER PUBLICATION %s SET (publish = 'insert')",
+			name, pubName)
+	}
+	if columnList {
+		return Publication{}, fmt.Errorf("publication %s publishes only some columns of %s: the relay reads every column; ALTER PUBLICATION %s SET TABLE %s WHERE %s",
+			name, qualified, pubName, qualified, ReadyFilter)
+	}
+	if filter != nil && *filter != ReadyFilterCatalog {
+		return Publication{}, fmt.Errorf("publication %s publishes only the rows of %s WHERE %s: a ready row it leaves out would never be published; ALTER PUBLICATION %s SET TABLE %s WHERE %s",
+			name, qualified, *filter, pubName, qualified, ReadyFilter)
+	}
+	return Publication{Filtered: filter != nil}, nil
+}
+
+// FilterPublication gives a publication made before the row filter (see
+// ReadyFilter) the filter, after EnsurePublication accepted it. It needs the
+// publication's owner (outbox-relay migrate). A walsender streaming the
+// publication meanwhile applies the filter from the ALTER's commit on, and
+// the relay drops the rows it would have left out, so nothing changes for
+// the rows in between.
+func FilterPublication(ctx context.Context, q Querier, name, schema, table string) error {
+	qualified := pgx.Identifier{schema, table}.Sanitize()
+	_, err := q.Exec(ctx, `ALTER PUBLICATION `+pgx.Identifier{name}.Sanitize()+` SET TABLE `+qualified+` WHERE `+ReadyFilter)
+	if err != nil {
+		return fmt.Errorf("add the row filter WHERE %s to publication %s: %w", ReadyFilter, name, err)
 	}
 	return nil
 }

@@ -68,10 +68,17 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if len(applied) == 0 {
 		fmt.Fprintf(stdout, "%s is up to date\n", t.Qualified())
 	}
-	if err := replication.EnsurePublication(ctx, conn, c.publication, t.Schema, t.Name); err != nil {
+	pub, err := replication.EnsurePublication(ctx, conn, c.publication, t.Schema, t.Name)
+	if err != nil {
 		return err
 	}
-	fmt.Fprintf(stdout, "publication %s publishes inserts on %s\n", c.publication, t.Qualified())
+	if !pub.Filtered {
+		if err := replication.FilterPublication(ctx, conn, c.publication, t.Schema, t.Name); err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "publication %s: added the row filter WHERE %s\n", c.publication, replication.ReadyFilter)
+	}
+	fmt.Fprintf(stdout, "publication %s publishes inserts of ready rows on %s\n", c.publication, t.Qualified())
 	return nil
 }
 

@@ -399,8 +399,8 @@ func TestStatusActiveSlotLag(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	// Published already, so no ready row stands in for the lag.
-	mustExec(t, pool, `INSERT INTO outbox (work_id, kind, payload, state, published_at) VALUES ('x', 'k', '{}', 'published', clock_timestamp())`)
+	// A ready row, so the publication (WHERE state = 'ready') sends it.
+	mustExec(t, pool, `INSERT INTO outbox (work_id, kind, payload) VALUES ('x', 'k', '{}')`)
 	// Read until the insert's commit arrived, then confirm it, as the relay
 	// would after the broker's ack.
 	var end pglogrepl.LSN
@@ -421,6 +421,9 @@ func TestStatusActiveSlotLag(t *testing.T) {
 			end = xld.ServerWALEnd
 		}
 	}
+	// Published, as the relay would mark it, so no ready row stands in for
+	// the lag.
+	mustExec(t, pool, `UPDATE outbox SET state = 'published', published_at = clock_timestamp() WHERE work_id = 'x'`)
 	if err := pglogrepl.SendStandbyStatusUpdate(ctx, conn, pglogrepl.StandbyStatusUpdate{WALWritePosition: end}); err != nil {
 		t.Fatal(err)
 	}

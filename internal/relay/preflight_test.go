@@ -68,6 +68,27 @@ func TestPreflightErrors(t *testing.T) {
 		}
 	})
 
+	// A row filter or column list of someone else's would leave ready rows
+	// that nothing ever publishes.
+	t.Run("publication filtering other rows", func(t *testing.T) {
+		h := newHarness(t, sharedSetup(t))
+		h.exec(`CREATE PUBLICATION outbox_relay FOR TABLE outbox WHERE (kind <> 'audit') WITH (publish = 'insert')`)
+		err := run(t, h)
+		if err == nil || !strings.Contains(err.Error(), "WHERE (kind <> 'audit'::text)") ||
+			!strings.Contains(err.Error(), `ALTER PUBLICATION "outbox_relay" SET TABLE "public"."outbox" WHERE (state = 'ready')`) {
+			t.Fatalf("err = %v, want one naming the filter and the fix", err)
+		}
+	})
+
+	t.Run("publication of some columns", func(t *testing.T) {
+		h := newHarness(t, sharedSetup(t))
+		h.exec(`CREATE PUBLICATION outbox_relay FOR TABLE outbox (work_id, kind, state) WITH (publish = 'insert')`)
+		err := run(t, h)
+		if err == nil || !strings.Contains(err.Error(), "only some columns") || !strings.Contains(err.Error(), "SET TABLE") {
+			t.Fatalf("err = %v, want one naming the column list and the fix", err)
+		}
+	})
+
 	// Two relays for different tables on one slot: the second refuses to
 	// start, since streaming the first one's slot would confirm past rows
 	// it never published.

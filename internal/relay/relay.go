@@ -219,8 +219,14 @@ func (r *Relay) Preflight(ctx context.Context) error {
 	if err := r.store.CheckRelayGrants(ctx); err != nil {
 		return err
 	}
-	if err := replication.EnsurePublication(ctx, r.pool, r.cfg.Publication, r.cfg.Table.Schema, r.cfg.Table.Name); err != nil {
+	pub, err := replication.EnsurePublication(ctx, r.pool, r.cfg.Publication, r.cfg.Table.Schema, r.cfg.Table.Name)
+	if err != nil {
 		return err
+	}
+	if !pub.Filtered {
+		r.log.Info().Str("publication", r.cfg.Publication).
+			Msgf("publication %s has no row filter: the slot streams rows inserted in every state and the relay drops all but 'ready' ones; outbox-relay migrate adds WHERE %s (saves the walsender and the relay that work)",
+				r.cfg.Publication, replication.ReadyFilter)
 	}
 	return r.checkSlotOwner(ctx)
 }
@@ -306,7 +312,7 @@ func (r *Relay) session(ctx context.Context) error {
 		_ = conn.Close(cctx)
 	}()
 
-	if err := replication.EnsurePublication(ctx, r.pool, r.cfg.Publication, r.cfg.Table.Schema, r.cfg.Table.Name); err != nil {
+	if _, err := replication.EnsurePublication(ctx, r.pool, r.cfg.Publication, r.cfg.Table.Schema, r.cfg.Table.Name); err != nil {
 		return err
 	}
 	slot, err := r.ensureSlot(ctx, conn)
