@@ -196,3 +196,51 @@ func TestClaimUsesPollIndex(t *testing.T) {
 	}
 	t.Logf("claim plan:\n%s", plan)
 }
+
+// A claim changes no indexed column, so with room on the page (fillfactor,
+// migration 0007) each claimed version stays on its row's page as a HOT
+// update: no new index entry. A claim takes consecutive rows, which share
+// pages; at fillfactor 70 most of them moved to other pages.
+func TestClaimStaysOnThePage(t *testing.T) {
+	ctx := context.Background()
+	s, pool := newPollerStore(t, store.PolicyMark)
+	if _, err := pool.Exec(ctx, `INSERT INTO outbox (work_id, kind, payload, state)
+		SELECT 'row-' || g, 'bench.created', jsonb_build_object('n', g, 'pad', repeat('x', 180)), 'scheduled'
+		FROM generate_series(1, 300) g`); err != nil {
+		t.Fatal(err)
+	}
+	pages := func() map[string]string {
+		t.Helper()
+		rows, err := pool.Query(ctx, `SELECT work_id, split_part(trim(both '()' from ctid::text), ',', 1) FROM outbox`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := map[string]string{}
+		for rows.Next() {
+			var id, page string
+			if err := rows.Scan(&id, &page); err != nil {
+				t.Fatal(err)
+			}
+			m[id] = page
+		}
+		if err := rows.Err(); err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	before := pages()
+	claimed, err := s.Claim(ctx, "w", time.Minute, 300, store.ClaimOptions{})
+	if err != nil || len(claimed) != 300 {
+		t.Fatalf("claimed %d rows, err %v; want 300", len(claimed), err)
+	}
+	after := pages()
+	moved := 0
+	for id, p := range before {
+		if after[id] != p {
+			moved++
+		}
+	}
+	if moved != 0 {
+		t.Fatalf("%d of 300 claimed rows moved to another page (a new entry in every index); want 0", moved)
+	}
+}
