@@ -2,6 +2,7 @@ package testenv
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -39,8 +40,19 @@ func TestNATSClusterR3SurvivesLeaderKill(t *testing.T) {
 		t.Fatal(err)
 	}
 	const stream = "R3"
-	s, err := js.CreateStream(ctx, jetstream.StreamConfig{
-		Name: stream, Subjects: []string{"r3.>"}, Storage: jetstream.FileStorage, Replicas: 3,
+	// The meta leader answers (WaitJetStream) before it has heard from
+	// every peer; until then an R3 stream has "no suitable peers for
+	// placement" (10005), seen on a loaded machine.
+	var s jetstream.Stream
+	WaitFor(t, 30*time.Second, "an R3 stream placed on the three nodes", func() (bool, error) {
+		s, err = js.CreateStream(ctx, jetstream.StreamConfig{
+			Name: stream, Subjects: []string{"r3.>"}, Storage: jetstream.FileStorage, Replicas: 3,
+		})
+		var apiErr *jetstream.APIError
+		if errors.As(err, &apiErr) && apiErr.ErrorCode == 10005 { // JSClusterNoPeersErr
+			return false, err
+		}
+		return true, nil
 	})
 	if err != nil {
 		t.Fatal(err)
