@@ -20,18 +20,7 @@ func TestMigrateFiltersThePublication(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(pool.Close)
-	filter := func() string {
-		t.Helper()
-		var f *string
-		if err := pool.QueryRow(context.Background(), `SELECT pg_get_expr(r.prqual, r.prrelid) FROM pg_publication_rel r
-			JOIN pg_publication p ON p.oid = r.prpubid WHERE p.pubname = 'outbox_relay' AND r.prrelid = 'outbox'::regclass`).Scan(&f); err != nil {
-			t.Fatal(err)
-		}
-		if f == nil {
-			return "none"
-		}
-		return *f
-	}
+	filter := func() string { return testenv.PublicationRowFilter(t, pool, "outbox_relay", "outbox") }
 	migrate := func() string {
 		t.Helper()
 		code, out, _ := run(t, "migrate", "--database-url", url)

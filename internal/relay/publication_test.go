@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
 
@@ -20,18 +21,7 @@ func TestPublicationStreamsReadyRowsOnly(t *testing.T) {
 	h.start()
 	ctx := context.Background()
 
-	filter := func() string {
-		t.Helper()
-		var f *string
-		if err := h.pool.QueryRow(ctx, `SELECT pg_get_expr(r.prqual, r.prrelid) FROM pg_publication_rel r
-			JOIN pg_publication p ON p.oid = r.prpubid WHERE p.pubname = 'outbox_relay' AND r.prrelid = 'outbox'::regclass`).Scan(&f); err != nil {
-			t.Fatal(err)
-		}
-		if f == nil {
-			return "none"
-		}
-		return *f
-	}
+	filter := func() string { return testenv.PublicationRowFilter(t, h.pool, "outbox_relay", "outbox") }
 	if got := filter(); got != replication.ReadyFilterCatalog {
 		t.Fatalf("row filter of the relay's publication = %s, want %s", got, replication.ReadyFilterCatalog)
 	}

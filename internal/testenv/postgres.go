@@ -193,3 +193,20 @@ func MultiHostURL(t testing.TB, dbURL string, servers ...*Postgres) string {
 	}
 	return devenv.MultiHostURL(cfg.Database, ds...)
 }
+
+// PublicationRowFilter returns the row filter publication pub holds for
+// table (as pg_get_expr prints it), or "none".
+func PublicationRowFilter(t testing.TB, q interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}, pub, table string) string {
+	t.Helper()
+	var f *string
+	if err := q.QueryRow(context.Background(), `SELECT pg_get_expr(r.prqual, r.prrelid) FROM pg_publication_rel r
+		JOIN pg_publication p ON p.oid = r.prpubid WHERE p.pubname = $1 AND r.prrelid = $2::regclass`, pub, table).Scan(&f); err != nil {
+		t.Fatalf("read the row filter of publication %s on %s: %v", pub, table, err)
+	}
+	if f == nil {
+		return "none"
+	}
+	return *f
+}
