@@ -80,6 +80,15 @@ func TestPreflightErrors(t *testing.T) {
 		}
 	})
 
+	t.Run("publication of updates", func(t *testing.T) {
+		h := newHarness(t, sharedSetup(t))
+		h.exec(`CREATE PUBLICATION outbox_relay FOR TABLE outbox WITH (publish = 'insert, update')`)
+		err := run(t, h)
+		if err == nil || !strings.Contains(err.Error(), "must publish inserts only") || !strings.Contains(err.Error(), `SET (publish = 'insert')`) {
+			t.Fatalf("err = %v, want one saying inserts only and the fix", err)
+		}
+	})
+
 	t.Run("publication of some columns", func(t *testing.T) {
 		h := newHarness(t, sharedSetup(t))
 		h.exec(`CREATE PUBLICATION outbox_relay FOR TABLE outbox (work_id, kind, state) WITH (publish = 'insert')`)
