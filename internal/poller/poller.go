@@ -87,9 +87,9 @@ const (
 	DefaultMaxAttempts  = 10
 	DefaultBatch        = 500
 	DefaultPipeline     = 2
-	// MaxInFlightRows bounds Pipeline × Batch: the poller's JetStream
-	// context holds at most 4,000 unacked publishes (nats.go's default)
-	// before a publish stalls, and every claimed row holds a lease.
+	// MaxInFlightRows bounds Pipeline × Batch: every claimed row holds a
+	// lease that its batch must publish, ack and complete within (or renew),
+	// and its payload in memory until then.
 	MaxInFlightRows = 2000
 	// DefaultDeadlineMargin is how close to its deadline a row may still be
 	// published: the time a publish and its ack may take.
