@@ -3,12 +3,16 @@ package config
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"flag"
 	"io"
 	"os"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 func newFS() (*flag.FlagSet, *string, *time.Duration) {
@@ -84,14 +88,10 @@ func TestColourOnlyOnATerminalWithoutNoColor(t *testing.T) {
 	if colour(f, none) {
 		t.Error("colour for a regular file")
 	}
-	// A terminal, where the test has one: NO_COLOR set to anything turns
-	// colour off, set to the empty string does not (no-color.org).
-	tty, err := os.OpenFile("/dev/tty", os.O_WRONLY, 0)
-	if err != nil {
-		t.Logf("no terminal to check colour on: %v", err)
-		return
-	}
-	defer tty.Close()
+	// A terminal: NO_COLOR set to anything turns colour off, set to the
+	// empty string does not (no-color.org). CI has no controlling terminal,
+	// so the test makes a pseudo-terminal and writes to its follower side.
+	tty := openPTY(t)
 	if !colour(tty, none) || !colour(tty, emptyNoColor) {
 		t.Error("no colour on a terminal")
 	}
@@ -132,4 +132,31 @@ func TestIgnoredFlagsAreAcceptedAndMarked(t *testing.T) {
 	if !strings.Contains(help.String(), "one set of\nflags or one environment file serves every command") {
 		t.Errorf("help does not say why ignored flags are accepted:\n%s", help.String())
 	}
+}
+
+// openPTY opens a new pseudo-terminal and returns its follower (the side a
+// program sees as its terminal). Linux only; elsewhere the test skips.
+func openPTY(t *testing.T) *os.File {
+	t.Helper()
+	if runtime.GOOS != "linux" {
+		t.Skipf("no pseudo-terminal helper for %s", runtime.GOOS)
+	}
+	leader, err := os.OpenFile("/dev/ptmx", os.O_RDWR|unix.O_NOCTTY, 0)
+	if err != nil {
+		t.Fatalf("open /dev/ptmx: %v", err)
+	}
+	t.Cleanup(func() { leader.Close() })
+	if err := unix.IoctlSetPointerInt(int(leader.Fd()), unix.TIOCSPTLCK, 0); err != nil {
+		t.Fatalf("unlock pseudo-terminal: %v", err)
+	}
+	n, err := unix.IoctlGetInt(int(leader.Fd()), unix.TIOCGPTN)
+	if err != nil {
+		t.Fatalf("pseudo-terminal number: %v", err)
+	}
+	follower, err := os.OpenFile(fmt.Sprintf("/dev/pts/%d", n), os.O_RDWR|unix.O_NOCTTY, 0)
+	if err != nil {
+		t.Fatalf("open pseudo-terminal follower: %v", err)
+	}
+	t.Cleanup(func() { follower.Close() })
+	return follower
 }
