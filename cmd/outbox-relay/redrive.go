@@ -154,6 +154,13 @@ func openStore(ctx context.Context, c *common) (*store.Store, func(), error) {
 	return st, pool.Close, nil
 }
 
+// maxStagger bounds redrive --stagger, the gap between consecutive redriven
+// rows: at 1h a redrive of 100 rows already spans four days, far beyond
+// sparing the broker a burst. A larger value is a slip of the unit that
+// schedules rows years ahead (1000000h: the second row 114 years on) or
+// overflows the statement's arithmetic for a few thousand rows.
+const maxStagger = time.Hour
+
 func runRedrive(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var o opFlags
 	fs := newFlagSet("redrive", `Moves failed, cancelled or expired rows back to scheduled for the poller: same work_id and
@@ -186,8 +193,8 @@ A row whose deadline passed needs a new one (--expires-at) or none (--no-deadlin
 	if err := app.ValidateStream(o.stream); err != nil {
 		return err
 	}
-	if *stagger < 0 {
-		return fmt.Errorf("--stagger %s: must not be negative", *stagger)
+	if *stagger < 0 || *stagger > maxStagger {
+		return fmt.Errorf("--stagger %s: must be from 0 to %s", *stagger, maxStagger)
 	}
 	req.Stagger = *stagger
 	st, closeDB, err := openStore(ctx, &o.common)

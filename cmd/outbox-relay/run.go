@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"time"
 
@@ -37,7 +38,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	)
 	fs.DurationVar(&dupWindow, "duplicate-window", natssink.DefaultDuplicateWindow, "duplicate window of the stream when the relay creates it")
 	fs.StringVar(&ordering, "ordering", app.OrderingNone, "none (publish as committed) or aggregate (keep each aggregate's sequence order on every path, G12)")
-	fs.DurationVar(&deadlineMargin, "deadline-margin", poller.DefaultDeadlineMargin, "a row this close to its expires_at is not published (G13): the time a publish and its ack may take")
+	fs.DurationVar(&deadlineMargin, "deadline-margin", poller.DefaultDeadlineMargin, "a row this close to its expires_at is not published (G13): the time a publish and its ack may take (more than 0, at most 24h)")
 	fs.Var(&standbySlots, "standby-slot", "a physical slot of a standby that may be promoted: nothing is published before its standby flushed it (G14); repeat or comma-separate. A name with no slot on the current primary holds nothing back (warned)")
 	fs.BoolVar(&failoverSlot, "failover-slot", true, "create the slot as a failover slot on PostgreSQL 17+, so it survives a promotion of a standby with sync_replication_slots = on")
 	fs.Var(&allowStreams, "allow-stream", "a further stream a row's subject column may name; repeat or comma-separate (default: only --stream; a subject no allowed stream binds is refused)")
@@ -75,6 +76,18 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
+	if err := checkRunRanges(
+		[]intRange{{"max-attempts", maxAttempts}, {"poll-batch", pollBatch}, {"poll-pipeline", pollPipeline},
+			{"max-in-flight-bytes", maxInFlightBytes}, {"stream-replicas", replicas}},
+		[]durationRange{{"status-interval", statusInterval, 0}, {"drain-timeout", drainTimeout, 0},
+			{"poll-interval", pollInterval, 0}, {"backoff-min", backoffMin, 0}, {"backoff-max", backoffMax, 0},
+			{"deadline-margin", deadlineMargin, maxDeadlineMargin}},
+	); err != nil {
+		return err
+	}
+	if lease <= 0 {
+		return fmt.Errorf("--lease %s: must be longer than --ack-timeout %s, or a claim expires while its publish is still waiting for the ack", lease, ackTimeout)
+	}
 	log, err := c.log.Logger(stderr)
 	if err != nil {
 		return err
@@ -105,4 +118,44 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	o.BackoffMin, o.BackoffMax, o.PollInterval, o.PollBatch = backoffMin, backoffMax, pollInterval, pollBatch
 	o.PollPipeline = pollPipeline
 	return app.Run(ctx, o, log)
+}
+
+// maxDeadlineMargin bounds --deadline-margin. The margin covers a publish and
+// its ack, which --ack-timeout (10s) bounds; a day leaves room for a policy of
+// "do not start work with less than N hours left", while a larger value is a
+// slip of the unit (1000000h) that would end every row whose deadline lies
+// within it expired (terminal) instead of published.
+const maxDeadlineMargin = 24 * time.Hour
+
+// intRange and durationRange are run flags whose zero app.Options takes as
+// "use the default": a library caller may leave the field unset, but each of
+// these flags shows a non-zero default, so a 0 here was typed (or set in
+// OUTBOX_RELAY_*) and silently running with something else would hide the
+// mistake. They are refused as --max-in-flight 0 is, before anything connects.
+type intRange struct {
+	name string
+	v    int
+}
+
+type durationRange struct {
+	name string
+	v    time.Duration
+	max  time.Duration // 0: no maximum
+}
+
+func checkRunRanges(ints []intRange, durations []durationRange) error {
+	for _, f := range ints {
+		if f.v < 1 {
+			return fmt.Errorf("--%s %d: must be at least 1", f.name, f.v)
+		}
+	}
+	for _, f := range durations {
+		switch {
+		case f.max > 0 && (f.v <= 0 || f.v > f.max):
+			return fmt.Errorf("--%s %s: must be more than 0 and at most %s", f.name, f.v, f.max)
+		case f.v <= 0:
+			return fmt.Errorf("--%s %s: must be more than 0", f.name, f.v)
+		}
+	}
+	return nil
 }

@@ -5,6 +5,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/outbox-relay/outbox-relay/internal/metrics"
 	"github.com/outbox-relay/outbox-relay/internal/standby"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
@@ -21,16 +22,29 @@ import (
 // transaction's rows wait in memory until its commit is on the standbys.
 // The standbys' positions are read only while something waits.
 type gateState struct {
-	gate    *standby.Gate
-	events  []replication.Event
-	open    bool // a Begin in events has no Commit yet
-	want    atomic.Bool
-	reads   chan error
-	waiting time.Time // since when the head transaction waits; zero when none does
+	gate   *standby.Gate
+	events []replication.Event
+	open   bool // a Begin in events has no Commit yet
+	want   atomic.Bool
+	reads  chan error
+	// held records the head transaction's wait in
+	// outbox_relay_standby_held_seconds{path="cdc"}; endHeld ends it, nil
+	// while nothing waits.
+	held    *metrics.StandbyHeld
+	endHeld func()
 }
 
-func newGateState(g *standby.Gate) *gateState {
-	return &gateState{gate: g, reads: make(chan error)}
+func newGateState(g *standby.Gate, held *metrics.StandbyHeld) *gateState {
+	return &gateState{gate: g, reads: make(chan error), held: held}
+}
+
+// stopWaiting ends the head transaction's wait in the metric: it went
+// through, or the session ended (the next session's gate starts afresh).
+func (g *gateState) stopWaiting() {
+	if g.endHeld != nil {
+		g.endHeld()
+		g.endHeld = nil
+	}
 }
 
 func (g *gateState) push(ev replication.Event) {
@@ -54,11 +68,11 @@ func (g *gateState) releasable() int {
 			continue
 		}
 		if g.gate.Flushed(ev.EndLSN) {
-			g.waiting = time.Time{}
+			g.stopWaiting()
 			return i + 1
 		}
-		if g.waiting.IsZero() {
-			g.waiting = time.Now()
+		if g.endHeld == nil {
+			g.endHeld = g.held.Begin(metrics.HeldCDC, time.Now())
 		}
 		g.want.Store(true)
 		return 0
@@ -103,12 +117,7 @@ func (l *loop) releaseGated(ctx context.Context, confirms chan replication.LSN) 
 	}
 	if len(g.events) == 0 {
 		g.want.Store(false)
-		g.waiting = time.Time{}
+		g.stopWaiting()
 	}
-	held := 0.0
-	if !g.waiting.IsZero() {
-		held = time.Since(g.waiting).Seconds()
-	}
-	l.r.metrics.StandbyHeldSeconds.Set(held)
 	return nil
 }

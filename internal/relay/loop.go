@@ -101,7 +101,7 @@ func newLoop(r *Relay, confirmed replication.LSN, held map[store.AggregateKey]st
 		l.order = newOrderState(held)
 	}
 	if r.cfg.Standby != nil {
-		l.gated = newGateState(r.cfg.Standby)
+		l.gated = newGateState(r.cfg.Standby, r.metrics.StandbyHeld)
 	}
 	return l
 }
@@ -115,6 +115,7 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Eve
 	go l.settler(sessCtx)
 	var gateReads chan error
 	if l.gated != nil {
+		defer l.gated.stopWaiting()
 		gateReads = l.gated.reads
 		l.wg.Add(1)
 		go func() {

@@ -101,13 +101,14 @@ func (g *Gate) Read(ctx context.Context) (lowest replication.LSN, gating bool, e
 
 // Wait returns once every named standby that exists has flushed lsn, reading
 // their positions every poll interval meanwhile; the time spent is reported
-// as delivery held back.
+// as delivery held back on the poller's path.
 func (g *Gate) Wait(ctx context.Context, lsn replication.LSN) error {
 	if g.Flushed(lsn) {
 		return nil
 	}
-	start := time.Now()
-	defer g.m.StandbyHeldSeconds.Set(0)
+	// Only the poller waits here: the CDC path gates whole transactions
+	// without blocking (internal/relay/gate.go) and reports its own wait.
+	defer g.m.StandbyHeld.Begin(metrics.HeldPoller, time.Now())()
 	for {
 		lowest, gating, err := g.Read(ctx)
 		if err == nil && (!gating || lowest >= lsn) {
@@ -116,7 +117,6 @@ func (g *Gate) Wait(ctx context.Context, lsn replication.LSN) error {
 		if err != nil && ctx.Err() == nil {
 			g.log.Warn().Err(err).Msg("could not read the standbys' positions; delivery waits")
 		}
-		g.m.StandbyHeldSeconds.Set(time.Since(start).Seconds())
 		if err := retry.Sleep(ctx, g.poll); err != nil {
 			return err
 		}
