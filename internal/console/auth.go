@@ -182,7 +182,7 @@ func (c *Console) parseForm(w http.ResponseWriter, r *http.Request) bool {
 	if err := r.ParseForm(); err != nil {
 		var tooBig *http.MaxBytesError
 		if errors.As(err, &tooBig) {
-			http.Error(w, "request too large: select fewer rows (at most "+strconv.FormatInt(c.o.MaxRequestBytes>>10, 10)+" KiB)", http.StatusRequestEntityTooLarge)
+			http.Error(w, "request too large: tick fewer rows, or act on every row the filter matches (at most "+strconv.FormatInt(c.o.MaxRequestBytes>>10, 10)+" KiB)", http.StatusRequestEntityTooLarge)
 			return false
 		}
 		http.Error(w, "bad form", http.StatusBadRequest)

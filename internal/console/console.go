@@ -33,7 +33,8 @@ import (
 // The console's defaults; zero fields of Options take them.
 const (
 	// DefaultMaxRequestBytes caps a request body. The largest legitimate
-	// one is a confirmation carrying DefaultMaxActionRows work IDs.
+	// one is a preview or confirmation of ticked rows, which carries their
+	// work IDs (a filter's carries the filter and a digest).
 	DefaultMaxRequestBytes = 256 << 10
 	// DefaultPageSize rows per page of the rows table; MaxPageSize bounds
 	// what a ?limit= may ask for.
