@@ -385,7 +385,7 @@ func TestCheckAddr(t *testing.T) {
 		if err := console.CheckAddr(addr, ""); !errors.Is(err, console.ErrInsecureAddr) {
 			t.Errorf("CheckAddr(%q, no token) = %v, want ErrInsecureAddr", addr, err)
 		}
-		if err := console.CheckAddr(addr, "t"); err != nil {
+		if err := console.CheckAddr(addr, token); err != nil {
 			t.Errorf("CheckAddr(%q, token) = %v", addr, err)
 		}
 		if _, err := console.New(console.Options{}, addr, console.Sources{}); !errors.Is(err, console.ErrInsecureAddr) {
