@@ -103,6 +103,11 @@ func (c *Console) readAction(r *http.Request, preview bool) (actionForm, error) 
 			return a, fmt.Errorf("select the filter's rows: %s", safeError(err))
 		}
 		if len(a.IDs) == 0 {
+			if !preview {
+				// The rows left the filter since the preview: the
+				// digest check says so.
+				return a, nil
+			}
 			return a, errors.New("the filter matches no rows")
 		}
 	}
@@ -206,17 +211,20 @@ func (c *Console) act(w http.ResponseWriter, r *http.Request, preview bool) {
 	if !preview && a.Filter != nil {
 		// The filter again, as a dry run: confirmed only if it would
 		// change exactly the rows the preview showed, and then only those.
-		req, err := c.request(r, a, true)
-		if err != nil {
-			c.fail(w, r, http.StatusBadRequest, err.Error())
-			return
+		var ids []string
+		if len(a.IDs) > 0 {
+			req, err := c.request(r, a, true)
+			if err != nil {
+				c.fail(w, r, http.StatusBadRequest, err.Error())
+				return
+			}
+			res, err := c.run(r, a, req)
+			if err != nil {
+				c.opFailed(w, r, err)
+				return
+			}
+			ids = changedIDs(res)
 		}
-		res, err := c.run(r, a, req)
-		if err != nil {
-			c.opFailed(w, r, err)
-			return
-		}
-		ids := changedIDs(res)
 		if now := setDigest(a, ids); now != a.Digest || len(ids) == 0 {
 			shown, _, _ := strings.Cut(a.Digest, ":")
 			if _, err := strconv.Atoi(shown); err != nil {

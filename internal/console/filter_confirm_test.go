@@ -103,6 +103,17 @@ func TestFilterConfirmByDigest(t *testing.T) {
 			t.Errorf("%s is %s, want failed", id, got)
 		}
 	}
+	// The rows leave the filter altogether: the same refusal.
+	gone := confirmForm(t, body0(t, b, preview))
+	if _, err := f.pool.Exec(context.Background(), `UPDATE public.outbox SET kind = 'moved' WHERE kind = 'late'`); err != nil {
+		t.Fatal(err)
+	}
+	if code, body := b.post("/ui/apply", gone); code != http.StatusConflict || !strings.Contains(body, "the set changed, preview again") {
+		t.Errorf("confirmation after every row left the filter: %d %.300s, want 409", code, body)
+	}
+	if _, err := f.pool.Exec(context.Background(), `UPDATE public.outbox SET kind = 'late' WHERE kind = 'moved'`); err != nil {
+		t.Fatal(err)
+	}
 	// Previewed again, it goes through.
 	confirm = confirmForm(t, body0(t, b, preview))
 	if _, body = b.post("/ui/apply", confirm); !strings.Contains(body, `<strong id="changed-count">3</strong>`) {
