@@ -32,7 +32,7 @@ must not touch the running relay; its role shows "console only".
 	)
 	o.Enabled = true
 	fs.StringVar(&addr, "http-addr", "127.0.0.1:8081", "serve the console here, under /ui/; an address other than loopback needs --console-token")
-	fs.StringVar(&o.Token, "console-token", "", "the console's token (bearer, basic auth password or login); required unless --http-addr is loopback, and without it the console is read-only")
+	fs.StringVar(&o.Token, "console-token", "", "the console's token (bearer, basic auth password or login), at least 16 bytes; required unless --http-addr is loopback, and without it the console is read-only and answers only requests addressed to localhost")
 	fs.BoolVar(&o.ReadOnly, "console-read-only", false, "the console shows everything and changes nothing")
 	fs.Var(&standbySlots, "standby-slot", "the physical slots of the standbys run waits for (run --standby-slot): show how far behind each is")
 	if err := parse(fs, args); err != nil {
@@ -44,6 +44,9 @@ must not touch the running relay; its role shows "console only".
 	}
 	// Before connecting: a console that may not serve must not wait for a
 	// database first.
+	if err := console.CheckToken(o.Token); err != nil {
+		return err
+	}
 	if err := console.CheckAddr(addr, o.Token); err != nil {
 		return err
 	}

@@ -12,6 +12,8 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
 
+const consoleToken = "console-token-for-tests"
+
 // The console command serves the console without streaming: its role is
 // "console only", the standbys it was told of are shown, and it stops on
 // its context.
@@ -28,12 +30,12 @@ func TestConsoleCommand(t *testing.T) {
 	var errOut safeBuffer
 	done := make(chan error, 1)
 	go func() {
-		done <- runConsole(ctx, []string{"--database-url", url, "--http-addr", addr, "--console-token", "tok",
+		done <- runConsole(ctx, []string{"--database-url", url, "--http-addr", addr, "--console-token", consoleToken,
 			"--standby-slot", "replica_1"}, io.Discard, &errOut)
 	}()
 	get := func(path string) (int, string, error) {
 		req, _ := http.NewRequest(http.MethodGet, "http://"+addr+path, nil)
-		req.SetBasicAuth("ops", "tok")
+		req.SetBasicAuth("ops", consoleToken)
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
 			return 0, "", err
@@ -68,5 +70,31 @@ func TestConsoleCommandRefusesOpenAddress(t *testing.T) {
 	code, _, errOut := run(t, "console", "--http-addr", "0.0.0.0:0", "--database-url", "postgres://u:hunter2@127.0.0.1:1/x")
 	if code != 1 || !strings.Contains(errOut, "--console-token") || strings.Contains(errOut, "hunter2") {
 		t.Errorf("console on 0.0.0.0 without a token: exit %d, %q", code, errOut)
+	}
+}
+
+// A blank or short --console-token is refused at start, before anything
+// connects, by both commands that serve the console, naming the minimum
+// and never printing the token.
+func TestConsoleTokenRefusedAtStart(t *testing.T) {
+	for _, c := range []struct{ name, token string }{{"short", "hunter2-short"}, {"blank", "   "}} {
+		for _, args := range [][]string{
+			{"console", "--http-addr", "127.0.0.1:0"},
+			{"run", "--console", "--http-addr", "127.0.0.1:0", "--nats-url", "nats://127.0.0.1:1"},
+		} {
+			t.Run(c.name+"/"+args[0], func(t *testing.T) {
+				start := time.Now()
+				code, _, errOut := run(t, append(args, "--console-token", c.token, "--database-url", "postgres://u:pw@127.0.0.1:1/x")...)
+				if code != 1 || !strings.Contains(errOut, "--console-token") || !strings.Contains(errOut, "at least 16") {
+					t.Errorf("exit %d, %q: want 1 and the minimum", code, errOut)
+				}
+				if strings.Contains(errOut, "hunter2") || strings.Contains(errOut, "connect") {
+					t.Errorf("stderr prints the token or tried to connect first: %q", errOut)
+				}
+				if d := time.Since(start); d > 5*time.Second {
+					t.Errorf("took %s to refuse", d)
+				}
+			})
+		}
 	}
 }

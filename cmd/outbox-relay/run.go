@@ -52,7 +52,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs.DurationVar(&drainTimeout, "drain-timeout", relay.DefaultDrainTimeout, "on SIGTERM, how long to wait for in-flight acks")
 	fs.StringVar(&httpAddr, "http-addr", "", "serve /metrics, /healthz and /readyz here, e.g. :8080 (empty: off)")
 	fs.BoolVar(&consoleOpts.Enabled, "console", false, "serve the operator console under /ui/ on --http-addr (off by default: it reads every payload and can redrive and cancel)")
-	fs.StringVar(&consoleOpts.Token, "console-token", "", "the console's token (bearer, basic auth password or login); required unless --http-addr is loopback, and without it the console is read-only")
+	fs.StringVar(&consoleOpts.Token, "console-token", "", "the console's token (bearer, basic auth password or login), at least 16 bytes; required unless --http-addr is loopback, and without it the console is read-only and answers only requests addressed to localhost")
 	fs.BoolVar(&consoleOpts.ReadOnly, "console-read-only", false, "the console shows everything and changes nothing")
 	fs.StringVar(&appName, "application-name", "outbox-relay", "application_name of the relay's PostgreSQL sessions")
 	fs.StringVar(&auth.Name, "nats-name", "outbox-relay", "NATS connection name")

@@ -236,6 +236,16 @@ func (o *Options) Validate() error {
 		}
 		fh.Close()
 	}
+	if o.Console.Enabled {
+		// Before anything connects: a console that may not serve must not
+		// wait for a database first.
+		if err := console.CheckToken(o.Console.Token); err != nil {
+			return err
+		}
+		if err := console.CheckAddr(o.HTTPAddr, o.Console.Token); o.HTTPAddr != "" && err != nil {
+			return fmt.Errorf("--console on --http-addr %s: %w", o.HTTPAddr, err)
+		}
+	}
 	if o.StatusInterval < 0 || o.DrainTimeout < 0 || o.StatsInterval < 0 {
 		return fmt.Errorf("--status-interval %s, --drain-timeout %s, --stats-interval %s: may not be negative", o.StatusInterval, o.DrainTimeout, o.StatsInterval)
 	}

@@ -1,9 +1,14 @@
 package console
 
 import (
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -13,10 +18,13 @@ import (
 // Actions. A redrive or cancel is two requests: the preview runs the
 // store's statement as a dry run (a rolled-back transaction) on the work IDs
 // the operator selected or the filter matched, and shows what would change
-// and what would be refused and why; its confirmation carries exactly the
-// work IDs the preview said would change, so the action never touches a row
-// the operator did not see. A row that moved in between is refused by the
-// statement's guard and reported.
+// and what would be refused and why. The action never touches a row the
+// operator did not see would change: a confirmation of ticked rows carries
+// exactly the work IDs the preview said would change; a confirmation of a
+// filter carries the filter and a digest of those work IDs (500 long IDs do
+// not fit in a request), and is applied only if the same dry run under the
+// same filter finds the same set. A row that moved in between is refused by
+// the statement's guard and reported.
 
 // actionForm is a preview's or confirmation's request.
 type actionForm struct {
@@ -29,12 +37,15 @@ type actionForm struct {
 	// duration ("2h") to the time it names, so the confirmation applies
 	// the deadline the preview showed.
 	ExpiresAt string
-	// Filter: set when the preview resolved a filter (for the page only).
+	// Filter: set when the action's scope is the rows table's filter.
 	Filter *filterForm
 	More   bool // the filter matched more rows than one action takes
+	// Digest is a filter confirmation's setDigest of the rows its preview
+	// would change.
+	Digest string
 }
 
-func (c *Console) readAction(r *http.Request, resolveFilter bool) (actionForm, error) {
+func (c *Console) readAction(r *http.Request, preview bool) (actionForm, error) {
 	v := r.PostForm
 	a := actionForm{Reason: strings.TrimSpace(v.Get("reason")), Name: cleanName(v.Get("name")),
 		Deadline: v.Get("deadline"), ExpiresAt: strings.TrimSpace(v.Get("expires_at"))}
@@ -75,9 +86,12 @@ func (c *Console) readAction(r *http.Request, resolveFilter bool) (actionForm, e
 			a.IDs = append(a.IDs, id)
 		}
 	}
-	if resolveFilter && v.Get("scope") == "filter" {
+	if v.Get("scope") == "filter" {
 		if len(a.IDs) > 0 {
 			return a, errors.New("choose the selected rows or the whole filter, not both")
+		}
+		if a.Digest = strings.TrimSpace(v.Get("digest")); !preview && a.Digest == "" {
+			return a, errors.New("a confirmation of a filter needs its preview's digest of the rows: preview again")
 		}
 		f := readFilter(v)
 		lf, err := f.store()
@@ -89,6 +103,11 @@ func (c *Console) readAction(r *http.Request, resolveFilter bool) (actionForm, e
 			return a, fmt.Errorf("select the filter's rows: %s", safeError(err))
 		}
 		if len(a.IDs) == 0 {
+			if !preview {
+				// The rows left the filter since the preview: the
+				// digest check says so.
+				return a, nil
+			}
 			return a, errors.New("the filter matches no rows")
 		}
 	}
@@ -153,8 +172,10 @@ type resultData struct {
 	Result    store.OpResult
 	Refused   []refusedRow
 	Uncertain int      // changed rows whose last attempt's outcome is unknown
-	Confirm   []string // the work IDs the confirmation carries
-	By        string
+	Confirm   []string // the work IDs the preview would change
+	// Digest is what a filter's confirmation carries instead of Confirm.
+	Digest string
+	By     string
 }
 
 func (c *Console) result(a actionForm, req store.OpRequest, res store.OpResult) resultData {
@@ -187,6 +208,34 @@ func (c *Console) act(w http.ResponseWriter, r *http.Request, preview bool) {
 		c.fail(w, r, http.StatusBadRequest, err.Error())
 		return
 	}
+	if !preview && a.Filter != nil {
+		// The filter again, as a dry run: confirmed only if it would
+		// change exactly the rows the preview showed, and then only those.
+		var ids []string
+		if len(a.IDs) > 0 {
+			req, err := c.request(r, a, true)
+			if err != nil {
+				c.fail(w, r, http.StatusBadRequest, err.Error())
+				return
+			}
+			res, err := c.run(r, a, req)
+			if err != nil {
+				c.opFailed(w, r, err)
+				return
+			}
+			ids = changedIDs(res)
+		}
+		if now := setDigest(a, ids); now != a.Digest || len(ids) == 0 {
+			shown, _, _ := strings.Cut(a.Digest, ":")
+			if _, err := strconv.Atoi(shown); err != nil {
+				shown = "other"
+			}
+			c.fail(w, r, http.StatusConflict, fmt.Sprintf("the set changed, preview again: the rows this filter would %s are not the ones the preview showed "+
+				"(%s rows then, %d now, or other rows); nothing was changed", a.Action, shown, len(ids)))
+			return
+		}
+		a.IDs = ids
+	}
 	if preview && a.Deadline == "new" {
 		// Fixed now, so the apply uses the deadline the preview showed.
 		t, _ := parseDeadline(a.ExpiresAt, time.Now())
@@ -203,10 +252,50 @@ func (c *Console) act(w http.ResponseWriter, r *http.Request, preview bool) {
 		return
 	}
 	page := "result"
+	d := c.result(a, req, res)
 	if preview {
 		page = "preview"
+		if a.Filter != nil {
+			d.Digest = setDigest(a, d.Confirm)
+		}
 	}
-	c.render(w, r, page, c.result(a, req, res), http.StatusOK)
+	c.render(w, r, page, d, http.StatusOK)
+}
+
+func changedIDs(res store.OpResult) []string {
+	ids := make([]string, 0, len(res.Changed))
+	for _, ch := range res.Changed {
+		ids = append(ids, ch.WorkID)
+	}
+	return ids
+}
+
+// setDigest names what a filter's confirmation confirms: the action, its
+// deadline decision, the filter, and the work IDs it would change, as
+// "count:sha256". It needs no key: the server recomputes it and compares,
+// so a client can only choose to confirm a set it could have previewed.
+func setDigest(a actionForm, ids []string) string {
+	sorted := slices.Clone(ids)
+	slices.Sort(sorted)
+	h := sha256.New()
+	field := func(s string) {
+		var n [8]byte
+		binary.BigEndian.PutUint64(n[:], uint64(len(s)))
+		h.Write(n[:])
+		h.Write([]byte(s))
+	}
+	field("outbox-relay console filter confirmation")
+	field(string(a.Action))
+	field(a.Deadline)
+	field(a.ExpiresAt)
+	if a.Filter != nil {
+		field(a.Filter.query().Encode())
+	}
+	field(strconv.Itoa(len(sorted)))
+	for _, id := range sorted {
+		field(id)
+	}
+	return strconv.Itoa(len(sorted)) + ":" + hex.EncodeToString(h.Sum(nil))
 }
 
 func (c *Console) opFailed(w http.ResponseWriter, r *http.Request, err error) {

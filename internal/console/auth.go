@@ -8,6 +8,7 @@ import (
 	"crypto/subtle"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"net"
 	"net/http"
 	"strconv"
@@ -20,9 +21,17 @@ import (
 // Authentication. One shared token (--console-token) admits a request in
 // any of three ways: "Authorization: Bearer <token>", basic auth with the
 // token as the password (the user name is kept as who), or the login form,
-// which sets a session cookie signed with a per-process key. Every way
-// yields a principal, recorded with every action, and a session ID, to
-// which the CSRF token is bound.
+// which sets a session cookie. Every way yields a principal, recorded with
+// every action, and a session ID, to which the CSRF token is bound.
+//
+// Surrounding whitespace is never part of a token: the configured one and
+// the one presented on every way in are trimmed alike, so a token pasted
+// with a newline works in the login form as it does in a header.
+//
+// A session is a random ID the process remembers until logout or expiry;
+// the cookie carries it signed with a key derived from a per-process secret
+// and the token. A copied cookie is worth nothing after its logout, and a
+// restart (the only way to change the token) ends every session.
 
 const (
 	sessionCookie = "outbox_console_session"
@@ -30,7 +39,38 @@ const (
 	// maxNameLen bounds the who a client supplies (basic auth user, the
 	// action's name field): it ends up in every history row.
 	maxNameLen = 64
+	// MinTokenLen is the shortest token accepted, in bytes after trimming:
+	// there is no lockout after failed logins, so the token's length is
+	// all that stands against guessing.
+	MinTokenLen = 16
+	// maxSessions bounds the sessions the process remembers; beyond it a
+	// login ends the session closest to expiry.
+	maxSessions = 1024
 )
+
+// ErrWeakToken refuses a --console-token that is blank or too short.
+var ErrWeakToken = errors.New("--console-token (OUTBOX_RELAY_CONSOLE_TOKEN) is too weak")
+
+// CheckToken refuses a token that is set but blank or shorter than
+// MinTokenLen bytes once its surrounding whitespace is trimmed. Empty is
+// no token: the console is then read-only and loopback-only (CheckAddr).
+func CheckToken(token string) error {
+	if token == "" {
+		return nil
+	}
+	t := trimToken(token)
+	if t == "" {
+		return fmt.Errorf("%w: it is blank (only whitespace); give a random token of at least %d bytes, e.g. openssl rand -hex 24, or none for a read-only console on loopback", ErrWeakToken, MinTokenLen)
+	}
+	if len(t) < MinTokenLen {
+		return fmt.Errorf("%w: it is %d bytes long; use at least %d, e.g. openssl rand -hex 24 (there is no lockout after failed logins)", ErrWeakToken, len(t), MinTokenLen)
+	}
+	return nil
+}
+
+// trimToken is the one rule for whitespace around a token, configured or
+// presented.
+func trimToken(s string) string { return strings.TrimSpace(s) }
 
 type principalKey struct{}
 
@@ -65,20 +105,22 @@ func (c *Console) mac(parts ...string) string {
 // authenticate finds the request's principal; false: none.
 func (c *Console) authenticate(r *http.Request) (principal, bool) {
 	if c.o.Token == "" {
-		// Only ever on loopback (CheckAddr), and never writable: nothing
-		// that changes state works without authentication.
+		// Only ever on loopback (CheckAddr, loopbackHost), and never
+		// writable: nothing that changes state works without
+		// authentication.
 		return principal{Who: "no token (loopback)", SessionID: "anonymous"}, true
 	}
 	writable := !c.o.ReadOnly
 	if auth := r.Header.Get("Authorization"); auth != "" {
-		if tok, ok := strings.CutPrefix(auth, "Bearer "); ok {
-			if tokenEqual(strings.TrimSpace(tok), c.o.Token) {
+		// Auth schemes are case-insensitive (RFC 9110, 11.1).
+		scheme, rest, _ := strings.Cut(auth, " ")
+		switch {
+		case strings.EqualFold(scheme, "Bearer"):
+			if tokenEqual(trimToken(rest), c.o.Token) {
 				return principal{Who: "bearer token", SessionID: "bearer", Writable: writable}, true
 			}
-			return principal{}, false
-		}
-		if user, pass, ok := r.BasicAuth(); ok {
-			if tokenEqual(pass, c.o.Token) {
+		case strings.EqualFold(scheme, "Basic"):
+			if user, pass, ok := r.BasicAuth(); ok && tokenEqual(trimToken(pass), c.o.Token) {
 				user = cleanName(user)
 				who := "basic auth"
 				if user != "" {
@@ -86,7 +128,6 @@ func (c *Console) authenticate(r *http.Request) (principal, bool) {
 				}
 				return principal{Who: who, SessionID: "basic:" + user, Writable: writable}, true
 			}
-			return principal{}, false
 		}
 		return principal{}, false
 	}
@@ -98,18 +139,39 @@ func (c *Console) authenticate(r *http.Request) (principal, bool) {
 	return principal{}, false
 }
 
-// newSession returns a cookie value: id.expiry.mac.
+// newSession starts a session the process remembers and returns its cookie
+// value: id.expiry.mac.
 func (c *Console) newSession() (string, time.Time) {
 	var b [16]byte
 	if _, err := rand.Read(b[:]); err != nil {
 		panic(err) // crypto/rand does not fail on supported systems
 	}
 	id := hex.EncodeToString(b[:])
-	exp := time.Now().Add(c.o.SessionTTL)
+	now := time.Now()
+	exp := now.Add(c.o.SessionTTL)
+	c.smu.Lock()
+	for sid, e := range c.sessions {
+		if now.After(e) {
+			delete(c.sessions, sid)
+		}
+	}
+	for len(c.sessions) >= maxSessions {
+		oldest := ""
+		for sid, e := range c.sessions {
+			if oldest == "" || e.Before(c.sessions[oldest]) {
+				oldest = sid
+			}
+		}
+		delete(c.sessions, oldest)
+	}
+	c.sessions[id] = exp
+	c.smu.Unlock()
 	e := strconv.FormatInt(exp.Unix(), 10)
 	return id + "." + e + "." + c.mac("session", id, e), exp
 }
 
+// verifySession checks the cookie's signature and expiry, and that its
+// session has not ended: a signature alone outlives a logout.
 func (c *Console) verifySession(v string) (string, bool) {
 	parts := strings.Split(v, ".")
 	if len(parts) != 3 {
@@ -122,7 +184,21 @@ func (c *Console) verifySession(v string) (string, bool) {
 	if err != nil || time.Now().Unix() > exp {
 		return "", false
 	}
+	c.smu.Lock()
+	e, live := c.sessions[parts[0]]
+	c.smu.Unlock()
+	if !live || time.Now().After(e) {
+		return "", false
+	}
 	return parts[0], true
+}
+
+// endSession forgets a session: its cookie and CSRF token stop working,
+// wherever copies of them are.
+func (c *Console) endSession(id string) {
+	c.smu.Lock()
+	delete(c.sessions, id)
+	c.smu.Unlock()
 }
 
 // csrfToken is bound to the session: a token read from one session is
@@ -182,7 +258,7 @@ func (c *Console) parseForm(w http.ResponseWriter, r *http.Request) bool {
 	if err := r.ParseForm(); err != nil {
 		var tooBig *http.MaxBytesError
 		if errors.As(err, &tooBig) {
-			http.Error(w, "request too large: select fewer rows (at most "+strconv.FormatInt(c.o.MaxRequestBytes>>10, 10)+" KiB)", http.StatusRequestEntityTooLarge)
+			http.Error(w, "request too large: tick fewer rows, or act on every row the filter matches (at most "+strconv.FormatInt(c.o.MaxRequestBytes>>10, 10)+" KiB)", http.StatusRequestEntityTooLarge)
 			return false
 		}
 		http.Error(w, "bad form", http.StatusBadRequest)
@@ -203,7 +279,7 @@ func (c *Console) login(w http.ResponseWriter, r *http.Request) {
 		http.Redirect(w, r, "/ui/", http.StatusSeeOther)
 		return
 	}
-	if !tokenEqual(r.PostForm.Get("token"), c.o.Token) {
+	if !tokenEqual(trimToken(r.PostForm.Get("token")), c.o.Token) {
 		c.render(w, r, "login", map[string]any{"Failed": true}, http.StatusUnauthorized)
 		return
 	}
@@ -216,6 +292,9 @@ func (c *Console) login(w http.ResponseWriter, r *http.Request) {
 }
 
 func (c *Console) logout(w http.ResponseWriter, r *http.Request) {
+	if p := principalOf(r); p.Who == "session" {
+		c.endSession(p.SessionID)
+	}
 	http.SetCookie(w, &http.Cookie{Name: sessionCookie, Value: "", Path: "/ui/", MaxAge: -1, HttpOnly: true, SameSite: http.SameSiteStrictMode})
 	http.Redirect(w, r, "/ui/login", http.StatusSeeOther)
 }

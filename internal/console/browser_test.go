@@ -205,6 +205,30 @@ func TestBrowserRedrive(t *testing.T) {
 	}
 	shot("overview-refreshed")
 
+	// Every dead letter by the filter: the confirmation carries the filter
+	// and the preview's digest, and changes exactly the previewed rows.
+	do("filter scope", chromedp.Navigate(f.srv.URL+"/ui/rows?state=failed"), chromedp.WaitVisible(chromedp.CSS("#rows-table")),
+		chromedp.Click(chromedp.CSS(`input[name="action"][value="cancel"]`)), chromedp.Click(chromedp.CSS("#scope-filter")),
+		chromedp.SendKeys(chromedp.CSS("#reason"), "INC-43: drop the rest"),
+		chromedp.Click(chromedp.CSS("#preview")), chromedp.WaitVisible(chromedp.CSS("#confirm")))
+	if n := text("#would-change"); n != "3" {
+		t.Errorf("filter preview says %q rows would change, want 3", n)
+	}
+	do("confirm the filter", chromedp.Click(chromedp.CSS("#confirm")), chromedp.WaitVisible(chromedp.CSS("#changed-count")))
+	if n := text("#changed-count"); n != "3" {
+		t.Errorf("filter result says %q rows changed, want 3", n)
+	}
+	for _, id := range []string{"order-3", "order-5", "order-6"} {
+		if got := f.state(t, id); got != "cancelled" {
+			t.Errorf("%s is %s after the filter's cancel, want cancelled", id, got)
+		}
+	}
+
+	// Logging out ends the session: the browser is back at the login form.
+	do("log out", chromedp.Navigate(f.srv.URL+"/ui/"), chromedp.WaitVisible(chromedp.CSS("#role")),
+		chromedp.Click(chromedp.CSS(`form[action="/ui/logout"] button`)), chromedp.WaitVisible(chromedp.CSS("#token")))
+	do("after logout", chromedp.Navigate(f.srv.URL+"/ui/rows"), chromedp.WaitVisible(chromedp.CSS("#token")))
+
 	// Close the browser before the fixture's cleanup, so nothing outlives
 	// the test.
 	cancel()

@@ -15,7 +15,9 @@ package console
 
 import (
 	"context"
+	"crypto/hmac"
 	"crypto/rand"
+	"crypto/sha256"
 	"embed"
 	"errors"
 	"fmt"
@@ -23,6 +25,9 @@ import (
 	"io/fs"
 	"net"
 	"net/http"
+	"net/netip"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -33,7 +38,8 @@ import (
 // The console's defaults; zero fields of Options take them.
 const (
 	// DefaultMaxRequestBytes caps a request body. The largest legitimate
-	// one is a confirmation carrying DefaultMaxActionRows work IDs.
+	// one is a preview or confirmation of ticked rows, which carries their
+	// work IDs (a filter's carries the filter and a digest).
 	DefaultMaxRequestBytes = 256 << 10
 	// DefaultPageSize rows per page of the rows table; MaxPageSize bounds
 	// what a ?limit= may ask for.
@@ -141,6 +147,40 @@ func CheckAddr(addr, token string) error {
 	return fmt.Errorf("%w: %s listens on %s; give a token, or listen on 127.0.0.1", ErrInsecureAddr, addr, host)
 }
 
+// loopbackHost reports whether a request's Host names this machine in a
+// way no DNS answer can change: localhost, an address in 127.0.0.0/8, or
+// [::1], each with or without a port. Nothing else: not a subdomain of
+// localhost, not a trailing dot, not an IPv4-mapped or zoned address.
+func loopbackHost(hostport string) bool {
+	host := hostport
+	if h, port, err := net.SplitHostPort(hostport); err == nil {
+		if _, err := strconv.ParseUint(port, 10, 16); err != nil {
+			return false
+		}
+		host = h
+	} else if strings.HasPrefix(hostport, "[") && strings.HasSuffix(hostport, "]") {
+		host = hostport[1 : len(hostport)-1]
+	} else if strings.Contains(hostport, ":") {
+		return false // an IPv6 address without brackets is not a Host
+	}
+	if strings.EqualFold(host, "localhost") {
+		return true
+	}
+	a, err := netip.ParseAddr(host)
+	if err != nil || a.Zone() != "" {
+		return false
+	}
+	return (a.Is4() && a.IsLoopback()) || a == netip.IPv6Loopback()
+}
+
+// quoteHost shows a client-supplied Host in an error: quoted, and cut.
+func quoteHost(h string) string {
+	if len(h) > 100 {
+		h = h[:100] + "..."
+	}
+	return strconv.Quote(h)
+}
+
 // Standby is one --standby-slot standby as the overview shows it.
 type Standby struct {
 	Slot     string `json:"slot"`
@@ -176,9 +216,14 @@ type Console struct {
 	src  Sources
 	tmpl map[string]*template.Template
 	mux  *http.ServeMux
-	// key signs sessions and CSRF tokens. Fresh per process: a restart
-	// logs everyone out, which costs a login and keeps no secret on disk.
+	// key signs sessions and CSRF tokens: derived from a secret fresh per
+	// process and from the token, so a restart logs everyone out (which
+	// costs a login and keeps no secret on disk) and nothing signed under
+	// one token is valid under another.
 	key [32]byte
+
+	smu      sync.Mutex
+	sessions map[string]time.Time // live session IDs and their expiry
 
 	mu      sync.Mutex
 	samples []Sample
@@ -187,16 +232,24 @@ type Console struct {
 // New builds the console. addr is where it will listen, checked by
 // CheckAddr.
 func New(o Options, addr string, src Sources) (*Console, error) {
+	if err := CheckToken(o.Token); err != nil {
+		return nil, err
+	}
+	o.Token = trimToken(o.Token)
 	if err := CheckAddr(addr, o.Token); err != nil {
 		return nil, err
 	}
 	if src.Store == nil {
 		return nil, errors.New("console: no store")
 	}
-	c := &Console{o: o.withDefaults(), src: src}
-	if _, err := rand.Read(c.key[:]); err != nil {
+	c := &Console{o: o.withDefaults(), src: src, sessions: map[string]time.Time{}}
+	var secret [32]byte
+	if _, err := rand.Read(secret[:]); err != nil {
 		return nil, fmt.Errorf("console: session key: %w", err)
 	}
+	m := hmac.New(sha256.New, secret[:])
+	m.Write([]byte("outbox-relay console session key\x00" + c.o.Token))
+	copy(c.key[:], m.Sum(nil))
 	var err error
 	if c.tmpl, err = parseTemplates(); err != nil {
 		return nil, err
@@ -242,6 +295,16 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	h.Set("Cross-Origin-Opener-Policy", "same-origin")
 	// Pages hold row data and CSRF tokens: no cache may keep them.
 	h.Set("Cache-Control", "no-store")
+	if c.o.Token == "" && !loopbackHost(r.Host) {
+		// DNS rebinding: a page the operator visits points its own name
+		// at 127.0.0.1 and reads the console as same-origin. Its requests
+		// carry that name as Host; a loopback name or address cannot be
+		// rebound. With a token, the browser has no credential for the
+		// other name to send.
+		http.Error(w, "this console has no token (--console-token), so it answers only requests addressed to localhost, 127.0.0.1 or [::1]; "+
+			"this one was addressed to "+quoteHost(r.Host)+": open the console by a loopback address, or set a token", http.StatusForbidden)
+		return
+	}
 	if r.Body != nil {
 		r.Body = http.MaxBytesReader(w, r.Body, c.o.MaxRequestBytes)
 	}
