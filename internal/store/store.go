@@ -179,7 +179,7 @@ type Settle struct {
 	// from before (a hold): a published row's last_error is about its
 	// publication, never stale.
 	Error   string
-	RetryMs int64  // Rejected: delay before the poller's next attempt
+	RetryMs int64 // Rejected: delay before the poller's next attempt
 }
 
 // SettleRows applies each outcome with a guard on state = 'ready', in one
