@@ -68,7 +68,7 @@ func (s *Sink) Publish(ctx context.Context, m *sinks.Message) (sinks.Future, err
 	// stream (error 10060): stream subjects can move between the check
 	// above and the publish, and a message stored in another stream would
 	// be a write where this relay may not write.
-	f.hdr[jetstream.ExpectedStreamHeader] = s.binding.expect[stream]
+	f.hdr[wire.HeaderExpectedStream] = s.binding.expect[stream]
 	// The message's ID goes into its header map, as nats.go's WithMsgID
 	// would put it (a republished message has it already).
 	if vs := f.hdr[jetstream.MsgIDHeader]; len(vs) != 1 || vs[0] != m.ID {
