@@ -191,3 +191,39 @@ func TestSinkRemembersRefusedSubjects(t *testing.T) {
 		t.Errorf("100 rows under the prefix made %d stream requests", after-before)
 	}
 }
+
+// Issue 20, item 9: an acknowledgement counts only from the stream the
+// sink published to. Here a responder that is no stream answers on the
+// relay's own prefix with a PubAck naming another stream (a broker that
+// ignored Nats-Expected-Stream would look the same): a rejection carrying
+// that stream and sequence as evidence, never an ack.
+func TestSinkRefusesAnAckFromAnotherStream(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	stream, prefix := f.stream+"_NOT_CREATED", f.stream+"_fake."
+	var expected atomic.Value
+	sub, err := f.nc.Subscribe(prefix+">", func(m *nats.Msg) {
+		expected.Store(m.Header.Get("Nats-Expected-Stream"))
+		_ = m.Respond([]byte(`{"stream":"ELSEWHERE","seq":7}`))
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sub.Unsubscribe() })
+	if err := f.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	sink := natssink.New(f.js, natssink.Options{Stream: stream, SubjectPrefix: prefix})
+	fut, err := sink.Publish(ctx, &sinks.Message{ID: "forged", Subject: prefix + "x", Data: []byte(`{}`)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ack, err := waitFor(t, fut)
+	re, ok := sinks.IsRejected(err)
+	if !ok || re.Reason != natssink.ReasonWrongStream || !strings.Contains(err.Error(), "stream ELSEWHERE at sequence 7") {
+		t.Fatalf("ack %+v, %v; want a %s rejection naming ELSEWHERE and sequence 7", ack, err, natssink.ReasonWrongStream)
+	}
+	if got, _ := expected.Load().(string); got != stream {
+		t.Errorf("the message carried Nats-Expected-Stream %q, want %q", got, stream)
+	}
+}
