@@ -390,11 +390,18 @@ func (p *Poller) process(ctx context.Context, claimed []store.Claimed) error {
 		if in.err == nil {
 			ack, err := in.f.Wait(wctx)
 			if err == nil {
-				acked = append(acked, store.Completion{WorkID: in.c.WorkID, Generation: in.c.ClaimGeneration, Seq: ack.Sequence})
+				done := store.Completion{WorkID: in.c.WorkID, Generation: in.c.ClaimGeneration, Seq: ack.Sequence, Stream: ack.Stream}
 				if ack.Duplicate {
 					p.pubDuplicate.Inc()
 					p.m.Duplicates.Inc()
-				} else {
+					// See the CDC path (relay.handleResult): the row points at
+					// the message the broker kept.
+					done.Note = store.DuplicateNote(ack.Stream, ack.Sequence)
+					p.log.Warn().Str("work_id", in.c.WorkID).Str("stream", ack.Stream).Uint64("stream_seq", ack.Sequence).
+						Msg(store.DuplicateLog)
+				}
+				acked = append(acked, done)
+				if !ack.Duplicate {
 					p.pubOK.Inc()
 				}
 				continue

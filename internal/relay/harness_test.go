@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"sync"
 	"testing"
 	"time"
@@ -31,6 +32,8 @@ type harness struct {
 	pool    *pgxpool.Pool
 	nc      *nats.Conn
 	js      jetstream.JetStream
+	// logs, when set, receives the relay's log lines too.
+	logs io.Writer
 
 	mu     sync.Mutex
 	relay  *relay.Relay
@@ -123,7 +126,11 @@ func (h *harness) launch() chan error {
 	done := make(chan error, 1)
 	o := h.opts
 	o.Started = func(r *relay.Relay) { h.mu.Lock(); h.relay = r; h.mu.Unlock() }
-	log := zerolog.New(zerolog.NewTestWriter(h.t)).Level(zerolog.InfoLevel).With().Timestamp().Logger()
+	w := io.Writer(zerolog.NewTestWriter(h.t))
+	if h.logs != nil {
+		w = io.MultiWriter(w, h.logs)
+	}
+	log := zerolog.New(w).Level(zerolog.InfoLevel).With().Timestamp().Logger()
 	go func() { done <- app.Run(ctx, o, log) }()
 	h.mu.Lock()
 	h.cancel, h.done = cancel, done

@@ -525,15 +525,24 @@ func (l *loop) handleResult(ctx context.Context, it *item) error {
 		// resumes from the slot and republishes under the same IDs.
 		return fmt.Errorf("%w: %w", errOutage, it.err)
 	}
+	it.settle.Error = ""
 	if it.ack.Duplicate {
 		l.publishedDup.Inc()
 		l.r.metrics.Duplicates.Inc()
+		// The broker kept the message it already had under this ID: the
+		// same content after a restart, or a reused work_id whose new
+		// content is lost. Only the stored message can tell, so the row
+		// says which one it points at.
+		it.settle.Error = store.DuplicateNote(it.ack.Stream, it.ack.Sequence)
+		l.r.log.Warn().Str("work_id", it.workID).Str("stream", it.ack.Stream).Uint64("stream_seq", it.ack.Sequence).
+			Msg(store.DuplicateLog)
 	} else {
 		l.publishedOK.Inc()
 	}
 	l.r.metrics.CommitToAck.Observe(time.Since(it.commitTime).Seconds())
 	it.settle.Outcome = store.Published
 	it.settle.Seq = it.ack.Sequence
+	it.settle.Stream = it.ack.Stream
 	// Only what the mark needs stays: the message (payload and headers)
 	// and its future are garbage from here.
 	it.msg, it.fut = nil, nil

@@ -16,9 +16,10 @@ import (
 // the SQL is the quoted table name and fixed fragments chosen by the code.
 
 // ErrorClasses are the classes a last_error starts with ("rejected: ...",
-// "uncertain: ...", "expired: ..."), as the console's filter offers them;
+// "uncertain: ...", "expired: ...", and "duplicate: ..." on a published
+// row, see DuplicateNote), as the console's filter offers them;
 // ErrorClassNone selects rows without a last_error.
-var ErrorClasses = []string{"rejected", "uncertain", "expired"}
+var ErrorClasses = []string{"rejected", "uncertain", "expired", "duplicate"}
 
 // ErrorClassNone filters rows whose last_error is NULL.
 const ErrorClassNone = "none"
@@ -63,6 +64,7 @@ type ListedRow struct {
 	ClaimedBy       string
 	PublishedAt     *time.Time
 	StreamSeq       *int64 // set once the broker accepted it: "possibly accepted" has evidence
+	StreamName      string // the stream holding StreamSeq; "" before migration 0010 or when never published
 	ExpiresAt       *time.Time
 	RedrivenAt      *time.Time
 	RedrivenBy      string
@@ -81,13 +83,13 @@ var ErrBadFilter = errors.New("invalid filter")
 const listColumns = `work_id, kind, coalesce(subject, ''), state, attempts, claim_generation, coalesce(last_error, ''),
 	created_at, available_at, lease_until, coalesce(claimed_by, ''), published_at, stream_seq, expires_at,
 	redriven_at, coalesce(redriven_by, ''), coalesce(redrive_reason, ''),
-	coalesce(aggregate_type, ''), coalesce(aggregate_id, ''), aggregate_seq`
+	coalesce(aggregate_type, ''), coalesce(aggregate_id, ''), aggregate_seq, coalesce(stream_name, '')`
 
 func scanListed(row pgx.CollectableRow) (ListedRow, error) {
 	var r ListedRow
 	err := row.Scan(&r.WorkID, &r.Kind, &r.Subject, &r.State, &r.Attempts, &r.ClaimGeneration, &r.LastError,
 		&r.CreatedAt, &r.AvailableAt, &r.LeaseUntil, &r.ClaimedBy, &r.PublishedAt, &r.StreamSeq, &r.ExpiresAt,
-		&r.RedrivenAt, &r.RedrivenBy, &r.RedriveReason, &r.AggregateType, &r.AggregateID, &r.AggregateSeq,
+		&r.RedrivenAt, &r.RedrivenBy, &r.RedriveReason, &r.AggregateType, &r.AggregateID, &r.AggregateSeq, &r.StreamName,
 		&r.Payload, &r.PayloadChars, &r.Headers)
 	return r, err
 }

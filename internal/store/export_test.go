@@ -13,7 +13,7 @@ import (
 // arrays, as the tests in store_test need it.
 func ExplainSettle(ctx context.Context, t *testing.T, pool *pgxpool.Pool, tbl Table, policy Policy) string {
 	t.Helper()
-	args := []any{[]string{"new-1"}, []int64{1}, []string{"x"}, []string{"y"}, []string{"e"}, []int64{1}, []string{"h"}, []string{"held"}}
+	args := []any{[]string{"new-1"}, []int64{1}, []string{"S"}, []string{""}, []string{"x"}, []string{"y"}, []string{"e"}, []int64{1}, []string{"h"}, []string{"held"}}
 	if policy == PolicyDelete {
 		args = []any{[]string{"new-1"}, []string{"x"}, []string{"y"}, []string{"e"}, []int64{1}, []string{"h"}, []string{"held"}}
 	}

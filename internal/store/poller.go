@@ -56,6 +56,10 @@ type Completion struct {
 	WorkID     string
 	Generation int64
 	Seq        uint64
+	Stream     string // the stream that stored it
+	// Note is the row's last_error once published: a DuplicateNote, or
+	// empty, which clears the error of an earlier attempt.
+	Note string
 }
 
 func micros(d time.Duration) int64 { return d.Microseconds() }
@@ -121,10 +125,12 @@ func (s *Store) Complete(ctx context.Context, items []Completion, workerID strin
 	ids := make([]string, len(items))
 	gens := make([]int64, len(items))
 	seqs := make([]int64, len(items))
+	streams := make([]string, len(items))
+	notes := make([]string, len(items))
 	for i, it := range items {
-		ids[i], gens[i], seqs[i] = it.WorkID, it.Generation, int64(it.Seq)
+		ids[i], gens[i], seqs[i], streams[i], notes[i] = it.WorkID, it.Generation, int64(it.Seq), it.Stream, it.Note
 	}
-	args := []any{unplanned, ids, workerID, gens, seqs}
+	args := []any{unplanned, ids, workerID, gens, seqs, streams, notes}
 	if s.policy == PolicyDelete {
 		args = args[:4]
 	}
@@ -140,7 +146,8 @@ func (s *Store) Complete(ctx context.Context, items []Completion, workerID strin
 }
 
 // completeSQL is Complete's statement: $1 work IDs, $2 worker, $3 claim
-// generations, $4 stream sequences (mark policy only).
+// generations, $4 stream sequences, $5 streams and $6 notes (mark policy
+// only).
 //
 // Each claim finds its row through the primary key, the join driven from
 // unnest. Two things keep the planner there. There is no
@@ -156,8 +163,8 @@ func completeSQL(t Table, policy Policy) string {
 			RETURNING t.work_id`
 	}
 	return `UPDATE ` + t.String() + ` AS t SET state = 'published', published_at = clock_timestamp(), stream_seq = u.seq,
-			claimed_by = NULL, lease_until = NULL
-		FROM unnest($1::text[], $3::bigint[], $4::bigint[]) AS u(work_id, gen, seq)
+			stream_name = u.stream, last_error = nullif(u.note, ''), claimed_by = NULL, lease_until = NULL
+		FROM unnest($1::text[], $3::bigint[], $4::bigint[], $5::text[], $6::text[]) AS u(work_id, gen, seq, stream, note)
 		WHERE t.work_id = u.work_id AND t.claim_generation = u.gen AND ` + batchGuard + `
 		RETURNING t.work_id`
 }

@@ -68,7 +68,8 @@ func TestPollerPlansWithoutStatistics(t *testing.T) {
 		})
 		for _, policy := range []store.Policy{store.PolicyMark, store.PolicyDelete} {
 			t.Run(fmt.Sprintf("complete %s, statistics %s", policy, stats), func(t *testing.T) {
-				args := []any{ids, "w", gens, gens}
+				streams := make([]string, len(ids))
+				args := []any{ids, "w", gens, gens, streams, streams}
 				if policy == store.PolicyDelete {
 					args = args[:3]
 				}

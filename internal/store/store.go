@@ -42,6 +42,7 @@ var RequiredColumns = []string{
 	"attempts", "claim_generation", "claimed_by", "lease_until", "published_at", "stream_seq",
 	"last_error", "redriven_at", "redriven_by", "redrive_reason",
 	"aggregate_type", "aggregate_id", "aggregate_seq", "expires_at",
+	"stream_name",
 }
 
 // Store runs the outbox table's statements on a pool.
@@ -172,8 +173,13 @@ type Settle struct {
 	Xid     uint32 // the inserting transaction, to tell "not visible yet" from "already moved on"
 	Outcome Outcome
 	Seq     uint64 // Published: the stream sequence
-	Error   string // Rejected: the broker's reason, stored in last_error
-	RetryMs int64  // Rejected: delay before the poller's next attempt
+	Stream  string // Published: the stream that stored it
+	// Error is stored in last_error. Rejected: the broker's reason.
+	// Published: a DuplicateNote, or empty, which clears a last_error left
+	// from before (a hold): a published row's last_error is about its
+	// publication, never stale.
+	Error   string
+	RetryMs int64 // Rejected: delay before the poller's next attempt
 }
 
 // SettleRows applies each outcome with a guard on state = 'ready', in one
@@ -183,13 +189,15 @@ type Settle struct {
 // inserting transaction is not visible yet: try again later, and do not let
 // the checkpoint pass it.
 func (s *Store) SettleRows(ctx context.Context, items []Settle) (settled []bool, err error) {
-	var pubIDs, delayIDs, rejIDs, rejErrs, heldIDs, heldErrs []string
+	var pubIDs, pubStreams, pubNotes, delayIDs, rejIDs, rejErrs, heldIDs, heldErrs []string
 	var pubSeqs, rejDelay []int64
 	for _, it := range items {
 		switch it.Outcome {
 		case Published:
 			pubIDs = append(pubIDs, it.WorkID)
 			pubSeqs = append(pubSeqs, int64(it.Seq))
+			pubStreams = append(pubStreams, it.Stream)
+			pubNotes = append(pubNotes, it.Error)
 		case Delayed:
 			delayIDs = append(delayIDs, it.WorkID)
 		case Rejected:
@@ -206,7 +214,7 @@ func (s *Store) SettleRows(ctx context.Context, items []Settle) (settled []bool,
 	var changed []string
 	var snapText string
 	mode := batchMode(len(items))
-	args := []any{mode, pubIDs, pubSeqs, delayIDs, rejIDs, rejErrs, rejDelay, heldIDs, heldErrs}
+	args := []any{mode, pubIDs, pubSeqs, pubStreams, pubNotes, delayIDs, rejIDs, rejErrs, rejDelay, heldIDs, heldErrs}
 	if s.policy == PolicyDelete {
 		args = []any{mode, pubIDs, delayIDs, rejIDs, rejErrs, rejDelay, heldIDs, heldErrs}
 	}
@@ -235,11 +243,12 @@ func (s *Store) SettleRows(ctx context.Context, items []Settle) (settled []bool,
 // uses the primary key whatever it guesses about unnest.
 func buildSettleSQL(t Table, policy Policy) string {
 	tbl := t.String()
-	pub := `UPDATE ` + tbl + ` AS o SET state = 'published', published_at = clock_timestamp(), stream_seq = u.seq
-		FROM unnest($1::text[], $2::bigint[]) AS u(work_id, seq)
+	pub := `UPDATE ` + tbl + ` AS o SET state = 'published', published_at = clock_timestamp(), stream_seq = u.seq,
+			stream_name = u.stream, last_error = nullif(u.note, '')
+		FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[]) AS u(work_id, seq, stream, note)
 		WHERE o.work_id = u.work_id AND o.work_id = ANY($1::text[]) AND o.state = 'ready'
 		RETURNING o.work_id`
-	n := 2
+	n := 4
 	if policy == PolicyDelete {
 		pub = `DELETE FROM ` + tbl + ` AS o WHERE o.work_id = ANY($1::text[]) AND o.state = 'ready' RETURNING o.work_id`
 		n = 1
@@ -265,6 +274,20 @@ func buildSettleSQL(t Table, policy Policy) string {
 		UNION ALL SELECT work_id FROM held),
 		pg_current_snapshot()::text`
 }
+
+// DuplicateNote is a published row's last_error when the broker answered
+// its publish as a duplicate: the message the row now points at is the one
+// the stream already held under its work ID, whose content may be another.
+func DuplicateNote(stream string, seq uint64) string {
+	return fmt.Sprintf("duplicate: duplicate of stream sequence %d in stream %s: the broker already held a message with this work ID "+
+		"inside its duplicate window and stored nothing new; harmless when it is this row's own earlier publish (a retry or a restart), "+
+		"but if the work ID was reused for other content, this row's content was never delivered", seq, stream)
+}
+
+// DuplicateLog is the warning both paths log, with the work ID, for a
+// duplicate acknowledgement.
+const DuplicateLog = "duplicate ack: the stream already held a message with this work ID and kept it; " +
+	"if this row's content differs, it was not delivered (a work_id reused within the duplicate window)"
 
 // unplanned runs a statement as an unnamed prepared statement, which
 // PostgreSQL plans for the parameters it is given, every time. The batched

@@ -153,10 +153,13 @@ func ValidateAggregate(typ, id string, seq int64) error {
 const MaxHeaderBytes = 65535
 
 // HeaderBlockSize is the size of the header block the NATS client sends for
-// these headers plus the Nats-Msg-Id that the sink adds: "NATS/1.0\r\n",
-// "name: value\r\n" per value, and a closing "\r\n".
+// these headers plus the Nats-Msg-Id and Nats-Expected-Stream that the sink
+// adds: "NATS/1.0\r\n", "name: value\r\n" per value, and a closing
+// "\r\n". The stream is counted with the longest name JetStream allows, so
+// a row accepted here fits whatever stream it is published to.
 func HeaderBlockSize(msgID string, hdr map[string][]string) int {
-	n := len("NATS/1.0\r\n") + len("\r\n") + len(HeaderMsgID) + len(msgID) + 4
+	n := len("NATS/1.0\r\n") + len("\r\n") + len(HeaderMsgID) + len(msgID) + 4 +
+		len(HeaderExpectedStream) + MaxStreamNameBytes + 4
 	for k, vs := range hdr {
 		for _, v := range vs {
 			n += len(k) + len(v) + 4

@@ -29,7 +29,14 @@ const (
 	// Rows with a deadline (G13), RFC 3339 in UTC: receivers that must not
 	// act late enforce it themselves.
 	HeaderExpiresAt = "Outbox-Expires-At"
+	// HeaderExpectedStream is set by the sink on every publish to the
+	// stream it resolved for the subject: JetStream refuses the message
+	// when the subject is bound to another stream by then.
+	HeaderExpectedStream = "Nats-Expected-Stream"
 )
+
+// MaxStreamNameBytes is the longest stream name JetStream accepts.
+const MaxStreamNameBytes = 255
 
 // MaxSubjectBytes bounds a subject. NATS itself only fails at its control
 // line limit (4 KiB by default), and then by closing the client's connection

@@ -70,7 +70,7 @@ func TestProducerCannotForgeState(t *testing.T) {
 	}
 	producerColumns := []string{"work_id", "kind", "subject", "payload", "headers", "available_at", "aggregate_type", "aggregate_id", "aggregate_seq", "expires_at"}
 	relayColumns := []string{"state", "created_at", "attempts", "claim_generation", "claimed_by", "lease_until",
-		"published_at", "stream_seq", "last_error", "redriven_at", "redriven_by", "redrive_reason"}
+		"published_at", "stream_seq", "stream_name", "last_error", "redriven_at", "redriven_by", "redrive_reason"}
 	for run := 1; run <= 2; run++ {
 		if _, err := owner.Exec(ctx, grants); err != nil {
 			t.Fatalf("run %d of the printed grants as the owner: %v\n%s", run, err, grants)

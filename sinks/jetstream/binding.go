@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -38,31 +39,61 @@ type Options struct {
 }
 
 // DefaultBindingRefresh is how long the allowed streams' subject lists are
-// trusted: an operator who adds a subject to a stream waits at most this.
+// trusted, and how long a refusal of a subject is remembered: an operator
+// who adds a subject to a stream waits at most this.
 const DefaultBindingRefresh = 30 * time.Second
 
 // minReread spaces re-reads caused by unbound subjects, so a flood of rows
 // with made-up subjects costs one stream read a second, not one per row.
 const minReread = time.Second
 
-// Reasons of rejections decided by the binding check.
+// maxRefused bounds the remembered refusals: a flood of distinct made-up
+// subjects costs a lookup each once the memory is full, never unbounded
+// memory.
+const maxRefused = 4096
+
+// Reasons of rejections decided by the binding check, or by the broker
+// finding the message's subject bound to another stream than the one the
+// binding resolved.
 const (
 	ReasonNoStream         = "no_stream"
 	ReasonStreamNotAllowed = "stream_not_allowed"
+	ReasonWrongStream      = "wrong_stream"
 )
 
-// binding caches the allowed streams' subject filters.
+// binding caches the allowed streams' subject filters, and the refusals of
+// subjects no allowed stream binds. Every publish carries the stream it
+// resolved in Nats-Expected-Stream, so a view that went stale (subjects
+// moved to another stream since the last read) makes the broker refuse the
+// message instead of storing it elsewhere; misrouted then makes the next
+// check read the streams again.
 type binding struct {
 	opts    Options
-	allowed []string // stream names, own first
+	allowed []string            // stream names, own first
+	expect  map[string][]string // per allowed stream, its Nats-Expected-Stream header value (shared, read-only)
+
+	// prefixOwned: the relay's own stream binds every subject under the
+	// prefix (checked at start, re-checked by every read), so those need
+	// neither the lock nor the filters.
+	prefixOwned atomic.Bool
 
 	mu      sync.Mutex
 	filters []streamFilter
 	readAt  time.Time
+	refused map[string]refusal
+	// lookups counts the broker round trips check made (stream reads and
+	// subject lookups), for tests.
+	lookups atomic.Int64
 }
 
 type streamFilter struct {
 	stream, filter string
+}
+
+// refusal is a remembered answer "no allowed stream binds this subject".
+type refusal struct {
+	err   error
+	until time.Time
 }
 
 func newBinding(o Options) *binding {
@@ -78,59 +109,119 @@ func newBinding(o Options) *binding {
 	if o.Refresh <= 0 {
 		o.Refresh = DefaultBindingRefresh
 	}
-	return &binding{opts: o, allowed: allowed}
+	b := &binding{opts: o, allowed: allowed, expect: make(map[string][]string, len(allowed)), refused: map[string]refusal{}}
+	for _, s := range allowed {
+		b.expect[s] = []string{s}
+	}
+	b.prefixOwned.Store(o.SubjectPrefix != "" && o.Stream != "")
+	return b
 }
 
-// check returns nil when an allowed stream binds subject, a
+// check returns the allowed stream that binds subject, a
 // *sinks.RejectedError when none does, and another error when the streams
 // could not be read (an outage: retry).
-func (b *binding) check(ctx context.Context, js API, subject string) error {
-	if b.opts.SubjectPrefix != "" && b.opts.Stream != "" && strings.HasPrefix(subject, b.opts.SubjectPrefix) {
-		return nil
+func (b *binding) check(ctx context.Context, js API, subject string) (string, error) {
+	if b.prefixOwned.Load() && strings.HasPrefix(subject, b.opts.SubjectPrefix) {
+		return b.opts.Stream, nil
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	now := time.Now()
 	if b.readAt.IsZero() || now.Sub(b.readAt) > b.opts.Refresh {
 		if err := b.read(ctx, js, now); err != nil {
-			return err
+			return "", err
 		}
 	}
-	if b.bound(subject) {
-		return nil
+	if s := b.bound(subject); s != "" {
+		return s, nil
+	}
+	// A subject refused a moment ago is refused again without asking the
+	// broker: a burst of rows with one bad subject would otherwise cost a
+	// round trip each, under this lock, on the CDC loop's goroutine.
+	if r, ok := b.refused[subject]; ok && now.Before(r.until) {
+		return "", r.err
 	}
 	if now.Sub(b.readAt) > minReread {
 		if err := b.read(ctx, js, now); err != nil {
-			return err
+			return "", err
 		}
-		if b.bound(subject) {
-			return nil
+		if s := b.bound(subject); s != "" {
+			return s, nil
 		}
 	}
 	// Refused. Name the stream that does bind it, if one does, so the
 	// operator can tell a typo from a stream that was not allowed.
 	lctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
+	b.lookups.Add(1)
 	name, err := js.StreamNameBySubject(lctx, subject)
+	var rerr error
 	switch {
 	case err == nil && name != "":
-		return &sinks.RejectedError{Reason: ReasonStreamNotAllowed, Err: fmt.Errorf(
+		rerr = &sinks.RejectedError{Reason: ReasonStreamNotAllowed, Err: fmt.Errorf(
 			"subject %q is bound to stream %s, which this relay does not publish to (it publishes to %s): fix the row's subject, or allow the stream with --allow-stream %s",
 			subject, name, strings.Join(b.allowed, ", "), name)}
 	case err == nil, errors.Is(err, jetstream.ErrStreamNotFound), errors.Is(err, jetstream.ErrInvalidSubject):
-		return &sinks.RejectedError{Reason: ReasonNoStream, Err: fmt.Errorf(
+		rerr = &sinks.RejectedError{Reason: ReasonNoStream, Err: fmt.Errorf(
 			"no JetStream stream binds subject %q (this relay publishes to %s): fix the row's subject, or bind it to one of those streams",
 			subject, strings.Join(b.allowed, ", "))}
 	default:
-		return fmt.Errorf("look up the stream bound to %q: %w", subject, err)
+		return "", fmt.Errorf("look up the stream bound to %q: %w", subject, err)
 	}
+	b.remember(subject, rerr, now)
+	return "", rerr
+}
+
+// remember keeps a refusal for the refresh interval. b.mu is held.
+func (b *binding) remember(subject string, err error, now time.Time) {
+	if len(b.refused) >= maxRefused {
+		for s, r := range b.refused {
+			if !now.Before(r.until) {
+				delete(b.refused, s)
+			}
+		}
+		if len(b.refused) >= maxRefused {
+			clear(b.refused)
+		}
+	}
+	b.refused[subject] = refusal{err: err, until: now.Add(b.opts.Refresh)}
+}
+
+// misrouted records that the broker found subject bound to another stream
+// than expected, the one check resolved: the view of the streams is stale.
+// The next check reads them again, and a subject under the prefix no longer
+// takes the fast path unless that read finds the own stream binding the
+// whole prefix again.
+func (b *binding) misrouted(subject, expected string) {
+	if expected == b.opts.Stream && strings.HasPrefix(subject, b.opts.SubjectPrefix) {
+		b.prefixOwned.Store(false)
+	}
+	b.mu.Lock()
+	b.readAt = time.Time{}
+	b.mu.Unlock()
+}
+
+// wrongStreamFix says what happens next to a message that the broker found
+// bound to stream actual ("" when unknown), and what an operator can do.
+func (b *binding) wrongStreamFix(actual string) string {
+	if actual != "" && slices.Contains(b.allowed, actual) {
+		return "the next attempt publishes it into " + actual
+	}
+	name := actual
+	if name == "" {
+		name = "<stream>"
+	}
+	return fmt.Sprintf("this relay publishes only to %s: fix the row's subject, move the subject back to one of those streams, or allow the stream with --allow-stream %s",
+		strings.Join(b.allowed, ", "), name)
 }
 
 func (b *binding) read(ctx context.Context, js API, now time.Time) error {
 	rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	var filters []streamFilter
+	owned := false
 	for _, name := range b.allowed {
+		b.lookups.Add(1)
 		st, err := js.Stream(rctx, name)
 		if errors.Is(err, jetstream.ErrStreamNotFound) {
 			continue // an allowed stream that does not exist binds nothing
@@ -140,19 +231,47 @@ func (b *binding) read(ctx context.Context, js API, now time.Time) error {
 		}
 		for _, f := range st.CachedInfo().Config.Subjects {
 			filters = append(filters, streamFilter{stream: name, filter: f})
+			if name == b.opts.Stream && b.opts.SubjectPrefix != "" && filterCovers(f, b.opts.SubjectPrefix+">") {
+				owned = true
+			}
 		}
 	}
 	b.filters, b.readAt = filters, now
+	b.prefixOwned.Store(owned)
 	return nil
 }
 
-func (b *binding) bound(subject string) bool {
+// bound returns the allowed stream whose filters match subject, or "".
+// Streams' subjects never overlap, so at most one does.
+func (b *binding) bound(subject string) string {
 	for _, f := range b.filters {
 		if SubjectMatches(f.filter, subject) {
-			return true
+			return f.stream
 		}
 	}
-	return false
+	return ""
+}
+
+// filterCovers reports whether every subject that pattern (tokens, '*',
+// and a final '>') matches is matched by filter too.
+func filterCovers(filter, pattern string) bool {
+	for {
+		ftok, frest, fmore := strings.Cut(filter, ".")
+		ptok, prest, pmore := strings.Cut(pattern, ".")
+		switch {
+		case ftok == ">" && !fmore:
+			return true
+		case ptok == ">" && !pmore:
+			return false // the filter is narrower from here
+		case ptok == "*" && ftok != "*":
+			return false
+		case ftok != "*" && ftok != ptok:
+			return false
+		case !fmore || !pmore:
+			return fmore == pmore
+		}
+		filter, pattern = frest, prest
+	}
 }
 
 // SubjectMatches reports whether the literal subject matches the filter,

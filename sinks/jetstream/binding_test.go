@@ -2,6 +2,7 @@ package jetstream_test
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -98,7 +99,9 @@ func TestSinkPublishesOnlyIntoAllowedStreams(t *testing.T) {
 	}
 
 	// Allowed: the same subject goes through, into that stream.
-	allowing := natssink.New(f.js, natssink.Options{Stream: f.stream, SubjectPrefix: f.prefix, AllowStreams: []string{victim}})
+	// (Refresh: a refused subject is refused again without a lookup for
+	// this long.)
+	allowing := natssink.New(f.js, natssink.Options{Stream: f.stream, SubjectPrefix: f.prefix, AllowStreams: []string{victim}, Refresh: time.Second})
 	ack, err := publish(allowing, "row-allowed", victim+".y")
 	if err != nil || ack.Stream != victim {
 		t.Fatalf("allowed stream: ack %+v, %v; want stored in %s", ack, err, victim)
@@ -107,7 +110,7 @@ func TestSinkPublishesOnlyIntoAllowedStreams(t *testing.T) {
 		t.Fatalf("own prefix: ack %+v, %v", ack, err)
 	}
 	// A subject added to an allowed stream later is taken once the
-	// sink reads the streams again (at most a second after a refusal).
+	// sink reads the streams again (at most Refresh after a refusal).
 	extra := f.stream + "_extra.z"
 	if _, err := publish(allowing, "row-extra-1", extra); err == nil {
 		t.Fatal("a subject no stream binds was published")
@@ -121,5 +124,106 @@ func TestSinkPublishesOnlyIntoAllowedStreams(t *testing.T) {
 	time.Sleep(1100 * time.Millisecond)
 	if ack, err := publish(allowing, "row-extra-2", extra); err != nil || ack.Stream != victim {
 		t.Fatalf("subject added to an allowed stream: ack %+v, %v", ack, err)
+	}
+}
+
+// countingAPI counts the JetStream API requests the sink's binding makes.
+type countingAPI struct {
+	natssink.API
+	lookups, reads atomic.Int64
+}
+
+func (c *countingAPI) StreamNameBySubject(ctx context.Context, subject string) (string, error) {
+	c.lookups.Add(1)
+	return c.API.StreamNameBySubject(ctx, subject)
+}
+
+func (c *countingAPI) Stream(ctx context.Context, name string) (jetstream.Stream, error) {
+	c.reads.Add(1)
+	return c.API.Stream(ctx, name)
+}
+
+// Issue 20, small ones: a refused subject cost a broker round trip per row,
+// under the binding's lock, on the CDC loop's goroutine, so a burst of rows
+// with one bad subject serialised the stream. The refusal is remembered for
+// the refresh interval: 500 rows of two refused subjects cost one lookup
+// each, and the first read of the allowed streams.
+func TestSinkRemembersRefusedSubjects(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	other := f.stream + "_OTHER"
+	if _, err := f.js.CreateStream(ctx, jetstream.StreamConfig{Name: other, Subjects: []string{other + ".>"}}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = f.js.DeleteStream(context.Background(), other) })
+	api := &countingAPI{API: f.js}
+	sink := natssink.New(api, natssink.Options{Stream: f.stream, SubjectPrefix: f.prefix, AllowStreams: []string{f.stream + "_ALLOWED"}})
+	const n = 500
+	subjects := map[string]string{"nobody.binds.this": natssink.ReasonNoStream, other + ".x": natssink.ReasonStreamNotAllowed}
+	start := time.Now()
+	for i := range n {
+		for subject, reason := range subjects {
+			_, err := sink.Publish(ctx, &sinks.Message{ID: fmt.Sprintf("bad-%d", i), Subject: subject, Data: []byte(`{}`)})
+			if re, ok := sinks.IsRejected(err); !ok || re.Reason != reason {
+				t.Fatalf("row %d on %s: %v, want a rejection with reason %s", i, subject, err, reason)
+			}
+		}
+	}
+	lookups, reads := api.lookups.Load(), api.reads.Load()
+	t.Logf("%d rows of %d refused subjects in %v: %d subject lookups, %d stream reads", n*len(subjects), len(subjects), time.Since(start), lookups, reads)
+	// One read of the two allowed streams, another for the second subject
+	// if a second had passed (a loaded machine), and one lookup per subject.
+	if lookups != int64(len(subjects)) || reads > 4 {
+		t.Errorf("%d subject lookups and %d stream reads for %d rows, want %d lookups and at most 4 reads", lookups, reads, n*len(subjects), len(subjects))
+	}
+	// Rows under the prefix still take no request at all.
+	before := api.lookups.Load() + api.reads.Load()
+	for i := range 100 {
+		fut, err := sink.Publish(ctx, &sinks.Message{ID: fmt.Sprintf("good-%d", i), Subject: f.prefix + "x", Data: []byte(`{}`)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ack, err := waitFor(t, fut); err != nil || ack.Stream != f.stream {
+			t.Fatalf("good-%d: %+v, %v", i, ack, err)
+		}
+	}
+	if after := api.lookups.Load() + api.reads.Load(); after != before {
+		t.Errorf("100 rows under the prefix made %d stream requests", after-before)
+	}
+}
+
+// Issue 20, item 9: an acknowledgement counts only from the stream the
+// sink published to. Here a responder that is no stream answers on the
+// relay's own prefix with a PubAck naming another stream (a broker that
+// ignored Nats-Expected-Stream would look the same): a rejection carrying
+// that stream and sequence as evidence, never an ack.
+func TestSinkRefusesAnAckFromAnotherStream(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	stream, prefix := f.stream+"_NOT_CREATED", f.stream+"_fake."
+	var expected atomic.Value
+	sub, err := f.nc.Subscribe(prefix+">", func(m *nats.Msg) {
+		expected.Store(m.Header.Get("Nats-Expected-Stream"))
+		_ = m.Respond([]byte(`{"stream":"ELSEWHERE","seq":7}`))
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sub.Unsubscribe() })
+	if err := f.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	sink := natssink.New(f.js, natssink.Options{Stream: stream, SubjectPrefix: prefix})
+	fut, err := sink.Publish(ctx, &sinks.Message{ID: "forged", Subject: prefix + "x", Data: []byte(`{}`)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ack, err := waitFor(t, fut)
+	re, ok := sinks.IsRejected(err)
+	if !ok || re.Reason != natssink.ReasonWrongStream || !strings.Contains(err.Error(), "stream ELSEWHERE at sequence 7") {
+		t.Fatalf("ack %+v, %v; want a %s rejection naming ELSEWHERE and sequence 7", ack, err, natssink.ReasonWrongStream)
+	}
+	if got, _ := expected.Load().(string); got != stream {
+		t.Errorf("the message carried Nats-Expected-Stream %q, want %q", got, stream)
 	}
 }

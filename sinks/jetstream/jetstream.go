@@ -56,13 +56,19 @@ func (s *Sink) Publish(ctx context.Context, m *sinks.Message) (sinks.Future, err
 			return nil, err
 		}
 	}
-	if err := s.binding.check(ctx, s.js, m.Subject); err != nil {
+	stream, err := s.binding.check(ctx, s.js, m.Subject)
+	if err != nil {
 		return nil, err
 	}
-	f := &future{sink: s, msg: m, hdr: nats.Header(m.Header)}
+	f := &future{sink: s, msg: m, hdr: nats.Header(m.Header), stream: stream}
 	if f.hdr == nil {
 		f.hdr = nats.Header{}
 	}
+	// The broker refuses the message if its subject leads to any other
+	// stream (error 10060): stream subjects can move between the check
+	// above and the publish, and a message stored in another stream would
+	// be a write where this relay may not write.
+	f.hdr[wire.HeaderExpectedStream] = s.binding.expect[stream]
 	// The message's ID goes into its header map, as nats.go's WithMsgID
 	// would put it (a republished message has it already).
 	if vs := f.hdr[jetstream.MsgIDHeader]; len(vs) != 1 || vs[0] != m.ID {
@@ -85,10 +91,33 @@ func (f *future) Wait(ctx context.Context) (sinks.Ack, error) {
 		}
 	}
 	if f.err == nil {
+		if f.ack.Stream != f.stream {
+			// Stored, but not where this relay may write: the header above
+			// makes JetStream refuse that, so an answer from elsewhere (a
+			// server that ignores the header, a responder that is no
+			// stream) is evidence, never an acceptance.
+			f.sink.binding.misrouted(f.msg.Subject, f.stream)
+			return sinks.Ack{}, &sinks.RejectedError{Reason: ReasonWrongStream, Err: fmt.Errorf(
+				"%s on %s was acknowledged by stream %s at sequence %d, not by %s, the stream the relay published it to: %s",
+				f.msg.ID, f.msg.Subject, f.ack.Stream, f.ack.Sequence, f.stream, f.sink.binding.wrongStreamFix(f.ack.Stream))}
+		}
 		return f.ack, nil
 	}
 	if errors.Is(f.err, jetstream.ErrAsyncPublishTimeout) {
 		return sinks.Ack{}, fmt.Errorf("ack for %s on %s: %w: %w", f.msg.ID, f.msg.Subject, sinks.ErrAckTimeout, f.err)
+	}
+	var apiErr *jetstream.APIError
+	if errors.As(f.err, &apiErr) && apiErr.ErrorCode == errCodeStreamNotMatch {
+		// Known non-effect: the stream that binds the subject now refused
+		// it because it is not the one expected.
+		f.sink.binding.misrouted(f.msg.Subject, f.stream)
+		actual := "another stream"
+		if f.ack.Stream != "" {
+			actual = "stream " + f.ack.Stream
+		}
+		return sinks.Ack{}, &sinks.RejectedError{Reason: ReasonWrongStream, Err: fmt.Errorf(
+			"subject %q of %s is bound to %s now, not to %s as the relay's view of the streams said (their subjects changed): the broker refused the message and stored nothing; %s: %w",
+			f.msg.Subject, f.msg.ID, actual, f.stream, f.sink.binding.wrongStreamFix(f.ack.Stream), f.err)}
 	}
 	return sinks.Ack{}, classify(ctx, f.sink.js, f.msg.Subject, fmt.Errorf("ack for %s on %s: %w", f.msg.ID, f.msg.Subject, f.err))
 }
@@ -169,6 +198,11 @@ type StreamConfig struct {
 // errCodeHeaderExceedsMaximum is JetStream's "header size exceeds maximum
 // allowed of 64k": the stream refuses this message's headers on every try.
 const errCodeHeaderExceedsMaximum jetstream.ErrorCode = 10097
+
+// errCodeStreamNotMatch is JetStream's "expected stream does not match":
+// the publish's Nats-Expected-Stream names another stream than the one
+// that binds its subject, and nothing was stored.
+const errCodeStreamNotMatch jetstream.ErrorCode = 10060
 
 // errCodeSubjectOverlap is JetStream's "subjects overlap with an existing
 // stream" (the client library names no constant for it).

@@ -45,7 +45,13 @@ func decodePubAck(data []byte) (sinks.Ack, error) {
 		return sinks.Ack{}, jetstream.ErrInvalidJSAck
 	}
 	if resp.Error != nil {
-		return sinks.Ack{}, resp.Error
+		// A refusal names the stream that refused (an expected stream that
+		// did not match: the one the subject is bound to now).
+		var ack sinks.Ack
+		if resp.PubAck != nil {
+			ack.Stream = resp.Stream
+		}
+		return ack, resp.Error
 	}
 	if resp.PubAck == nil || resp.PubAck.Stream == "" {
 		return sinks.Ack{}, jetstream.ErrInvalidJSAck

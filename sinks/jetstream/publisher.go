@@ -293,6 +293,10 @@ type future struct {
 	msg  *sinks.Message
 	hdr  nats.Header
 	id   [1]string // the Nats-Msg-Id header's value slice, when the sink had to set it
+	// stream is the allowed stream the binding resolved for the subject:
+	// the message's Nats-Expected-Stream, and the only stream whose ack
+	// counts.
+	stream string
 
 	// Owned by the publisher (under its mu) until resolved.
 	token    uint64
