@@ -826,11 +826,30 @@ func (r *runner) catchUpFaults(ctx context.Context, load *load, n int) error {
 		tries[kind]++
 		n++
 		r.pause(ctx, r.between(r.cfg.MinGap, r.cfg.MaxGap))
+		// Most kinds bite only a relay that streams the slot; after the
+		// previous fault it may still be in its reconnect back-off.
+		if err := r.waitStreaming(ctx, 30*time.Second); err != nil {
+			return err
+		}
 		if err := r.inject(ctx, kind, n); err != nil {
 			err = fmt.Errorf("fault #%d %s: %w", n, kind, err)
 			r.logf("%v", err)
 			return err
 		}
+	}
+	return nil
+}
+
+// waitStreaming waits up to timeout for a relay to stream the slot; past
+// it the fault is injected anyway (and may not bite).
+func (r *runner) waitStreaming(ctx context.Context, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for ctx.Err() == nil && time.Now().Before(deadline) {
+		s, err := r.readSlot(ctx)
+		if err != nil || s.pid != 0 {
+			return err
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 	return nil
 }
