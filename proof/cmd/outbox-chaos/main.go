@@ -6,9 +6,10 @@
 //	go run ./cmd/outbox-chaos -cluster 3 -duration 15m   # three-node JetStream cluster, R3 stream
 //	go run ./cmd/outbox-chaos -failover -pg-version 17 -duration 3m   # plus a standby promotion (G14)
 //
-// It prints one table and exits 1 when a figure that must be zero is not,
-// 2 when the run itself could not be carried out. The seed is always
-// printed; -seed replays the same schedule of faults and load.
+// It prints one table and exits 1 when a figure that must be zero is not
+// or an enabled fault kind was never injected or never bit, 2 when the run
+// itself could not be carried out. The seed and the command that replays
+// the run (the same flags plus -seed) are always printed.
 package main
 
 import (
