@@ -123,7 +123,7 @@ CHAOS_FLAGS ?= -duration 30m
 chaos: setup
 	cd proof && $(GO) run ./cmd/outbox-chaos $(CHAOS_FLAGS)
 
-## chaos-short: about 90 seconds of the same (one round of the schedule: normally every fault kind once); part of `make test`.
+## chaos-short: about 90 seconds of the same (one round of the schedule: every fault kind once; a kind that was not injected or never bit fails the run); part of `make test`.
 chaos-short: setup
 	cd proof && $(GO) run ./cmd/outbox-chaos -duration 75s -max-gap 2s $(CHAOS_SHORT_FLAGS)
 

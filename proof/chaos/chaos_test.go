@@ -76,6 +76,9 @@ func TestProxyPassAndLatency(t *testing.T) {
 	if got, err := c.roundTrip("hello", 2*time.Second); err != nil || got != "hello" {
 		t.Fatalf("pass: got %q, %v", got, err)
 	}
+	if n := p.Delayed(); n != 0 {
+		t.Fatalf("pass mode delayed %d chunks", n)
+	}
 	p.Set(Latency, 150*time.Millisecond)
 	start := time.Now()
 	if got, err := c.roundTrip("slow", 5*time.Second); err != nil || got != "slow" {
@@ -101,6 +104,10 @@ func TestProxyPassAndLatency(t *testing.T) {
 	}
 	if d := time.Since(start); d > 2*time.Second {
 		t.Errorf("20 lines under 150ms latency took %v: latency must not serialise chunks", d)
+	}
+	// What tells a latency fault that bit from one that delayed nothing.
+	if n := p.Delayed(); n < 4 {
+		t.Errorf("latency delayed %d chunks, want at least the round trip's 2 and a chunk each way of the lines", n)
 	}
 	p.Set(Pass, 0)
 	if got, err := c.roundTrip("again", 2*time.Second); err != nil || got != "again" {
@@ -296,8 +303,19 @@ func TestLedgerPromote(t *testing.T) {
 	}
 }
 
+// bitten is a report in which every kind of faults was injected n times and
+// bit each time.
+func bitten(faults []string, n int) (enabled []string, injected, bit map[string]int) {
+	injected, bit = map[string]int{}, map[string]int{}
+	for _, k := range faults {
+		injected[k], bit[k] = n, n
+	}
+	return slices.Clone(faults), injected, bit
+}
+
 func TestReportFailures(t *testing.T) {
-	r := &Report{Seed: 42, Faults: map[string]int{FaultRelayKill: 3}}
+	r := &Report{Seed: 42, Replay: "cd proof && go run ./cmd/outbox-chaos -seed 42"}
+	r.FaultsEnabled, r.Faults, r.FaultsBit = bitten([]string{FaultRelayKill}, 3)
 	r.G3Checks = 3
 	if f := r.Failures(); len(f) != 0 {
 		t.Fatalf("clean report fails: %v", f)
@@ -313,15 +331,69 @@ func TestReportFailures(t *testing.T) {
 		t.Fatalf("failures %v, want lost, not published, takeover", f)
 	}
 	tab := r.Table()
-	for _, s := range []string{"RESULT: FAIL", "seed 42", "n=1 min 1.20"} {
+	for _, s := range []string{"RESULT: FAIL", "seed 42", "n=1 min 1.20", "replay: cd proof && go run ./cmd/outbox-chaos -seed 42"} {
 		if !strings.Contains(tab, s) {
 			t.Errorf("table lacks %q:\n%s", s, tab)
 		}
 	}
 }
 
+// A run that injected no fault fails, and so does one in which an enabled
+// kind was never injected or never bit, whatever its other figures.
+func TestReportFaultsMustBite(t *testing.T) {
+	r := &Report{Seed: 9, Faults: map[string]int{}, FaultsBit: map[string]int{}}
+	r.G3Checks = 2
+	f := r.Failures()
+	if len(f) != 1 || !strings.Contains(f[0], "faults injected = 0") {
+		t.Fatalf("a run without faults: failures %v", f)
+	}
+	r.FaultsEnabled = slices.Clone(AllFaults)
+	if f := r.Failures(); len(f) != 1+len(AllFaults) {
+		t.Fatalf("no enabled kind injected: failures %v", f)
+	}
+
+	r.FaultsEnabled, r.Faults, r.FaultsBit = bitten(AllFaults, 2)
+	if f := r.Failures(); len(f) != 0 {
+		t.Fatalf("every kind bit: failures %v", f)
+	}
+	delete(r.Faults, FaultPGCut)
+	delete(r.FaultsBit, FaultPGCut)
+	r.FaultsBit[FaultTakeoverKill] = 0
+	r.FaultsBit[FaultRelayKill] = 0
+	f = r.Failures()
+	want := []string{
+		"fault relay-kill injected 2 times and never bit (it must bite at least once: SIGKILL of a relay whose walsender streamed the slot)",
+		"fault pg-cut injected 0 times",
+		"fault takeover-kill injected 2 times and never bit (it must bite at least once: the standby instance took over the slot)",
+	}
+	if len(f) != len(want) {
+		t.Fatalf("failures %v, want %d", f, len(want))
+	}
+	for i, w := range want {
+		if !strings.Contains(f[i], w) {
+			t.Errorf("failure %d: %q, want it to contain %q", i, f[i], w)
+		}
+	}
+	tab := r.Table()
+	for _, s := range []string{"RESULT: FAIL", "| 2 (0)", "FAIL: must bite at least once: the standby instance took over the slot", "| 0 (0)"} {
+		if !strings.Contains(tab, s) {
+			t.Errorf("table lacks %q:\n%s", s, tab)
+		}
+	}
+	for _, k := range AllFaults {
+		if FaultBite(k) == "unknown fault kind" {
+			t.Errorf("fault %s has no definition of biting", k)
+		}
+	}
+	for _, k := range []string{FaultNATSNodeKill, FaultPGFailover} {
+		if FaultBite(k) == "unknown fault kind" {
+			t.Errorf("fault %s has no definition of biting", k)
+		}
+	}
+}
+
 func TestReportFailover(t *testing.T) {
-	r := &Report{Seed: 7, Faults: map[string]int{}, FailoverEnabled: true}
+	r := &Report{Seed: 7, Faults: map[string]int{FaultRelayKill: 1}, FailoverEnabled: true}
 	r.G3Checks = 1
 	if f := r.Failures(); len(f) != 1 || !strings.Contains(f[0], "failovers = 0") {
 		t.Fatalf("pg-failover enabled, none happened: failures %v", f)
@@ -350,18 +422,22 @@ func TestSchedule(t *testing.T) {
 	if !slices.Equal(a, Schedule(7, AllFaults, 100)) {
 		t.Fatal("the same seed gives another schedule")
 	}
-	round := len(AllFaults) + relayKillWeight - 1
-	seen := map[string]int{}
-	for _, k := range a[:round] {
-		seen[k]++
-	}
-	for _, k := range AllFaults {
-		want := 1
-		if k == FaultRelayKill {
-			want = relayKillWeight
+	// The first round has every kind once, so that a short run reaches
+	// them all soonest; the next has relay-kill relayKillWeight times.
+	first, second := len(AllFaults), len(AllFaults)+relayKillWeight-1
+	for i, round := range [][]string{a[:first], a[first : first+second]} {
+		seen := map[string]int{}
+		for _, k := range round {
+			seen[k]++
 		}
-		if seen[k] != want {
-			t.Errorf("first round has %s %d times, want %d", k, seen[k], want)
+		for _, k := range AllFaults {
+			want := 1
+			if k == FaultRelayKill && i > 0 {
+				want = relayKillWeight
+			}
+			if seen[k] != want {
+				t.Errorf("round %d has %s %d times, want %d", i+1, k, seen[k], want)
+			}
 		}
 	}
 	if err := ValidateFaults([]string{"relay-kill", "nats-cutt"}); err == nil || !strings.Contains(err.Error(), "nats-cutt") {
@@ -369,7 +445,7 @@ func TestSchedule(t *testing.T) {
 	}
 }
 
-// pg-failover stays out of the default set (make chaos-short runs it), and
+// pg-failover stays out of the default set (make chaos-short does not run it), and
 // -failover or -faults brings it in.
 func TestFailoverIsOptIn(t *testing.T) {
 	var c Config

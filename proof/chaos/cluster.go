@@ -33,6 +33,24 @@ func (g proxyGroup) Set(mode Mode, delay time.Duration) {
 	}
 }
 
+// Conns is the number of open connections through the group's proxies.
+func (g proxyGroup) Conns() int {
+	n := 0
+	for _, p := range g {
+		n += p.Conns()
+	}
+	return n
+}
+
+// Delayed is the number of chunks the group's proxies held back.
+func (g proxyGroup) Delayed() uint64 {
+	var n uint64
+	for _, p := range g {
+		n += p.Delayed()
+	}
+	return n
+}
+
 func (g proxyGroup) Close() error {
 	var errs []error
 	for _, p := range g {
@@ -170,6 +188,8 @@ func (r *runner) nodeKill(ctx context.Context, kind, label string, hold time.Dur
 	}
 	t0 := time.Now()
 	r.count(kind)
+	// Kill returned: a running node died.
+	r.bit(kind)
 	r.logf("fault %s: SIGKILL nats node %s (stream leader %q) for %v", label, node.ServerName(), before, hold)
 	if lc.WasLeader {
 		// A short timeout: while there is no leader the request goes

@@ -37,6 +37,7 @@ func TestClusterFaultsNeedACluster(t *testing.T) {
 
 func TestReportClusterRows(t *testing.T) {
 	r := &Report{Seed: 1, Figures: Figures{G3Checks: 1}, ClusterNodes: 3, StreamReplicas: 3,
+		Faults: map[string]int{FaultNATSNodeKill: 3}, FaultsBit: map[string]int{FaultNATSNodeKill: 3}, FaultsEnabled: []string{FaultNATSNodeKill},
 		LeaderChanges: []LeaderChange{
 			{Killed: "n0", WasLeader: true, Before: "n0", During: "n1", After: "n1", ElectSeconds: 4.5, CatchUpSeconds: 1},
 			{Killed: "n2", Before: "n1", During: "n1", After: "n1", CatchUpSeconds: 0.5},

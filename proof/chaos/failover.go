@@ -185,6 +185,9 @@ func (r *runner) failoverFault(ctx context.Context, kind, label string) error {
 	r.mu.Lock()
 	r.failovers = append(r.failovers, f)
 	r.mu.Unlock()
+	if f.OK && f.TakenBack > 0 {
+		r.bit(kind)
+	}
 	r.logf("fault %s: a relay streams the slot on the new primary %.2fs after the promotion (ok %v, slot %s)", label, f.StreamingSeconds, f.OK, f.SlotPath)
 	if !f.OK {
 		return nil

@@ -30,6 +30,13 @@ func (r *runner) count(kind string) {
 	r.mu.Unlock()
 }
 
+// bit records that an injection of kind did what FaultBite says.
+func (r *runner) bit(kind string) {
+	r.mu.Lock()
+	r.report.FaultsBit[kind]++
+	r.mu.Unlock()
+}
+
 func (r *runner) skip(kind, why string) {
 	r.mu.Lock()
 	r.report.FaultsSkipped[kind]++
@@ -58,7 +65,10 @@ func (r *runner) inject(ctx context.Context, kind string, n int) error {
 			return err
 		}
 		r.count(kind)
-		r.logf("fault %s: SIGKILL relay %s (walsender %d)", label, ri.name, pid)
+		if pid != 0 {
+			r.bit(kind)
+		}
+		r.logf("fault %s: SIGKILL relay %s (walsender %d; bit: %v)", label, ri.name, pid, pid != 0)
 		if err := r.g3Check(ctx, label, pid); err != nil {
 			return err
 		}
@@ -72,11 +82,19 @@ func (r *runner) inject(ctx context.Context, kind string, n int) error {
 		if r.cl != nil {
 			return r.nodeKill(ctx, kind, label, hold)
 		}
+		ri, pid, err := r.activeRelay(ctx)
+		if err != nil {
+			return err
+		}
+		conns := ri.nsProxy.Conns()
 		if err := r.ns.Kill(); err != nil {
 			return err
 		}
 		r.count(kind)
-		r.logf("fault %s: SIGKILL nats-server for %v", label, hold)
+		if pid != 0 && conns > 0 {
+			r.bit(kind)
+		}
+		r.logf("fault %s: SIGKILL nats-server for %v (relay %s streaming: %v, %d connections to it)", label, hold, ri.name, pid != 0, conns)
 		r.pause(ctx, hold)
 		return r.ns.Start()
 
@@ -85,8 +103,17 @@ func (r *runner) inject(ctx context.Context, kind string, n int) error {
 		if kind == FaultPGRestartImmed {
 			mode = "immediate"
 		}
+		s, err := r.readSlot(ctx)
+		if err != nil {
+			return err
+		}
 		r.count(kind)
-		r.logf("fault %s: PostgreSQL restart -m %s", label, mode)
+		if s.pid != 0 {
+			// A restart ends every session: the walsender streaming
+			// the slot at that moment goes with it.
+			r.bit(kind)
+		}
+		r.logf("fault %s: PostgreSQL restart -m %s (walsender %d streamed the slot)", label, mode, s.pid)
 		return r.pg.Restart(mode)
 
 	case FaultPGTermWalsender, FaultPGTermConns:
@@ -112,6 +139,7 @@ func (r *runner) inject(ctx context.Context, kind string, n int) error {
 			return nil
 		}
 		r.count(kind)
+		r.bit(kind)
 		r.logf("fault %s: pg_terminate_backend of the relay's %s pids %v", label, backend, pids)
 		return nil
 
@@ -120,7 +148,7 @@ func (r *runner) inject(ctx context.Context, kind string, n int) error {
 		if err != nil {
 			return err
 		}
-		var p interface{ Set(Mode, time.Duration) } = ri.nsProxy
+		p := ri.nsProxy
 		if kind == FaultPGCut || kind == FaultPGLatency {
 			p = ri.pgProxy
 		}
@@ -131,9 +159,15 @@ func (r *runner) inject(ctx context.Context, kind string, n int) error {
 		}
 		r.count(kind)
 		r.logf("fault %s: relay %s proxy %s (delay %v) for %v", label, ri.name, mode, delay, hold)
+		conns, delayed := p.Conns(), p.Delayed()
 		p.Set(mode, delay)
 		r.pause(ctx, hold)
+		delayed = p.Delayed() - delayed
 		p.Set(Pass, 0)
+		if (mode == Cut && conns > 0) || (mode == Latency && delayed > 0) {
+			r.bit(kind)
+		}
+		r.logf("fault %s healed: %d connections open at the start, %d chunks delayed", label, conns, delayed)
 		return nil
 
 	case FaultTakeoverKill, FaultTakeoverPartition:
@@ -207,6 +241,9 @@ func (r *runner) takeoverFault(ctx context.Context, kind, label string) error {
 	r.mu.Lock()
 	r.takeover = append(r.takeover, Takeover{Cause: cause, Seconds: took.Seconds(), OK: ok})
 	r.mu.Unlock()
+	if ok {
+		r.bit(kind)
+	}
 	r.logf("fault %s: relay %s -> %s took over after %.2fs (ok %v)", label, act.name, other.name, took.Seconds(), ok)
 	if kind == FaultTakeoverKill {
 		if err := r.g3Check(ctx, label, pid); err != nil {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -53,6 +54,10 @@ type Proxy struct {
 	conns  map[*proxyConn]struct{}
 	closed bool
 	wg     sync.WaitGroup
+
+	// delayed counts the chunks held back by Latency: a latency fault
+	// that delayed none did not touch the relay's traffic.
+	delayed atomic.Uint64
 }
 
 type proxyConn struct {
@@ -122,6 +127,9 @@ func (p *Proxy) Conns() int {
 	defer p.mu.Unlock()
 	return len(p.conns)
 }
+
+// Delayed is the number of chunks that Latency has held back so far.
+func (p *Proxy) Delayed() uint64 { return p.delayed.Load() }
 
 // Close stops listening and closes every connection.
 func (p *Proxy) Close() error {
@@ -240,6 +248,7 @@ func (p *Proxy) pipe(c *proxyConn, src, dst net.Conn) {
 				due := time.Now()
 				if mode == Latency {
 					due = due.Add(delay)
+					p.delayed.Add(1)
 				}
 				q <- chunk{b: append([]byte(nil), buf[:n]...), due: due}
 			}

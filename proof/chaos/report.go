@@ -2,6 +2,7 @@ package chaos
 
 import (
 	"fmt"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -43,6 +44,15 @@ type Report struct {
 	RelayPanicSample []string       `json:"relay_panic_sample,omitempty"`
 	WorkDir          string         `json:"work_dir,omitempty"`
 
+	// FaultsEnabled are the kinds the run was asked for, FaultsBit how
+	// many injections of each kind bit (FaultBite): a run passes only when
+	// every enabled kind bit at least once, so a schedule that never got
+	// to a kind, or faults that hit nothing, cannot pass for a proof.
+	FaultsEnabled []string       `json:"faults_enabled"`
+	FaultsBit     map[string]int `json:"faults_bit"`
+	// Replay is the command that runs this schedule and load again.
+	Replay string `json:"replay,omitempty"`
+
 	// A run against a JetStream cluster (-cluster n).
 	ClusterNodes      int            `json:"cluster_nodes,omitempty"`
 	StreamReplicas    int            `json:"stream_replicas,omitempty"`
@@ -50,9 +60,53 @@ type Report struct {
 	LeaderTransitions int            `json:"stream_leader_changes_seen,omitempty"`
 }
 
-// Failures lists every figure that must be zero and is not.
+// FaultBite says what an injection of kind must have done to count as
+// having bitten, rather than having hit nothing.
+func FaultBite(kind string) string {
+	switch kind {
+	case FaultRelayKill:
+		return "SIGKILL of a relay whose walsender streamed the slot"
+	case FaultNATSKill:
+		return "SIGKILL of nats-server (a node with -cluster) while the streaming relay was connected"
+	case FaultNATSNodeKill:
+		return "SIGKILL of a running cluster node"
+	case FaultPGRestartFast, FaultPGRestartImmed:
+		return "a restart that ended the session of a relay streaming the slot"
+	case FaultPGTermWalsender:
+		return "pg_terminate_backend ended a relay's walsender"
+	case FaultPGTermConns:
+		return "pg_terminate_backend ended a relay's client sessions"
+	case FaultNATSCut, FaultPGCut:
+		return "the cut closed an open connection of the relay"
+	case FaultNATSLatency, FaultPGLatency:
+		return "the proxy delayed the relay's traffic"
+	case FaultTakeoverKill, FaultTakeoverPartition:
+		return "the standby instance took over the slot"
+	case FaultPGFailover:
+		return "the promotion took back commits (the new primary lacked rows the old one had committed) and a relay streamed the slot again"
+	}
+	return "unknown fault kind"
+}
+
+// Failures lists every figure that must be zero and is not, and every
+// enabled fault kind that was not injected or never bit.
 func (r *Report) Failures() []string {
 	var out []string
+	total := 0
+	for _, n := range r.Faults {
+		total += n
+	}
+	if total == 0 {
+		out = append(out, "faults injected = 0 (a run without faults proves nothing)")
+	}
+	for _, k := range r.FaultsEnabled {
+		switch {
+		case r.Faults[k] == 0:
+			out = append(out, fmt.Sprintf("fault %s injected 0 times (every enabled kind must run at least once: lengthen -duration)", k))
+		case r.FaultsBit[k] == 0:
+			out = append(out, fmt.Sprintf("fault %s injected %d times and never bit (it must bite at least once: %s)", k, r.Faults[k], FaultBite(k)))
+		}
+	}
 	check := func(name string, v int) {
 		if v != 0 {
 			out = append(out, fmt.Sprintf("%s = %d (must be 0)", name, v))
@@ -93,6 +147,9 @@ func (r *Report) Table() string {
 	}
 	fmt.Fprintf(&b, "chaos run: seed %d (replay: -seed %d), load %.0fs, drain %.1fs, wal_sender_timeout %s\n",
 		r.Seed, r.Seed, r.LoadSeconds, r.DrainSeconds, r.WalSenderTimeout)
+	if r.Replay != "" {
+		fmt.Fprintf(&b, "replay: %s\n", r.Replay)
+	}
 	row("figure", "value", "")
 	row("committed rows (txns)", fmt.Sprintf("%d (%d)", r.CommittedRows, r.CommittedTxns), fmt.Sprintf("%d commits with unknown outcome, resolved by the witness", r.UnknownCommits))
 	row("rolled-back rows (txns)", fmt.Sprintf("%d (%d)", r.RolledBackRows, r.RolledBackTxns), "")
@@ -117,24 +174,29 @@ func (r *Report) Table() string {
 	if r.ClusterNodes > 0 {
 		r.clusterRows(row)
 	}
-	kinds := make([]string, 0, len(r.Faults))
+	kinds := slices.Clone(r.FaultsEnabled)
 	total := 0
 	for k, n := range r.Faults {
-		kinds = append(kinds, k)
+		if !slices.Contains(kinds, k) {
+			kinds = append(kinds, k)
+		}
 		total += n
 	}
 	sort.Strings(kinds)
-	row("faults injected", fmt.Sprint(total), "")
+	row("faults injected (bit)", fmt.Sprint(total), "every enabled kind must be injected and bite at least once")
 	for _, k := range kinds {
-		note := ""
+		var notes []string
+		if r.Faults[k] == 0 || r.FaultsBit[k] == 0 {
+			notes = append(notes, "FAIL: must bite at least once: "+FaultBite(k))
+		}
 		if s := r.FaultsSkipped[k]; s > 0 {
 			why := "no relay backend to hit"
 			if k == FaultPGFailover {
 				why = "already failed over: no standby left"
 			}
-			note = fmt.Sprintf("%d more skipped (%s)", s, why)
+			notes = append(notes, fmt.Sprintf("%d more skipped (%s)", s, why))
 		}
-		row("  "+k, fmt.Sprint(r.Faults[k]), note)
+		row("  "+k, fmt.Sprintf("%d (%d)", r.Faults[k], r.FaultsBit[k]), strings.Join(notes, "; "))
 	}
 	for _, s := range [][]string{r.LostSample, r.PhantomSample, r.DuplicateSample, r.TakenBackSample, r.G3ViolationSample, r.WitnessGapSample, r.UnknownMsgSample, r.RelayPanicSample} {
 		for _, v := range s {
@@ -145,6 +207,9 @@ func (r *Report) Table() string {
 		fmt.Fprintf(&b, "RESULT: FAIL (%s); seed %d\n", strings.Join(f, "; "), r.Seed)
 	} else {
 		fmt.Fprintf(&b, "RESULT: ok; seed %d\n", r.Seed)
+	}
+	if r.Replay != "" {
+		fmt.Fprintf(&b, "replay: %s\n", r.Replay)
 	}
 	return b.String()
 }

@@ -85,6 +85,7 @@ type Config struct {
 	RelayBin         string // use this binary instead of building one
 	Keep             bool   // keep the work directory even when the run passes
 	Command          string // recorded in the report
+	Replay           string // the command that replays this run, recorded in the report
 	Log              io.Writer
 }
 
@@ -132,7 +133,9 @@ func ValidateFaults(names []string) error {
 	return nil
 }
 
-// Schedule returns the first n fault kinds of the seeded schedule.
+// Schedule returns the first n fault kinds of the seeded schedule. The
+// first round has every enabled kind once, so a short run reaches each of
+// them soonest; later rounds repeat relay-kill relayKillWeight times.
 func Schedule(seed uint64, enabled []string, n int) []string {
 	rng := rand.New(rand.NewPCG(seed, 2))
 	var out []string
@@ -140,7 +143,7 @@ func Schedule(seed uint64, enabled []string, n int) []string {
 		var round []string
 		for _, f := range enabled {
 			k := 1
-			if f == FaultRelayKill {
+			if f == FaultRelayKill && len(out) > 0 {
 				k = relayKillWeight
 			}
 			for range k {
@@ -214,10 +217,14 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		return nil, err
 	}
 	r := &runner{cfg: cfg, rng: rand.New(rand.NewPCG(cfg.Seed, 1)), start: time.Now(), ledger: NewLedger()}
-	r.report = Report{Seed: cfg.Seed, Command: cfg.Command, Started: r.start, WalSenderTimeout: cfg.WalSenderTimeout.String(),
+	r.report = Report{Seed: cfg.Seed, Command: cfg.Command, Replay: cfg.Replay, Started: r.start, WalSenderTimeout: cfg.WalSenderTimeout.String(),
 		Faults: map[string]int{}, FaultsSkipped: map[string]int{}, ClusterNodes: cfg.Cluster,
+		FaultsEnabled: slices.Clone(cfg.Faults), FaultsBit: map[string]int{},
 		FailoverEnabled: slices.Contains(cfg.Faults, FaultPGFailover)}
 	r.logf("seed %d; faults %s", cfg.Seed, strings.Join(cfg.Faults, ","))
+	if cfg.Replay != "" {
+		r.logf("replay: %s", cfg.Replay)
+	}
 	var err error
 	if r.workDir, err = os.MkdirTemp("", "outbox-chaos-"); err != nil {
 		return nil, fmt.Errorf("create work directory: %w", err)
@@ -763,17 +770,21 @@ func (r *runner) run(ctx context.Context) error {
 
 	schedule := Schedule(r.cfg.Seed, r.cfg.Faults, 100000)
 	var faultErr error
-	for i := 0; time.Since(loadStart) < r.cfg.Duration && ctx.Err() == nil && !load.exhausted(); i++ {
+	n := 0
+	for ; time.Since(loadStart) < r.cfg.Duration && ctx.Err() == nil && !load.exhausted(); n++ {
 		r.pause(ctx, r.between(r.cfg.MinGap, r.cfg.MaxGap))
 		if time.Since(loadStart) >= r.cfg.Duration || ctx.Err() != nil {
 			break
 		}
-		kind := schedule[i]
-		if err := r.inject(ctx, kind, i+1); err != nil {
-			faultErr = fmt.Errorf("fault #%d %s: %w", i+1, kind, err)
+		kind := schedule[n]
+		if err := r.inject(ctx, kind, n+1); err != nil {
+			faultErr = fmt.Errorf("fault #%d %s: %w", n+1, kind, err)
 			r.logf("%v", faultErr)
 			break
 		}
+	}
+	if faultErr == nil {
+		faultErr = r.catchUpFaults(ctx, load, n)
 	}
 	stopLoad()
 	pwg.Wait()
@@ -784,6 +795,63 @@ func (r *runner) run(ctx context.Context) error {
 	drainErr := r.drain(ctx)
 	r.finish(ctx, load)
 	return errors.Join(faultErr, drainErr)
+}
+
+// catchUpFaults injects, after the scheduled ones, every enabled kind that
+// has not bitten yet (the schedule did not reach it, it was skipped, or it
+// hit nothing), under the same load, up to three times each and for at
+// most a minute or half the duration. The report fails a run in which a
+// kind still has not bitten; this gives a short run its chance to cover
+// every kind without letting it pass uncovered.
+func (r *runner) catchUpFaults(ctx context.Context, load *load, n int) error {
+	limit := max(time.Minute, r.cfg.Duration/2)
+	start := time.Now()
+	tries := map[string]int{}
+	for ctx.Err() == nil && !load.exhausted() && time.Since(start) < limit {
+		kind := ""
+		r.mu.Lock()
+		for _, k := range r.cfg.Faults {
+			if r.report.FaultsBit[k] == 0 && tries[k] < 3 {
+				kind = k
+				break
+			}
+		}
+		r.mu.Unlock()
+		if kind == "" {
+			return nil
+		}
+		if len(tries) == 0 {
+			r.logf("catching up after %d scheduled faults: kinds that have not bitten yet get up to 3 more turns", n)
+		}
+		tries[kind]++
+		n++
+		r.pause(ctx, r.between(r.cfg.MinGap, r.cfg.MaxGap))
+		// Most kinds bite only a relay that streams the slot; after the
+		// previous fault it may still be in its reconnect back-off.
+		if err := r.waitStreaming(ctx, 30*time.Second); err != nil {
+			return err
+		}
+		if err := r.inject(ctx, kind, n); err != nil {
+			err = fmt.Errorf("fault #%d %s: %w", n, kind, err)
+			r.logf("%v", err)
+			return err
+		}
+	}
+	return nil
+}
+
+// waitStreaming waits up to timeout for a relay to stream the slot; past
+// it the fault is injected anyway (and may not bite).
+func (r *runner) waitStreaming(ctx context.Context, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for ctx.Err() == nil && time.Now().Before(deadline) {
+		s, err := r.readSlot(ctx)
+		if err != nil || s.pid != 0 {
+			return err
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	return nil
 }
 
 func (r *runner) between(lo, hi time.Duration) time.Duration {

@@ -6,9 +6,10 @@
 //	go run ./cmd/outbox-chaos -cluster 3 -duration 15m   # three-node JetStream cluster, R3 stream
 //	go run ./cmd/outbox-chaos -failover -pg-version 17 -duration 3m   # plus a standby promotion (G14)
 //
-// It prints one table and exits 1 when a figure that must be zero is not,
-// 2 when the run itself could not be carried out. The seed is always
-// printed; -seed replays the same schedule of faults and load.
+// It prints one table and exits 1 when a figure that must be zero is not
+// or an enabled fault kind was never injected or never bit, 2 when the run
+// itself could not be carried out. The seed and the command that replays
+// the run (the same flags plus -seed) are always printed.
 package main
 
 import (
@@ -18,6 +19,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -77,7 +79,8 @@ func run() int {
 	cfg.Seed = seed
 	cfg.Log = os.Stderr
 	cfg.Command = "outbox-chaos " + strings.Join(os.Args[1:], " ")
-	fmt.Fprintf(os.Stderr, "outbox-chaos: seed %d (replay with -seed %d)\n", seed, seed)
+	cfg.Replay = replayCommand(os.Args[1:], seed)
+	fmt.Fprintf(os.Stderr, "outbox-chaos: seed %d; replay: %s\n", seed, cfg.Replay)
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -100,8 +103,36 @@ func run() int {
 		}
 	}
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "outbox-chaos: the run could not be completed: %v (seed %d)\n", err, seed)
+		fmt.Fprintf(os.Stderr, "outbox-chaos: the run could not be completed: %v (seed %d; replay: %s)\n", err, seed, cfg.Replay)
 		code = 2
 	}
 	return code
+}
+
+// replayCommand is the command line, run from the repository's root, that
+// repeats this run's schedule and load: the same flags with -seed set to
+// the seed used.
+func replayCommand(args []string, seed uint64) string {
+	out := []string{"cd proof && go run ./cmd/outbox-chaos"}
+	for i := 0; i < len(args); i++ {
+		a := args[i]
+		name, _, hasValue := strings.Cut(strings.TrimLeft(a, "-"), "=")
+		if strings.HasPrefix(a, "-") && name == "seed" {
+			if !hasValue {
+				i++ // the value is the next argument
+			}
+			continue
+		}
+		out = append(out, shellQuote(a))
+	}
+	return strings.Join(append(out, "-seed", strconv.FormatUint(seed, 10)), " ")
+}
+
+func shellQuote(s string) string {
+	if s != "" && strings.IndexFunc(s, func(r rune) bool {
+		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune("-_./:=,@+", r))
+	}) < 0 {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
