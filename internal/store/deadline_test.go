@@ -101,7 +101,14 @@ func insertOld(t *testing.T, pool *pgxpool.Pool, sql string) {
 // (issue 20, items 2 and 4), and accepts the edges of the range.
 func TestTimeBoundsAtInsert(t *testing.T) {
 	ctx := context.Background()
-	_, pool := newPollerStore(t, store.PolicyMark)
+	s, pool := newPollerStore(t, store.PolicyMark)
+	// The ages clamp each time, not an empty table's NULL into year 0001.
+	if c, err := s.Counts(ctx); err != nil || c.OldestEligibleSeconds != 0 {
+		t.Fatalf("Counts of an empty table = %+v, %v; want oldest eligible 0", c, err)
+	}
+	if age, err := s.OldestReadySeconds(ctx); err != nil || age != 0 {
+		t.Fatalf("OldestReadySeconds of an empty table = %v, %v; want 0", age, err)
+	}
 	for _, tt := range []struct{ col, val string }{
 		{"available_at", "infinity"}, {"available_at", "-infinity"}, {"available_at", "10000-01-01 00:00:00+00"},
 		{"expires_at", "infinity"}, {"expires_at", "-infinity"}, {"expires_at", "12026-11-30 05:04:42+00"},

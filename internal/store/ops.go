@@ -603,7 +603,7 @@ func (s *Store) history(ctx context.Context, tail string, args ...any) ([]Histor
 func (s *Store) OldestReadySeconds(ctx context.Context) (float64, error) {
 	var age float64
 	err := s.pool.QueryRow(ctx, `SELECT coalesce(extract(epoch FROM clock_timestamp() -
-			least(greatest(min(created_at), '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59+00')), 0)::float8
+			min(least(greatest(created_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59+00'))), 0)::float8
 		FROM `+s.table.String()+` WHERE state = 'ready'`).Scan(&age)
 	if err != nil {
 		return 0, fmt.Errorf("oldest ready row in %s: %w", s.table.Qualified(), err)
