@@ -90,7 +90,8 @@ type Message struct {
 	// starting with Nats- or Outbox- are reserved.
 	Headers map[string]string
 	// AvailableAt delays delivery until then (by the database's clock); the
-	// relay's poller publishes it. Zero means now.
+	// relay's poller publishes it. Zero means now. Like ExpiresAt, it must
+	// lie between 0001-01-01 and 9999-12-31 UTC.
 	AvailableAt time.Time
 	// Aggregate is the business object the work belongs to (an order, an
 	// account). With it, the message takes the aggregate's next sequence
@@ -107,7 +108,8 @@ type Message struct {
 	// ExpiresAt is the business deadline: the relay never publishes the
 	// message after it (by the database's clock), and the message carries
 	// it in Outbox-Expires-At for receivers that enforce it (G13). Zero:
-	// none.
+	// none. It must lie between 0001-01-01 and 9999-12-31 UTC, the years
+	// RFC 3339 can write (the table refuses others too).
 	ExpiresAt time.Time
 }
 

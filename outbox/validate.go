@@ -35,6 +35,18 @@ func (m Message) Validate() error {
 			return fmt.Errorf("%w: work_id %q: %v", ErrInvalid, m.WorkID, err)
 		}
 	}
+	// The table refuses other times at insert (migration 0008); checked
+	// here too, so the caller learns it before its transaction does.
+	if !m.AvailableAt.IsZero() {
+		if err := wire.ValidateTime("AvailableAt", m.AvailableAt); err != nil {
+			return fmt.Errorf("%w: work_id %q: %v", ErrInvalid, m.WorkID, err)
+		}
+	}
+	if !m.ExpiresAt.IsZero() {
+		if err := wire.ValidateTime("ExpiresAt", m.ExpiresAt); err != nil {
+			return fmt.Errorf("%w: work_id %q: %v", ErrInvalid, m.WorkID, err)
+		}
+	}
 	if len(m.Payload) == 0 {
 		return fmt.Errorf("%w: work_id %q: payload is empty; want JSON, e.g. {}", ErrInvalid, m.WorkID)
 	}

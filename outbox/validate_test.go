@@ -6,6 +6,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/outbox-relay/outbox-relay/outbox"
 )
@@ -66,6 +67,16 @@ func TestValidate(t *testing.T) {
 		{"header name space", with(func(m *outbox.Message) { m.Headers = map[string]string{"a b": "x"} }), "without spaces"},
 		{"empty header name", with(func(m *outbox.Message) { m.Headers = map[string]string{"": "x"} }), "1 to 256"},
 		{"header value newline", with(func(m *outbox.Message) { m.Headers = map[string]string{"a": "x\r\ny"} }), "control character"},
+		// Times (issue 20, items 2 and 4): what RFC 3339 can write, as
+		// migration 0008 refuses the rest at insert.
+		{"deadline year 9999", with(func(m *outbox.Message) { m.ExpiresAt = time.Date(9999, 12, 31, 23, 59, 59, 999999000, time.UTC) }), ""},
+		{"deadline year 10000", with(func(m *outbox.Message) { m.ExpiresAt = time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC) }), "ExpiresAt 10000-01-01T00:00:00Z is out of range"},
+		{"deadline year 10000 in a zone", with(func(m *outbox.Message) {
+			m.ExpiresAt = time.Date(9999, 12, 31, 23, 0, 0, 0, time.FixedZone("-02", -2*3600))
+		}), "is out of range"},
+		{"deadline BC", with(func(m *outbox.Message) { m.ExpiresAt = time.Date(-43, 3, 15, 0, 0, 0, 0, time.UTC) }), "ExpiresAt"},
+		{"available year 12026", with(func(m *outbox.Message) { m.AvailableAt = time.Date(12026, 1, 1, 0, 0, 0, 0, time.UTC) }), "AvailableAt 12026"},
+		{"available in a year", with(func(m *outbox.Message) { m.AvailableAt = time.Now().AddDate(1, 0, 0) }), ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := tc.m.Validate()

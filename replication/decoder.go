@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/jackc/pglogrepl"
+
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 )
 
 // Table names the outbox table the decoder accepts; rows of other relations are ignored.
@@ -78,9 +80,16 @@ type relationInfo struct {
 	err error
 }
 
-// farFuture stands in for 'infinity': the row is never due, which is what
-// PostgreSQL's own comparisons would say, without the relay special-casing it.
-var farFuture = time.Date(9999, 12, 31, 23, 59, 59, 0, time.UTC)
+// Infinity and NegInfinity are how a Row's times carry PostgreSQL's
+// 'infinity' and '-infinity': past the largest and before the smallest
+// timestamp PostgreSQL holds, so every comparison with a clock comes out as
+// PostgreSQL's own would (available_at 'infinity' is never due, expires_at
+// '-infinity' has always passed), and no stored value is mistaken for them.
+// The poller's path reads them the same way (internal/store).
+var (
+	Infinity    = wire.Infinity
+	NegInfinity = wire.NegInfinity
+)
 
 // Decoder turns the pgoutput (proto_version 1, text format, streaming off)
 // messages of one replication session into Events. It is not safe for
@@ -444,6 +453,12 @@ func (d *Decoder) row(msg []byte, vals *fieldValues) (*Row, error) {
 		if err != nil {
 			return nil, d.rowErr(workID, fExpiresAt, "is unparsable: "+err.Error())
 		}
+		if exp.IsZero() {
+			// 0001-01-01 00:00:00 UTC is time.Time's zero, which a Row
+			// reads as "no deadline"; a nanosecond earlier (finer than
+			// PostgreSQL keeps) it is the deadline that has passed.
+			exp = exp.Add(-time.Nanosecond)
+		}
 	}
 
 	// A NULL or missing field's value is empty, so it adds nothing.
@@ -512,9 +527,9 @@ func (d *Decoder) rowErr(workID []byte, f outboxField, problem string) error {
 func parseTimestamptz(b []byte) (time.Time, error) {
 	switch string(b) {
 	case "infinity":
-		return farFuture, nil
+		return Infinity, nil
 	case "-infinity":
-		return time.Time{}, nil
+		return NegInfinity, nil
 	}
 	p := tsParser{b: b}
 	year := p.digits(4, 9)

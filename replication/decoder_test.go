@@ -315,7 +315,7 @@ func TestDecodeFixtures(t *testing.T) {
 					Kind:        "order.reminder",
 					Payload:     []byte(`{}`),
 					State:       "pending",
-					AvailableAt: time.Date(9999, 12, 31, 23, 59, 59, 0, time.UTC),
+					AvailableAt: Infinity,
 				}),
 				wantCommit(729, 0x1545428, 0x1545458, commitTime2),
 			},
@@ -325,11 +325,12 @@ func TestDecodeFixtures(t *testing.T) {
 			want: []string{
 				wantBegin(730, 0x1545558, commit3),
 				wantRow(730, 0x1545558, commit3, &Row{
-					WorkID:  "order-104-created",
-					Kind:    "order.created",
-					Subject: "orders.104",
-					Payload: []byte(`{"order_id": 104}`),
-					State:   "pending",
+					WorkID:      "order-104-created",
+					Kind:        "order.created",
+					Subject:     "orders.104",
+					Payload:     []byte(`{"order_id": 104}`),
+					State:       "pending",
+					AvailableAt: NegInfinity,
 				}),
 				wantCommit(730, 0x1545558, 0x1545588, commit3),
 				wantBegin(734, 0x1546170, commit4),
@@ -691,8 +692,8 @@ func TestDecodeTimestamps(t *testing.T) {
 		{"12026-11-30 05:04:42+00", time.Date(12026, 11, 30, 5, 4, 42, 0, time.UTC)},
 		{"0044-03-15 12:00:00+00 BC", time.Date(-43, 3, 15, 12, 0, 0, 0, time.UTC)},
 		{"0001-02-29 00:00:00+00 BC", time.Date(0, 2, 29, 0, 0, 0, 0, time.UTC)},
-		{"infinity", time.Date(9999, 12, 31, 23, 59, 59, 0, time.UTC)},
-		{"-infinity", time.Time{}},
+		{"infinity", Infinity},
+		{"-infinity", NegInfinity},
 	}
 	for _, tt := range tests {
 		got, err := parseTimestamptz([]byte(tt.in))
@@ -870,5 +871,48 @@ func TestDecodeAggregateAndDeadline(t *testing.T) {
 	vals["aggregate_seq"] = textVal("x")
 	if _, _, err := d.Decode(encRow(testOutboxRelID, cols, vals)); !errors.Is(err, ErrMalformedRow) {
 		t.Fatalf("unparsable aggregate_seq: %v, want ErrMalformedRow", err)
+	}
+}
+
+// Every deadline PostgreSQL can hold decodes to one that compares with a
+// clock as PostgreSQL's does (issue 20, item 1): '-infinity' and the
+// instant that is time.Time's zero have passed, they are not "no deadline".
+func TestDecodeDeadlineEdges(t *testing.T) {
+	cols := append(append([]string{}, testOutboxCols...), "aggregate_type", "aggregate_id", "aggregate_seq", "expires_at")
+	d := NewDecoder(testOutboxTable)
+	if _, _, err := d.Decode(encBegin(0x100, commitTime1, 7)); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := d.Decode(encRelation(testOutboxRelID, "public", "outbox", cols...)); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	for _, tt := range []struct {
+		in     string
+		passed bool
+	}{
+		{"-infinity", true},
+		{"0001-01-01 00:00:00+00", true},
+		{"0001-01-01 00:00:00+00 BC", true},
+		{"4713-11-24 00:00:00+00 BC", true},
+		{"1970-01-01 00:00:00+00", true},
+		{"9999-12-31 23:59:59.999999+00", false},
+		{"12026-11-30 05:04:42+00", false},
+		{"infinity", false},
+	} {
+		vals := sampleOutboxVals("w-" + tt.in)
+		vals["expires_at"] = textVal(tt.in)
+		ev, ok, err := d.Decode(encRow(testOutboxRelID, cols, vals))
+		if err != nil || !ok {
+			t.Fatalf("Decode(expires_at %q) = %v, %v", tt.in, ok, err)
+		}
+		exp := ev.Row.ExpiresAt
+		if exp.IsZero() {
+			t.Errorf("expires_at %q decoded as no deadline", tt.in)
+			continue
+		}
+		if passed := !exp.After(now); passed != tt.passed {
+			t.Errorf("expires_at %q decoded as %s: passed %v, want %v", tt.in, decTimeString(exp), passed, tt.passed)
+		}
 	}
 }

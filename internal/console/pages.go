@@ -15,6 +15,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/termsafe"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 )
 
 // Work IDs travel in forms and links base64url-encoded: a browser rewrites
@@ -32,6 +33,16 @@ func decodeID(s string) (string, error) {
 
 var pages = []string{"login", "overview", "rows", "row", "history", "preview", "result", "error"}
 
+// formatTS shows a row's time. A row written before migration 0008 may
+// hold 'infinity' or '-infinity' (the store reads them as wire.Infinity and
+// wire.NegInfinity): shown as such, not as a year no one wrote.
+func formatTS(t time.Time) string {
+	if t.Equal(wire.Infinity) || t.Equal(wire.NegInfinity) {
+		return wire.FormatTime(t)
+	}
+	return t.UTC().Format("2006-01-02 15:04:05.000Z")
+}
+
 func parseTemplates() (map[string]*template.Template, error) {
 	funcs := template.FuncMap{
 		// show makes control, bidi and other invisible characters visible
@@ -42,13 +53,13 @@ func parseTemplates() (map[string]*template.Template, error) {
 			if t.IsZero() {
 				return ""
 			}
-			return t.UTC().Format("2006-01-02 15:04:05.000Z")
+			return formatTS(t)
 		},
 		"tsp": func(t *time.Time) string {
 			if t == nil {
 				return ""
 			}
-			return t.UTC().Format("2006-01-02 15:04:05.000Z")
+			return formatTS(*t)
 		},
 		"i64p": func(v *int64) string {
 			if v == nil {

@@ -127,7 +127,7 @@ func New() *Metrics {
 		Name: "outbox_relay_slot_invalidations_total", Help: "Times the slot was found invalidated (wal_status lost) and re-created.",
 	})
 	m.Expired = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "outbox_relay_expired_total", Help: "Rows whose business deadline passed before they were published, by the path that found them (poller: moved to expired; cdc: handed to the poller at or near the deadline).",
+		Name: "outbox_relay_expired_total", Help: "Rows that ended expired because their business deadline passed before they were published, each counted once, when the deadline sweep moves it (path=\"poller\"; the CDC path hands such rows over, counted in outbox_relay_handoffs_total{reason=\"deadline\"}).",
 	}, []string{"path"})
 	m.BlockedAggregates = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "outbox_relay_blocked_aggregates", Help: "Aggregates whose later rows wait behind a row with the poller or dead-lettered (--ordering aggregate).",

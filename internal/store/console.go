@@ -88,8 +88,8 @@ const listColumns = `work_id, kind, coalesce(subject, ''), state, attempts, clai
 func scanListed(row pgx.CollectableRow) (ListedRow, error) {
 	var r ListedRow
 	err := row.Scan(&r.WorkID, &r.Kind, &r.Subject, &r.State, &r.Attempts, &r.ClaimGeneration, &r.LastError,
-		&r.CreatedAt, &r.AvailableAt, &r.LeaseUntil, &r.ClaimedBy, &r.PublishedAt, &r.StreamSeq, &r.ExpiresAt,
-		&r.RedrivenAt, &r.RedrivenBy, &r.RedriveReason, &r.AggregateType, &r.AggregateID, &r.AggregateSeq, &r.StreamName,
+		anyTime{&r.CreatedAt}, anyTime{&r.AvailableAt}, anyTimePtr{&r.LeaseUntil}, &r.ClaimedBy, anyTimePtr{&r.PublishedAt}, &r.StreamSeq, anyTimePtr{&r.ExpiresAt},
+		anyTimePtr{&r.RedrivenAt}, &r.RedrivenBy, &r.RedriveReason, &r.AggregateType, &r.AggregateID, &r.AggregateSeq, &r.StreamName,
 		&r.Payload, &r.PayloadChars, &r.Headers)
 	return r, err
 }

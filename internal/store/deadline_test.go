@@ -2,11 +2,16 @@ package store_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 )
 
 // G13 for operators and the poller's store: ExpireDue moves rows past their
@@ -80,5 +85,140 @@ func TestDeadlinesInTheStore(t *testing.T) {
 	pr, err := s.Prune(ctx, store.PruneRequest{OlderThan: 48 * time.Hour, Batch: 10, IncludeCancelled: true})
 	if err != nil || pr.Expired != 2 {
 		t.Fatalf("prune = %+v, %v; want 2 expired rows", pr, err)
+	}
+}
+
+// insertOld inserts rows as a producer could before migration 0008: with
+// its insert guard off for the one statement.
+func insertOld(t *testing.T, pool *pgxpool.Pool, sql string) {
+	t.Helper()
+	exec(t, pool, `ALTER TABLE outbox DISABLE TRIGGER outbox_times_check`)
+	exec(t, pool, sql)
+	exec(t, pool, `ALTER TABLE outbox ENABLE TRIGGER outbox_times_check`)
+}
+
+// Migration 0008 refuses at insert every time the relay could not carry
+// (issue 20, items 2 and 4), and accepts the edges of the range.
+func TestTimeBoundsAtInsert(t *testing.T) {
+	ctx := context.Background()
+	s, pool := newPollerStore(t, store.PolicyMark)
+	// The ages clamp each time, not an empty table's NULL into year 0001.
+	if c, err := s.Counts(ctx); err != nil || c.OldestEligibleSeconds != 0 {
+		t.Fatalf("Counts of an empty table = %+v, %v; want oldest eligible 0", c, err)
+	}
+	if age, err := s.OldestReadySeconds(ctx); err != nil || age != 0 {
+		t.Fatalf("OldestReadySeconds of an empty table = %v, %v; want 0", age, err)
+	}
+	for _, tt := range []struct{ col, val string }{
+		{"available_at", "infinity"}, {"available_at", "-infinity"}, {"available_at", "10000-01-01 00:00:00+00"},
+		{"expires_at", "infinity"}, {"expires_at", "-infinity"}, {"expires_at", "12026-11-30 05:04:42+00"},
+		{"expires_at", "0044-03-15 12:00:00+00 BC"}, {"created_at", "infinity"},
+	} {
+		_, err := pool.Exec(ctx, `INSERT INTO outbox (work_id, kind, payload, `+tt.col+`) VALUES ('w', 'k', '{}', $1::text::timestamptz)`, tt.val)
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &pgErr) || pgErr.Code != "23514" || !strings.Contains(pgErr.Message, tt.col) {
+			t.Errorf("insert %s = %s: %v; want a check violation naming the column", tt.col, tt.val, err)
+		}
+	}
+	exec(t, pool, `INSERT INTO outbox (work_id, kind, payload, available_at, expires_at) VALUES
+		('edge-1', 'k', '{}', '0001-01-01 00:00:00+00', '9999-12-31 23:59:59.999999+00'),
+		('edge-2', 'k', '{}', '9999-12-31 23:59:59.999999+00', '0001-01-01 00:00:00+00')`)
+	var n int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&n); err != nil || n != 2 {
+		t.Fatalf("rows = %d, %v; want the two edge rows", n, err)
+	}
+}
+
+// Rows from before migration 0008 with infinite or out-of-range times: the
+// sweep expires a '-infinity' deadline with evidence (item 1), a claim and
+// every console and status read take them (items 2 and 4), cancel frees the
+// aggregate an 'infinity' available_at holds (item 4), a plain redrive
+// refuses a deadline no message can carry, and a redrive to a deadline that
+// already passed is refused with the row untouched (item 3).
+func TestDeadlineEdgesInTheStore(t *testing.T) {
+	ctx := context.Background()
+	s, pool := newPollerStore(t, store.PolicyMark)
+	insertOld(t, pool, `INSERT INTO outbox (work_id, kind, payload, state, available_at, expires_at, aggregate_type, aggregate_id, aggregate_seq) VALUES
+		('neg-deadline', 'k', '{}', 'scheduled', clock_timestamp(), '-infinity', NULL, NULL, NULL),
+		('inf-deadline', 'k', '{}', 'scheduled', clock_timestamp(), 'infinity', NULL, NULL, NULL),
+		('far-deadline', 'k', '{}', 'cancelled', clock_timestamp(), '12026-01-01 00:00:00+00', NULL, NULL, NULL),
+		('neg-ready',    'k', '{}', 'ready',     '-infinity', NULL, NULL, NULL, NULL),
+		('inf-avail',    'k', '{}', 'scheduled', 'infinity', NULL, 'order', '1', 1),
+		('behind',       'k', '{}', 'scheduled', clock_timestamp(), NULL, 'order', '1', 2)`)
+
+	ids, err := s.ExpireDue(ctx)
+	if err != nil || len(ids) != 1 || ids[0] != "neg-deadline" {
+		t.Fatalf("ExpireDue = %v, %v; want neg-deadline", ids, err)
+	}
+	var state, le string
+	if err := pool.QueryRow(ctx, `SELECT state, coalesce(last_error, '') FROM outbox WHERE work_id = 'neg-deadline'`).Scan(&state, &le); err != nil {
+		t.Fatal(err)
+	}
+	if state != "expired" || le != "expired: deadline -infinity passed; never attempted" {
+		t.Errorf("neg-deadline: %s, last_error %q; want expired with the deadline and never attempted", state, le)
+	}
+
+	// The aggregate is held by inf-avail: behind is not claimable.
+	c, err := s.Claim(ctx, "w", time.Minute, 10, store.ClaimOptions{Ordered: true})
+	if err != nil || len(c) != 1 || c[0].WorkID != "inf-deadline" || !c[0].ExpiresAt.Equal(wire.Infinity) {
+		t.Fatalf("claim = %+v, %v; want inf-deadline alone, its deadline read as infinity", c, err)
+	}
+
+	counts, err := s.Counts(ctx)
+	if err != nil || counts.OldestEligibleSeconds < 60*60*24*365*2000 {
+		t.Errorf("Counts = %+v, %v; want the -infinity ready row as eligible for ages", counts, err)
+	}
+	rows, err := s.ListRows(ctx, store.ListFilter{State: "scheduled", Limit: 10})
+	if err != nil || len(rows) != 2 {
+		t.Fatalf("ListRows(scheduled) = %+v, %v; want inf-avail and behind", rows, err)
+	}
+	r, ok, err := s.Row(ctx, "inf-avail")
+	if err != nil || !ok || !r.AvailableAt.Equal(wire.Infinity) {
+		t.Fatalf("Row(inf-avail) = %+v, %v, %v; want available_at infinity", r, ok, err)
+	}
+	if r, _, err := s.Row(ctx, "neg-ready"); err != nil || !r.AvailableAt.Equal(wire.NegInfinity) {
+		t.Fatalf("Row(neg-ready) = %+v, %v; want available_at -infinity", r, err)
+	}
+
+	res, err := s.Cancel(ctx, store.OpRequest{Selection: store.Selection{WorkIDs: []string{"inf-avail"}}, By: "op", Reason: "never due"})
+	if err != nil || len(res.Changed) != 1 || !res.Changed[0].AvailableAt.Equal(wire.Infinity) {
+		t.Fatalf("cancel inf-avail = %+v, %v; want it cancelled", res, err)
+	}
+	c, err = s.Claim(ctx, "w", time.Minute, 10, store.ClaimOptions{Ordered: true})
+	if err != nil || len(c) != 1 || c[0].WorkID != "behind" {
+		t.Fatalf("claim after the cancel = %+v, %v; want behind, its aggregate freed", c, err)
+	}
+
+	// A kept deadline no message can carry is refused; a new one works.
+	req := store.OpRequest{Selection: store.Selection{WorkIDs: []string{"far-deadline"}}, By: "op", Reason: "retry"}
+	res, err = s.Redrive(ctx, req)
+	if err != nil || len(res.Refused) != 1 || !res.Refused[0].DeadlineInvalid ||
+		!strings.Contains(res.Refused[0].Why(store.ActionRedrive), "out of range") {
+		t.Fatalf("redrive keeping 12026 = %+v, %v; want refused, out of range", res, err)
+	}
+
+	// A new deadline in the past (database clock) is refused; nothing moves.
+	for _, past := range []time.Time{time.Now().Add(-time.Minute), time.Date(1970, 1, 1, 0, 0, 0, 0, time.UTC)} {
+		req.ExpiresAt = past
+		res, err = s.Redrive(ctx, req)
+		if !errors.Is(err, store.ErrBadSelection) || !strings.Contains(err.Error(), "not in the future on the database clock") || len(res.Changed) != 0 {
+			t.Errorf("redrive --expires-at %s = %+v, %v; want refused", past, res, err)
+		}
+	}
+	req.ExpiresAt = time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC)
+	if _, err = s.Redrive(ctx, req); !errors.Is(err, store.ErrBadSelection) || !strings.Contains(err.Error(), "out of range") {
+		t.Errorf("redrive --expires-at year 10000: %v; want refused, out of range", err)
+	}
+	if err := pool.QueryRow(ctx, `SELECT state FROM outbox WHERE work_id = 'far-deadline'`).Scan(&state); err != nil || state != "cancelled" {
+		t.Fatalf("far-deadline after the refused redrives: %s, %v; want cancelled, untouched", state, err)
+	}
+	req.ExpiresAt = time.Now().Add(time.Hour)
+	if res, err = s.Redrive(ctx, req); err != nil || len(res.Changed) != 1 {
+		t.Fatalf("redrive --expires-at in an hour = %+v, %v", res, err)
+	}
+
+	pr, err := s.Prune(ctx, store.PruneRequest{OlderThan: time.Second, Batch: 10, IncludeCancelled: true})
+	if err != nil || pr.Expired != 1 {
+		t.Fatalf("prune = %+v, %v; want the -infinity expired row", pr, err)
 	}
 }

@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 )
 
 // The operator's statements: redrive, cancel and prune. Redrive and cancel
@@ -129,8 +131,10 @@ type Refusal struct {
 	WorkID string
 	State  string // "" when no row has this work ID
 	// DeadlinePassed: a redrive found its deadline passed and was given
-	// no new one.
-	DeadlinePassed bool
+	// no new one. DeadlineInvalid: its deadline is one no message can
+	// carry ('infinity', a year past 9999: a row from before migration
+	// 0008), and it was given no new one.
+	DeadlinePassed, DeadlineInvalid bool
 	// LeaseUntil is the running row's lease, for "retry after".
 	LeaseUntil time.Time
 }
@@ -142,6 +146,9 @@ func (r Refusal) Why(a Action) string {
 	}
 	if r.DeadlinePassed && a == ActionRedrive && slices.Contains(a.From(), r.State) {
 		return r.State + ": its deadline passed; redrive it with a new one (--expires-at) or none (--no-deadline)"
+	}
+	if r.DeadlineInvalid && a == ActionRedrive && slices.Contains(a.From(), r.State) {
+		return r.State + ": its deadline is out of range (finite, 0001 to 9999 UTC; the relay would reject it again); redrive it with a new one (--expires-at) or none (--no-deadline)"
 	}
 	if slices.Contains(a.From(), r.State) {
 		// The statement saw another state under the lock, and the row has
@@ -198,6 +205,11 @@ func (r *OpRequest) Validate(a Action) error {
 	if a != ActionRedrive && (!r.ExpiresAt.IsZero() || r.NoDeadline) {
 		return bad("--expires-at and --no-deadline go with redrive")
 	}
+	if !r.ExpiresAt.IsZero() {
+		if err := wire.ValidateTime("new deadline --expires-at", r.ExpiresAt); err != nil {
+			return bad("%v", err)
+		}
+	}
 	if strings.TrimSpace(r.By) == "" {
 		return bad("who is required (--by)")
 	}
@@ -243,7 +255,9 @@ func (s *Store) candidates(a Action, r *OpRequest, p *args) string {
 	from := a.From()
 	where := `state = ANY(` + p.add(from) + `::text[])`
 	if a == ActionRedrive && r.ExpiresAt.IsZero() && !r.NoDeadline {
-		where += ` AND (expires_at IS NULL OR expires_at > clock_timestamp())`
+		// Kept, a deadline must still lie ahead, and be one a message can
+		// carry (a row from before migration 0008 may hold 'infinity').
+		where += ` AND (expires_at IS NULL OR (expires_at > clock_timestamp() AND expires_at < '10000-01-01 00:00:00+00'))`
 	}
 	if len(sel.WorkIDs) > 0 {
 		where += ` AND work_id = ANY(` + p.add(sel.WorkIDs) + `::text[])`
@@ -290,7 +304,7 @@ func (s *Store) opSQL(a Action, r *OpRequest) (string, args) {
 			deadline = `'none'`
 		case !r.ExpiresAt.IsZero():
 			set += ` expires_at = ` + p.add(r.ExpiresAt) + `::timestamptz,`
-			deadline = `'new: ' || to_char(t.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')`
+			deadline = `'new: ' || ` + sqlTimeText("t.expires_at")
 		}
 	case ActionCancel:
 		// attempts and last_error stay: a cancelled row keeps its evidence,
@@ -312,7 +326,8 @@ func (s *Store) opSQL(a Action, r *OpRequest) (string, args) {
 		SELECT work_id, ` + p.add(string(a)) + `::text, redriven_at, ` + by + `::text, ` + reason + `::text,
 			prev_state, prev_attempts, prev_generation, prev_error, deadline FROM u)
 	SELECT work_id, kind, prev_state, prev_attempts, prev_generation, coalesce(prev_error, ''),
-		redriven_at, available_at, extract(epoch FROM available_at - last_try)::float8
+		redriven_at, available_at,
+		CASE WHEN isfinite(available_at) AND isfinite(last_try) THEN extract(epoch FROM available_at - last_try)::float8 END
 	FROM u ORDER BY available_at, work_id`
 	return q, p
 }
@@ -349,6 +364,20 @@ func (s *Store) op(ctx context.Context, a Action, r OpRequest) (res OpResult, er
 	}
 	defer tx.Rollback(ctx) //nolint:errcheck // after commit a no-op; the dry run's undo
 
+	if !r.ExpiresAt.IsZero() {
+		// A new deadline already passed would expire the rows again at
+		// once (G13 decides on the database clock, so this does too).
+		var now time.Time
+		var future bool
+		if err := tx.QueryRow(ctx, `SELECT clock_timestamp(), $1::timestamptz > clock_timestamp()`, r.ExpiresAt).Scan(&now, &future); err != nil {
+			return res, fmt.Errorf("%s: read the database clock: %w", what(), err)
+		}
+		if !future {
+			return res, fmt.Errorf("%w: new deadline --expires-at %s is not in the future on the database clock (now %s): the rows would expire again at once; give a later time or a duration from now like 2h",
+				ErrBadSelection, wire.FormatTime(r.ExpiresAt), now.UTC().Format(time.RFC3339Nano))
+		}
+	}
+
 	q, p := s.opSQL(a, &r)
 	rows, err := tx.Query(ctx, q, p...)
 	if err != nil {
@@ -358,7 +387,7 @@ func (s *Store) op(ctx context.Context, a Action, r OpRequest) (res OpResult, er
 		var o OpRow
 		var since *float64
 		err := row.Scan(&o.WorkID, &o.Kind, &o.PreviousState, &o.PreviousAttempts, &o.PreviousGeneration,
-			&o.PreviousError, &o.ChangedAt, &o.AvailableAt, &since)
+			&o.PreviousError, &o.ChangedAt, anyTime{&o.AvailableAt}, &since)
 		if since != nil {
 			o.SinceLastAttempt = time.Duration(*since * float64(time.Second))
 		}
@@ -395,7 +424,8 @@ func (s *Store) refusals(ctx context.Context, tx pgx.Tx, ids []string, changed [
 			rest = append(rest, id)
 		}
 	}
-	rows, err := tx.Query(ctx, `SELECT work_id, state, lease_until, coalesce(expires_at <= clock_timestamp(), false)
+	rows, err := tx.Query(ctx, `SELECT work_id, state, lease_until, coalesce(expires_at <= clock_timestamp(), false),
+			coalesce(expires_at >= '10000-01-01 00:00:00+00', false)
 		FROM `+s.table.String()+` WHERE work_id = ANY($1::text[])`, rest)
 	if err != nil {
 		return nil, err
@@ -403,7 +433,7 @@ func (s *Store) refusals(ctx context.Context, tx pgx.Tx, ids []string, changed [
 	found := map[string]Refusal{}
 	var r Refusal
 	var lease *time.Time
-	if _, err := pgx.ForEachRow(rows, []any{&r.WorkID, &r.State, &lease, &r.DeadlinePassed}, func() error {
+	if _, err := pgx.ForEachRow(rows, []any{&r.WorkID, &r.State, &lease, &r.DeadlinePassed, &r.DeadlineInvalid}, func() error {
 		if lease != nil {
 			r.LeaseUntil = *lease
 		}
@@ -572,7 +602,8 @@ func (s *Store) history(ctx context.Context, tail string, args ...any) ([]Histor
 // or before it: a relay that restarts now replays at least that far back.
 func (s *Store) OldestReadySeconds(ctx context.Context) (float64, error) {
 	var age float64
-	err := s.pool.QueryRow(ctx, `SELECT coalesce(extract(epoch FROM clock_timestamp() - min(created_at)), 0)::float8
+	err := s.pool.QueryRow(ctx, `SELECT coalesce(extract(epoch FROM clock_timestamp() -
+			min(least(greatest(created_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59+00'))), 0)::float8
 		FROM `+s.table.String()+` WHERE state = 'ready'`).Scan(&age)
 	if err != nil {
 		return 0, fmt.Errorf("oldest ready row in %s: %w", s.table.Qualified(), err)

@@ -79,7 +79,7 @@ func (s *Store) BlockedAggregates(ctx context.Context, limit int) (total int64, 
 		return 0, nil, fmt.Errorf("read blocked aggregates of %s: %w", s.table.Qualified(), err)
 	}
 	var b Blocked
-	_, err = pgx.ForEachRow(rows, []any{&b.Aggregate.Type, &b.Aggregate.ID, &b.WorkID, &b.Seq, &b.State, &b.Since, &b.Waiting, &total}, func() error {
+	_, err = pgx.ForEachRow(rows, []any{&b.Aggregate.Type, &b.Aggregate.ID, &b.WorkID, &b.Seq, &b.State, anyTime{&b.Since}, &b.Waiting, &total}, func() error {
 		oldest = append(oldest, b)
 		return nil
 	})
@@ -97,7 +97,7 @@ func (s *Store) BlockedAggregates(ctx context.Context, limit int) (total int64, 
 // It returns the work IDs it expired.
 func (s *Store) ExpireDue(ctx context.Context) ([]string, error) {
 	rows, err := s.pool.Query(ctx, `UPDATE `+s.table.String()+` AS t SET state = 'expired', claimed_by = NULL, lease_until = NULL,
-			last_error = 'expired: deadline ' || to_char(t.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') || ' passed; ' ||
+			last_error = 'expired: deadline ' || `+sqlTimeText("t.expires_at")+` || ' passed; ' ||
 			CASE
 				WHEN t.state = 'running' THEN 'possibly accepted: a worker held it when its lease ran out, after ' || t.attempts || ' attempt(s)'
 				WHEN t.attempts = 0 THEN 'never attempted'

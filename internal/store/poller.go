@@ -84,7 +84,7 @@ func (s *Store) Claim(ctx context.Context, workerID string, lease time.Duration,
 		// Payload and Headers scan straight into []byte (a copy of the
 		// row's text; nil for NULL headers): no string in between.
 		err := r.Scan(&c.WorkID, &c.Kind, &c.Subject, &c.Payload, &c.Headers, &c.Attempts, &c.ClaimGeneration, &c.LastError, &c.Reclaimed,
-			&c.AggregateType, &c.AggregateID, &aggSeq, &expires)
+			&c.AggregateType, &c.AggregateID, &aggSeq, anyTimePtr{&expires})
 		if aggSeq != nil {
 			c.AggregateSeq = *aggSeq
 		}

@@ -40,7 +40,12 @@ func (s *Store) Counts(ctx context.Context) (Counts, error) {
 	if _, err := pgx.ForEachRow(rows, []any{&state, &n}, func() error { c.ByState[state] = n; return nil }); err != nil {
 		return c, fmt.Errorf("count %s by state: %w", s.table.Qualified(), err)
 	}
-	err = s.pool.QueryRow(ctx, `SELECT coalesce(extract(epoch FROM clock_timestamp() - min(available_at)), 0)::float8
+	// Each value clamped to the range a producer may write (migration
+	// 0008): an older row's '-infinity' cannot be subtracted from a clock.
+	// Per row, not the min: greatest and least skip a NULL, and would turn
+	// "no row" into the year 0001.
+	err = s.pool.QueryRow(ctx, `SELECT coalesce(extract(epoch FROM clock_timestamp() -
+			min(least(greatest(available_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59+00'))), 0)::float8
 		FROM `+s.table.String()+` WHERE state = 'ready' OR (state = 'scheduled' AND available_at <= clock_timestamp())`).
 		Scan(&c.OldestEligibleSeconds)
 	if err != nil {

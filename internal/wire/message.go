@@ -33,6 +33,7 @@ const (
 	ReasonHeaderTooLarge   = "header_too_large"
 	ReasonReservedSubject  = "reserved_subject"
 	ReasonInvalidAggregate = "invalid_aggregate"
+	ReasonInvalidDeadline  = "invalid_deadline"
 )
 
 // BuildMessage turns a row into the message the broker stores: the payload's
@@ -108,6 +109,12 @@ func BuildMessageShared(r Row, subjectPrefix string, extra map[string][]string) 
 		hdr[HeaderSequence] = []string{strconv.FormatInt(r.AggregateSeq, 10)}
 	}
 	if !r.ExpiresAt.IsZero() {
+		// A row inserted before migration 0008 may hold a deadline that
+		// has no RFC 3339 form: publishing it would hand receivers a
+		// header they must call malformed.
+		if err := ValidateTime("expires_at", r.ExpiresAt); err != nil {
+			return nil, &sinks.RejectedError{Reason: ReasonInvalidDeadline, Err: fmt.Errorf("row %s: %w; redrive it with a new deadline (--expires-at) or none (--no-deadline)", r.WorkID, err)}
+		}
 		hdr[HeaderExpiresAt] = []string{FormatDeadline(r.ExpiresAt)}
 	}
 	for k, v := range extra {
@@ -123,8 +130,49 @@ func BuildMessageShared(r Row, subjectPrefix string, extra map[string][]string) 
 }
 
 // FormatDeadline is how Outbox-Expires-At carries a deadline: RFC 3339 in
-// UTC, to the microsecond PostgreSQL keeps.
+// UTC, to the microsecond PostgreSQL keeps. Every time ValidateTime accepts
+// has a four-digit year, so the header always parses as RFC 3339.
 func FormatDeadline(t time.Time) string { return t.UTC().Format(time.RFC3339Nano) }
+
+// The range of times a row may hold (migration 0008, package outbox's
+// Enqueue): what RFC 3339 can write, years 0001 to 9999 in UTC. MinTime is
+// inclusive, MaxTime exclusive.
+var (
+	MinTime = time.Date(1, 1, 1, 0, 0, 0, 0, time.UTC)
+	MaxTime = time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC)
+)
+
+// Infinity and NegInfinity stand for PostgreSQL's 'infinity' and
+// '-infinity' where a time.Time must carry them (pgx refuses to scan them
+// into one): just past the largest and just before the smallest timestamp
+// PostgreSQL holds (294276 AD, 4714 BC), so no stored value is mistaken for
+// them and every comparison with a finite time comes out as PostgreSQL's
+// own would.
+var (
+	Infinity    = time.Date(294277, 1, 1, 0, 0, 0, 0, time.UTC)
+	NegInfinity = time.Date(-4714, 1, 1, 0, 0, 0, 0, time.UTC)
+)
+
+// FormatTime writes t for an operator: RFC 3339 in UTC, or 'infinity' /
+// '-infinity' for the stand-ins above.
+func FormatTime(t time.Time) string {
+	switch {
+	case t.Equal(Infinity):
+		return "infinity"
+	case t.Equal(NegInfinity):
+		return "-infinity"
+	}
+	return t.UTC().Format(time.RFC3339Nano)
+}
+
+// ValidateTime checks that a row's time column (named col) holds a value
+// in [MinTime, MaxTime): finite, and writable as RFC 3339.
+func ValidateTime(col string, t time.Time) error {
+	if t.Before(MinTime) || !t.Before(MaxTime) {
+		return fmt.Errorf("%s %s is out of range: a time must be finite and between 0001-01-01 and 9999-12-31 UTC, what RFC 3339 (and so %s) can carry", col, FormatTime(t), HeaderExpiresAt)
+	}
+	return nil
+}
 
 // ValidateAggregate checks a row's aggregate: type and ID set together, each
 // carried exactly by a header (see ValidateKind), and a positive sequence.
