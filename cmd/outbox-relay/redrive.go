@@ -174,6 +174,7 @@ A row whose deadline passed needs a new one (--expires-at) or none (--no-deadlin
 	dupWindow := fs.Duration("duplicate-window", natssink.DefaultDuplicateWindow, "the stream's duplicate window, for the uncertain-outcome warning (read from the stream instead when --nats-url is given)")
 	expiresAt := fs.String("expires-at", "", "a new business deadline for the redriven rows: RFC3339 (2026-12-01T12:00:00Z) or a duration from now (2h); needed for rows whose deadline passed")
 	noDeadline := fs.Bool("no-deadline", false, "redriven rows have no deadline any more (rows whose deadline passed need this or --expires-at)")
+	outOfOrder := fs.Bool("out-of-order", false, "send rows of an aggregate whose later sequences are already published; receivers get them after those (G12). Without it such a redrive is refused")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -182,6 +183,7 @@ A row whose deadline passed needs a new one (--expires-at) or none (--no-deadlin
 		return err
 	}
 	req.NoDeadline = *noDeadline
+	req.OutOfOrder = *outOfOrder
 	if *expiresAt != "" {
 		if req.ExpiresAt, err = parseDeadline(*expiresAt, time.Now()); err != nil {
 			return err
@@ -218,6 +220,18 @@ A row whose deadline passed needs a new one (--expires-at) or none (--no-deadlin
 	if len(res.Changed) > 0 {
 		first, last := res.Changed[0].AvailableAt, res.Changed[len(res.Changed)-1].AvailableAt
 		fmt.Fprintf(stdout, "due from %s to %s (stagger %s)\n", first.UTC().Format(time.RFC3339Nano), last.UTC().Format(time.RFC3339Nano), req.Stagger)
+	}
+	if len(res.OutOfOrder) > 0 {
+		fmt.Fprintf(stderr, "WARNING: %d rows %s after later sequences of their aggregates were published; receivers get them out of order (inbox InSequence past a skipped gap, and LatestWins, record them as superseded):\n",
+			len(res.OutOfOrder), map[bool]string{false: "redriven", true: "would be redriven"}[req.DryRun])
+		for i, o := range res.OutOfOrder {
+			if i == listed {
+				fmt.Fprintf(stderr, "  ... and %d more\n", len(res.OutOfOrder)-listed)
+				break
+			}
+			fmt.Fprintf(stderr, "  %s: sequence %d of aggregate %q/%q, sequence %d already published\n",
+				termsafe.String(o.WorkID), o.Seq, o.Aggregate.Type, o.Aggregate.ID, o.Latest)
+		}
 	}
 	var risky []string
 	for _, c := range res.Changed {

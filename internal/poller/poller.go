@@ -19,10 +19,12 @@
 package poller
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -218,6 +220,12 @@ func (p *Poller) Run(ctx context.Context) error {
 			continue
 		}
 		if len(claimed) == 0 {
+			// With ordering on, due rows may be waiting only behind the
+			// batches in flight (the rest of an aggregate's run): claim
+			// again as soon as one of them ends, not a poll interval later.
+			if p.cfg.Ordered && f.batches > 0 {
+				immediate = f.waitOne(ctx, p.cfg.PollInterval)
+			}
 			continue
 		}
 		size := 0
@@ -279,6 +287,23 @@ func (f *flight) waitRoom(ctx context.Context, pipeline int) bool {
 		case <-ctx.Done():
 			return false
 		}
+	}
+}
+
+// waitOne waits until a batch in flight ends or d passes; false: ctx ended
+// first.
+func (f *flight) waitOne(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case n := <-f.done:
+		f.batches--
+		f.bytes -= n
+		return true
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
 	}
 }
 
@@ -359,23 +384,22 @@ func (p *Poller) process(ctx context.Context, claimed []store.Claimed) error {
 		}
 	}
 
-	batch := make([]inflight, 0, len(claimed))
+	singles, runs := p.split(claimed)
+	// Each run of an aggregate is published in sequence order, one row at
+	// a time, beside the rest of the batch (see publishRun).
+	runAcked := make(chan []store.Completion, len(runs))
+	for _, run := range runs {
+		go func() { runAcked <- p.publishRun(wctx, run) }()
+	}
+
+	batch := make([]inflight, 0, len(singles))
 	extra := make(map[string]string, 2)
-	for _, c := range claimed {
+	for _, c := range singles {
 		if c.Reclaimed && c.Attempts > p.cfg.MaxAttempts {
-			// A worker held it and vanished (or stalled) on its last
-			// allowed attempt: whether that publish landed is unknown.
-			p.m.Failures.WithLabelValues("uncertain", "lease_expired").Inc()
-			p.fail(wctx, c, fmt.Sprintf("uncertain: lease expired after %d attempts (max attempts reached)", c.Attempts-1))
+			p.failReclaimed(wctx, c)
 			continue
 		}
-		// BuildMessage copies extra's values, so one map serves the batch.
-		extra[wire.HeaderAttempt] = strconv.Itoa(c.Attempts)
-		extra[wire.HeaderClaimGeneration] = strconv.FormatInt(c.ClaimGeneration, 10)
-		msg, err := wire.BuildMessage(wire.Row{
-			WorkID: c.WorkID, Kind: c.Kind, Subject: c.Subject, Payload: c.Payload, Headers: c.Headers,
-			AggregateType: c.AggregateType, AggregateID: c.AggregateID, AggregateSeq: c.AggregateSeq, ExpiresAt: c.ExpiresAt,
-		}, p.cfg.SubjectPrefix, extra)
+		msg, err := p.message(c, extra)
 		if err != nil {
 			batch = append(batch, inflight{c: c, err: err})
 			continue
@@ -384,26 +408,13 @@ func (p *Poller) process(ctx context.Context, claimed []store.Claimed) error {
 		batch = append(batch, inflight{c: c, f: f, err: err})
 	}
 
-	acked := make([]store.Completion, 0, len(batch))
+	acked := make([]store.Completion, 0, len(claimed))
 	for i := range batch {
 		in := &batch[i]
 		if in.err == nil {
 			ack, err := in.f.Wait(wctx)
 			if err == nil {
-				done := store.Completion{WorkID: in.c.WorkID, Generation: in.c.ClaimGeneration, Seq: ack.Sequence, Stream: ack.Stream}
-				if ack.Duplicate {
-					p.pubDuplicate.Inc()
-					p.m.Duplicates.Inc()
-					// See the CDC path (relay.handleResult): the row points at
-					// the message the broker kept.
-					done.Note = store.DuplicateNote(ack.Stream, ack.Sequence)
-					p.log.Warn().Str("work_id", in.c.WorkID).Str("stream", ack.Stream).Uint64("stream_seq", ack.Sequence).
-						Msg(store.DuplicateLog)
-				}
-				acked = append(acked, done)
-				if !ack.Duplicate {
-					p.pubOK.Inc()
-				}
+				acked = append(acked, p.acked(in.c, ack))
 				continue
 			}
 			in.err = err
@@ -414,6 +425,9 @@ func (p *Poller) process(ctx context.Context, claimed []store.Claimed) error {
 			continue
 		}
 		p.retryOrFail(wctx, in.c, in.err)
+	}
+	for range runs {
+		acked = append(acked, <-runAcked...)
 	}
 
 	if len(acked) > 0 {
@@ -436,6 +450,138 @@ func (p *Poller) process(ctx context.Context, claimed []store.Claimed) error {
 		}
 	}
 	return nil
+}
+
+// message builds c's message; extra is a scratch map for the poller's
+// headers, reused across a batch (BuildMessage copies its values).
+func (p *Poller) message(c store.Claimed, extra map[string]string) (*sinks.Message, error) {
+	extra[wire.HeaderAttempt] = strconv.Itoa(c.Attempts)
+	extra[wire.HeaderClaimGeneration] = strconv.FormatInt(c.ClaimGeneration, 10)
+	return wire.BuildMessage(wire.Row{
+		WorkID: c.WorkID, Kind: c.Kind, Subject: c.Subject, Payload: c.Payload, Headers: c.Headers,
+		AggregateType: c.AggregateType, AggregateID: c.AggregateID, AggregateSeq: c.AggregateSeq, ExpiresAt: c.ExpiresAt,
+	}, p.cfg.SubjectPrefix, extra)
+}
+
+// acked counts an ack and returns the completion it calls for.
+func (p *Poller) acked(c store.Claimed, ack sinks.Ack) store.Completion {
+	done := store.Completion{WorkID: c.WorkID, Generation: c.ClaimGeneration, Seq: ack.Sequence, Stream: ack.Stream}
+	if !ack.Duplicate {
+		p.pubOK.Inc()
+		return done
+	}
+	p.pubDuplicate.Inc()
+	p.m.Duplicates.Inc()
+	// See the CDC path (relay.handleResult): the row points at the message
+	// the broker kept.
+	done.Note = store.DuplicateNote(ack.Stream, ack.Sequence)
+	p.log.Warn().Str("work_id", c.WorkID).Str("stream", ack.Stream).Uint64("stream_seq", ack.Sequence).
+		Msg(store.DuplicateLog)
+	return done
+}
+
+// failReclaimed dead-letters a row a worker held and vanished (or stalled)
+// with on its last allowed attempt: whether that publish landed is unknown.
+func (p *Poller) failReclaimed(ctx context.Context, c store.Claimed) {
+	p.m.Failures.WithLabelValues("uncertain", "lease_expired").Inc()
+	p.fail(ctx, c, fmt.Sprintf("uncertain: lease expired after %d attempts (max attempts reached)", c.Attempts-1))
+}
+
+// split sorts a claimed batch into rows published together (singles) and,
+// with ordering on, runs: two or more rows of one aggregate, in sequence
+// order. The ordered claim gives an aggregate's rows to one claim only, so
+// a run holds every claimed row of its aggregate (store.orderedClaimSQL).
+func (p *Poller) split(claimed []store.Claimed) (singles []store.Claimed, runs [][]store.Claimed) {
+	if !p.cfg.Ordered {
+		return claimed, nil
+	}
+	byAgg := map[store.AggregateKey][]store.Claimed{}
+	for _, c := range claimed {
+		if c.AggregateType != "" {
+			k := store.AggregateKey{Type: c.AggregateType, ID: c.AggregateID}
+			byAgg[k] = append(byAgg[k], c)
+		}
+	}
+	for _, c := range claimed {
+		if c.AggregateType == "" || len(byAgg[store.AggregateKey{Type: c.AggregateType, ID: c.AggregateID}]) == 1 {
+			singles = append(singles, c)
+		}
+	}
+	for _, run := range byAgg {
+		if len(run) > 1 {
+			slices.SortFunc(run, func(a, b store.Claimed) int { return cmp.Compare(a.AggregateSeq, b.AggregateSeq) })
+			runs = append(runs, run)
+		}
+	}
+	return singles, runs
+}
+
+// publishRun publishes a run of one aggregate's rows in sequence order and
+// returns the completions of those acked. Each row waits for the ack of the
+// one before it: a broker can refuse a message at ack time (a stream's
+// maximum message size) when the next one would already be stored, as on
+// the CDC path. At the first row that fails, the run stops: that row is
+// rescheduled (or failed) as usual, and the rows after it are given back
+// without an attempt, to wait behind it (store.Release). When the leases
+// are lost (ctx ends), nothing more is recorded.
+func (p *Poller) publishRun(ctx context.Context, run []store.Claimed) []store.Completion {
+	acked := make([]store.Completion, 0, len(run))
+	extra := make(map[string]string, 2)
+	for i, c := range run {
+		var err error
+		if c.Reclaimed && c.Attempts > p.cfg.MaxAttempts {
+			p.failReclaimed(ctx, c)
+		} else {
+			var msg *sinks.Message
+			var f sinks.Future
+			var ack sinks.Ack
+			if msg, err = p.message(c, extra); err == nil {
+				if f, err = p.sink.Publish(ctx, msg); err == nil {
+					ack, err = f.Wait(ctx)
+				}
+			}
+			if err == nil {
+				acked = append(acked, p.acked(c, ack))
+				continue
+			}
+			if ctx.Err() != nil {
+				return acked
+			}
+			p.retryOrFail(ctx, c, err)
+		}
+		p.giveBack(ctx, c, run[i+1:])
+		return acked
+	}
+	return acked
+}
+
+// giveBack releases the claims of rest, the rows of a run after blocker.
+func (p *Poller) giveBack(ctx context.Context, blocker store.Claimed, rest []store.Claimed) {
+	if len(rest) == 0 {
+		return
+	}
+	items := make([]store.Unclaimed, len(rest))
+	for i, c := range rest {
+		items[i] = store.Unclaimed{WorkID: c.WorkID, Generation: c.ClaimGeneration, Reclaimed: c.Reclaimed}
+	}
+	why := "held: waiting for " + blocker.WorkID + " (an earlier row of aggregate " + blocker.AggregateType + "/" + blocker.AggregateID + ")"
+	released, err := p.st.Release(ctx, items, p.cfg.WorkerID, why)
+	if err != nil {
+		p.log.Warn().Err(err).Int("claims", len(items)).Str("behind", blocker.WorkID).
+			Msg("could not give back the rest of an aggregate's run; their leases will expire and the rows be reclaimed in order")
+		return
+	}
+	if len(released) < len(items) {
+		ok := make(map[string]struct{}, len(released))
+		for _, id := range released {
+			ok[id] = struct{}{}
+		}
+		for _, it := range items {
+			if _, found := ok[it.WorkID]; !found {
+				p.stale("release", it.WorkID, it.Generation)
+			}
+		}
+	}
 }
 
 // keepLeases renews the batch's leases every third of the lease until stop

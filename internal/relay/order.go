@@ -14,8 +14,8 @@ import (
 //   - While a row of an aggregate is with the poller (delayed, rejected,
 //     near its deadline, or from before this session: 'scheduled',
 //     'running', 'failed'), the aggregate is held: its later rows go to the
-//     poller too, as 'held' rows, and the poller claims each aggregate's
-//     lowest unpublished sequence only.
+//     poller too, as 'held' rows, and the poller claims an aggregate's rows
+//     as one run from its lowest unpublished sequence, published in order.
 //   - One row of an aggregate is in flight at a time: a broker can refuse a
 //     message at ack time (a stream's max message size), after the next one
 //     would already have been stored. Later rows of the aggregate wait in

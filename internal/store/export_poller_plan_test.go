@@ -4,6 +4,7 @@ package store
 var (
 	CompleteSQL = completeSQL
 	RenewSQL    = renewSQL
+	ReleaseSQL  = releaseSQL
 	Unplanned   = unplanned
 )
 

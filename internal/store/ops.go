@@ -98,6 +98,39 @@ type OpRequest struct {
 	// applies to every redriven row and is recorded in its history row.
 	ExpiresAt  time.Time
 	NoDeadline bool
+	// OutOfOrder lets a redrive send rows of an aggregate whose later
+	// sequences are already published (or on their way through the CDC
+	// path): receivers get such a row after them (G12). Without it a
+	// redrive that would do so changes nothing and returns an
+	// *OutOfOrderError naming the rows.
+	OutOfOrder bool
+}
+
+// Overtaken is a redriven row of an aggregate whose later rows are
+// already out: published, or 'ready' on the CDC path.
+type Overtaken struct {
+	WorkID    string
+	Aggregate AggregateKey
+	Seq       int64 // the row's sequence
+	Latest    int64 // the highest later sequence already out
+}
+
+// OutOfOrderError is a redrive refused because it would publish rows after
+// later rows of their aggregates (G12); OpRequest.OutOfOrder allows it.
+type OutOfOrderError struct {
+	Rows []Overtaken
+}
+
+func (e *OutOfOrderError) Error() string {
+	r := e.Rows[0]
+	more := ""
+	if len(e.Rows) > 1 {
+		more = fmt.Sprintf(" (and %d more rows like it)", len(e.Rows)-1)
+	}
+	return fmt.Sprintf("redrive refused, nothing changed: %s is sequence %d of aggregate %q/%q, whose sequence %d is already published or on its way%s; "+
+		"receivers would get it after later sequences (an InSequence inbox whose gap was skipped, and LatestWins, record it as superseded "+
+		"and do not apply it). To send it anyway, redrive again with --out-of-order; to replace its effect, enqueue a new row with the next sequence",
+		r.WorkID, r.Seq, r.Aggregate.Type, r.Aggregate.ID, r.Latest, more)
 }
 
 // OpRow is one row a redrive or cancel changed, with the values it had
@@ -185,6 +218,9 @@ type OpResult struct {
 	DryRun  bool
 	Changed []OpRow   // in the order they become due
 	Refused []Refusal // given work IDs not changed, in the order given
+	// OutOfOrder lists the redriven rows whose aggregates' later rows are
+	// already out (a dry run's, or a redrive with OutOfOrder).
+	OutOfOrder []Overtaken
 }
 
 // ErrBadSelection marks a request the store refuses before running SQL.
@@ -209,6 +245,9 @@ func (r *OpRequest) Validate(a Action) error {
 		if err := wire.ValidateTime("new deadline --expires-at", r.ExpiresAt); err != nil {
 			return bad("%v", err)
 		}
+	}
+	if a != ActionRedrive && r.OutOfOrder {
+		return bad("--out-of-order goes with redrive")
 	}
 	if strings.TrimSpace(r.By) == "" {
 		return bad("who is required (--by)")
@@ -404,6 +443,14 @@ func (s *Store) op(ctx context.Context, a Action, r OpRequest) (res OpResult, er
 			return res, fmt.Errorf("%s: read refused rows: %w", what(), err)
 		}
 	}
+	if a == ActionRedrive && len(res.Changed) > 0 {
+		if res.OutOfOrder, err = s.overtaken(ctx, tx, res.Changed); err != nil {
+			return res, fmt.Errorf("%s: read the aggregates' later rows: %w", what(), err)
+		}
+		if len(res.OutOfOrder) > 0 && !r.OutOfOrder && !r.DryRun {
+			return OpResult{Action: a}, &OutOfOrderError{Rows: res.OutOfOrder}
+		}
+	}
 	if r.DryRun {
 		return res, nil
 	}
@@ -411,6 +458,37 @@ func (s *Store) op(ctx context.Context, a Action, r OpRequest) (res OpResult, er
 		return res, fmt.Errorf("%s: commit %d rows: %w", what(), len(res.Changed), err)
 	}
 	return res, nil
+}
+
+// overtaken returns the changed rows of an aggregate that has a later
+// sequence published, or 'ready' (on its way through the CDC path, which
+// would publish it before the poller takes the redriven row). Later rows
+// still with the poller wait behind the redriven row (G12) and do not
+// count. Rows the table no longer holds (--on-publish delete, prune) are
+// not seen.
+func (s *Store) overtaken(ctx context.Context, tx pgx.Tx, changed []OpRow) ([]Overtaken, error) {
+	ids := make([]string, len(changed))
+	for i, c := range changed {
+		ids[i] = c.WorkID
+	}
+	rows, err := tx.Query(ctx, `SELECT r.work_id, r.aggregate_type, r.aggregate_id, r.aggregate_seq, l.seq
+		FROM `+s.table.String()+` AS r CROSS JOIN LATERAL (
+			SELECT o.aggregate_seq AS seq FROM `+s.table.String()+` AS o
+			WHERE o.aggregate_type = r.aggregate_type AND o.aggregate_id = r.aggregate_id AND o.aggregate_seq > r.aggregate_seq
+			  AND o.state IN ('published', 'ready')
+			ORDER BY o.aggregate_seq DESC LIMIT 1) AS l
+		WHERE r.work_id = ANY($1::text[]) AND r.aggregate_type IS NOT NULL
+		ORDER BY r.aggregate_type, r.aggregate_id, r.aggregate_seq`, ids)
+	if err != nil {
+		return nil, err
+	}
+	var out []Overtaken
+	var o Overtaken
+	_, err = pgx.ForEachRow(rows, []any{&o.WorkID, &o.Aggregate.Type, &o.Aggregate.ID, &o.Seq, &o.Latest}, func() error {
+		out = append(out, o)
+		return nil
+	})
+	return out, err
 }
 
 func (s *Store) refusals(ctx context.Context, tx pgx.Tx, ids []string, changed []OpRow) ([]Refusal, error) {

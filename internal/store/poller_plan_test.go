@@ -61,7 +61,7 @@ func TestPollerPlansWithoutStatistics(t *testing.T) {
 		t.Run("claim, statistics "+stats, func(t *testing.T) {
 			for _, ordered := range []bool{false, true} {
 				plan := explain(ctx, t, pool, s.ClaimSQL(ordered), batch, "w", int64(time.Minute/time.Microsecond), int64(time.Second/time.Microsecond))
-				if !strings.Contains(plan, "Index Scan using outbox_poll_idx on outbox q") || strings.Contains(plan, "Sort") {
+				if !strings.Contains(plan, "Index Scan using outbox_poll_idx on outbox q") || sortsTheTable(plan) {
 					t.Errorf("ordered %v: claim plan reads the table and sorts it:\n%s", ordered, plan)
 				}
 			}
@@ -81,6 +81,19 @@ func TestPollerPlansWithoutStatistics(t *testing.T) {
 			wantByKey(t, explain(ctx, t, pool, store.RenewSQL(tbl), ids, "w", gens, int64(time.Minute/time.Microsecond)))
 		})
 	}
+}
+
+// sortsTheTable reports a sort in plan other than the ordered claim's sort
+// of its runs (at most a batch of rows already taken, by their head's
+// poll_at and sequence).
+func sortsTheTable(plan string) bool {
+	for _, line := range strings.Split(plan, "\n") {
+		if strings.Contains(line, "Sort") && !strings.Contains(line, "Sort Key: r.poll_at, r.aggregate_seq") &&
+			!strings.Contains(line, "Sort  (") {
+			return true
+		}
+	}
+	return false
 }
 
 // wantByKey fails unless each claim is matched to its row by a key: an
