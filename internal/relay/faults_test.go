@@ -83,6 +83,13 @@ func startProducer(t *testing.T, dbURL, prefix string, limit int) *producer {
 	return p
 }
 
+// committed is how many rows the producer has committed so far.
+func (p *producer) committed() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.ids)
+}
+
 func (p *producer) finish() []string {
 	close(p.stop)
 	<-p.done
