@@ -72,10 +72,7 @@ func TestRepublishAfterDuplicateWindow(t *testing.T) {
 	if !f.publish("order-103-ack", `{"order_id":103}`, nil) {
 		t.Fatal("a publish inside the window was not dropped by the broker")
 	}
-	time.Sleep(300 * time.Millisecond) // let the 100ms window pass
-	if f.publish("order-103-ack", `{"order_id":103}`, nil) {
-		t.Fatal("a publish after the window was dropped; the test needs it stored")
-	}
+	f.publishStored("order-103-ack", `{"order_id":103}`, nil) // once the window has passed
 	out, err := in.Process(ctx, f.fetch(5*time.Second), apply)
 	expect(t, "first copy", out, inbox.Applied, err)
 	out, err = in.Process(ctx, f.fetch(5*time.Second), apply)
@@ -216,8 +213,7 @@ func TestForgedDuplicate(t *testing.T) {
 	f.publish("order-103-ack", `{"order_id":103,"total":"29.00"}`, nil)
 	out, err := in.Process(ctx, f.fetch(5*time.Second), apply)
 	expect(t, "original", out, inbox.Applied, err)
-	time.Sleep(300 * time.Millisecond)
-	f.publish("order-103-ack", `{"order_id":103,"total":"0.01"}`, nil)
+	f.publishStored("order-103-ack", `{"order_id":103,"total":"0.01"}`, nil)
 	out, err = in.Process(ctx, f.fetch(5*time.Second), apply)
 	expect(t, "forged", out, inbox.Rejected, err)
 	if err == nil || !strings.Contains(err.Error(), "different payload") {
@@ -370,10 +366,14 @@ func TestConsumeWrap(t *testing.T) {
 	const n = 200
 	for round := range 2 {
 		for i := range n {
-			f.publish(fmt.Sprintf("order-%d-ack", i), fmt.Sprintf(`{"order_id":%d}`, i), nil)
-		}
-		if round == 0 {
-			time.Sleep(300 * time.Millisecond)
+			id, data := fmt.Sprintf("order-%d-ack", i), fmt.Sprintf(`{"order_id":%d}`, i)
+			if round == 0 {
+				if f.publish(id, data, nil) {
+					t.Fatalf("first publish of %s stored as a duplicate", id)
+				}
+			} else {
+				f.publishStored(id, data, nil)
+			}
 		}
 	}
 	ctx, cancel := context.WithCancel(context.Background())

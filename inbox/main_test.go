@@ -123,6 +123,21 @@ func (f *fixture) publish(id, data string, hdr map[string]string) bool {
 	return ack.Duplicate
 }
 
+// publishStored publishes until the broker stores the message rather than
+// dropping it as a duplicate. Past the duplicate window the server may still
+// hold the ID for up to another window (it expires IDs in sweeps), so no
+// fixed wait is right; a repeat it drops changes nothing in the stream.
+func (f *fixture) publishStored(id, data string, hdr map[string]string) {
+	f.t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for f.publish(id, data, hdr) {
+		if time.Now().After(deadline) {
+			f.t.Fatalf("publish %s: still dropped as a duplicate after 30s", id)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 // fetch returns the next delivery, waiting up to wait.
 func (f *fixture) fetch(wait time.Duration) jetstream.Msg {
 	f.t.Helper()

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strconv"
 	"strings"
 	"testing"
@@ -763,8 +764,12 @@ func TestDecodeRowOwnsItsBytes(t *testing.T) {
 	}
 }
 
-// FuzzDecoder checks that no input panics the decoder and that a row it
-// accepts is complete.
+// FuzzDecoder feeds any message to a decoder inside an open transaction of
+// the outbox table and checks what it returns, not only that it does not
+// panic: the same event, or an error where pglogrepl's parser decoding the
+// same bytes gives one (refDecode, as FuzzDecodeInsert does for Inserts); a
+// row that is complete and belongs to the open transaction; and an event
+// that owns its bytes (the caller reuses the message buffer).
 func FuzzDecoder(f *testing.F) {
 	for _, file := range []string{"order103.hex", "schema_change.hex", "dropped_payload.hex"} {
 		for _, m := range readHexFixture(f, file) {
@@ -773,15 +778,40 @@ func FuzzDecoder(f *testing.F) {
 	}
 	f.Add(encRow(testOutboxRelID, testOutboxCols, sampleOutboxVals("w-1")))
 	f.Add(encRelation(testOutboxRelID, "public", "outbox", testOutboxCols...))
+	f.Add(encCommit(0x100, 0x130, commitTime1))
+	f.Add(encCommit(0x200, 0x230, commitTime1))
+	f.Add(encBegin(0x200, commitTime2, 8))
 	f.Fuzz(func(t *testing.T, msg []byte) {
-		d := NewDecoder(testOutboxTable)
-		decodeAllMsgs(d, [][]byte{encBegin(0x100, commitTime1, 7), encRelation(testOutboxRelID, "public", "outbox", testOutboxCols...)})
-		ev, ok, err := d.Decode(msg)
+		setup := [][]byte{encBegin(0x100, commitTime1, 7), encRelation(testOutboxRelID, "public", "outbox", testOutboxCols...)}
+		d, ref := NewDecoder(testOutboxTable), NewDecoder(testOutboxTable)
+		decodeAllMsgs(d, setup)
+		decodeAllMsgs(ref, setup)
+		buf := append([]byte{}, msg...)
+		ev, ok, err := d.Decode(buf)
 		if err != nil && ok {
 			t.Fatalf("ok with error %v", err)
 		}
-		if ok && ev.Type == EventRow && (ev.Row == nil || ev.Row.Payload == nil) {
-			t.Fatalf("incomplete row event %s", decEventString(ev))
+		decoded := refEventString(ev)
+		for i := range buf {
+			buf[i] = 'X'
+		}
+		if again := refEventString(ev); again != decoded {
+			t.Fatalf("message %x: the event changed when the caller reused the buffer:\n was %s\n now %s", msg, decoded, again)
+		}
+		wantEv, wantOK, wantErr := refDecode(ref, append([]byte{}, msg...))
+		if (err == nil) != (wantErr == nil) || ok != wantOK || !reflect.DeepEqual(ev, wantEv) {
+			t.Fatalf("message %x:\n got %s, ok=%v, err=%v\nwant %s, ok=%v, err=%v", msg, decoded, ok, err, refEventString(wantEv), wantOK, wantErr)
+		}
+		if d.InTransaction() != ref.InTransaction() {
+			t.Fatalf("message %x: InTransaction() = %v, want %v", msg, d.InTransaction(), ref.InTransaction())
+		}
+		if ok && ev.Type == EventRow {
+			if ev.Row == nil || ev.Row.Payload == nil {
+				t.Fatalf("incomplete row event %s", decoded)
+			}
+			if ev.Xid != 7 || ev.CommitLSN != 0x100 || !ev.CommitTime.Equal(commitTime1) {
+				t.Fatalf("row event %s, want it in the open transaction (xid 7, commit at 0/100)", decoded)
+			}
 		}
 	})
 }

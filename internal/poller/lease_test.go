@@ -110,10 +110,20 @@ func TestRenewalFindsClaimGone(t *testing.T) {
 	b, _ := f.poller("b", cfg)
 	done := make(chan error, 1)
 	go func() { _, err := a.Poll(ctx); done <- err }()
-	// Let a claim, then expire its lease as a stall past the lease would.
-	time.Sleep(100 * time.Millisecond)
-	if _, err := f.pool.Exec(ctx, `UPDATE outbox SET lease_until = clock_timestamp() - interval '1 millisecond' WHERE work_id = 'taken' AND claimed_by = 'a'`); err != nil {
+	// Wait for a's claim, then expire its lease as a stall past the lease
+	// would. The UPDATE must hit a's claim: otherwise b's claim below would
+	// not race a live worker.
+	testenv.WaitFor(t, 10*time.Second, "worker a's claim of 'taken'", func() (bool, error) {
+		var n int
+		err := f.pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE work_id = 'taken' AND claimed_by = 'a' AND state = 'running'`).Scan(&n)
+		return n == 1, err
+	})
+	tag, err := f.pool.Exec(ctx, `UPDATE outbox SET lease_until = clock_timestamp() - interval '1 millisecond' WHERE work_id = 'taken' AND claimed_by = 'a' AND state = 'running'`)
+	if err != nil {
 		t.Fatal(err)
+	}
+	if tag.RowsAffected() != 1 {
+		t.Fatalf("expiring a's lease changed %d rows, want 1 (a's running claim)", tag.RowsAffected())
 	}
 	if n, err := b.Poll(ctx); err != nil || n != 1 {
 		t.Fatalf("worker b poll: %d claimed, %v; want 1", n, err)

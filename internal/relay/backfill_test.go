@@ -100,10 +100,13 @@ func TestBackfillWhenSlotCreated(t *testing.T) {
 	noSlot := h.insertRows("noslot", 30, 10)
 	h.exec(`INSERT INTO outbox (work_id, kind, payload, available_at) VALUES ('noslot-delayed', 'x', '{}', clock_timestamp() + interval '2 seconds')`)
 
+	// The producer writes across the slot's creation: rows before it, which
+	// the snapshot hands to the poller, and rows after it, which stream.
 	p := startProducer(t, h.dbURL, "live", 1<<30)
-	time.Sleep(200 * time.Millisecond)
+	testenv.WaitFor(t, 30*time.Second, "live rows committed before the slot exists", func() (bool, error) { return p.committed() >= 20, nil })
 	h.start()
-	time.Sleep(500 * time.Millisecond)
+	atStart := p.committed()
+	testenv.WaitFor(t, 30*time.Second, "live rows committed after the slot exists", func() (bool, error) { return p.committed() >= atStart+20, nil })
 	live := p.finish()
 
 	all := append(append(append(append([]string{}, streamed...), stopped...), noSlot...), live...)
@@ -119,6 +122,13 @@ func TestBackfillWhenSlotCreated(t *testing.T) {
 	}
 	if polled < len(before) || cdc < len(streamed) {
 		t.Errorf("poller delivered %d (want at least the %d rows committed with no slot), CDC %d", polled, len(before), cdc)
+	}
+	// The race straddled the slot's creation: live rows on both sides of its
+	// consistent point, so both paths had some (paths checked that none went
+	// both ways).
+	livePolled, liveStreamed := polled-len(before), cdc-len(streamed)
+	if livePolled <= 0 || liveStreamed <= 0 {
+		t.Errorf("of %d live rows, %d went to the poller (committed before the slot) and %d streamed (after): the race did not straddle the slot's creation", len(live), livePolled, liveStreamed)
 	}
 }
 

@@ -83,6 +83,13 @@ func startProducer(t *testing.T, dbURL, prefix string, limit int) *producer {
 	return p
 }
 
+// committed is how many rows the producer has committed so far.
+func (p *producer) committed() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.ids)
+}
+
 func (p *producer) finish() []string {
 	close(p.stop)
 	<-p.done
@@ -105,8 +112,42 @@ func (h *harness) committedIDs() []string {
 	return ids
 }
 
+// dbNow reads the database clock, the one that stamps created_at
+// (clock_timestamp() at insert).
+func (h *harness) dbNow() time.Time {
+	h.t.Helper()
+	var now time.Time
+	if err := h.pool.QueryRow(context.Background(), `SELECT clock_timestamp()`).Scan(&now); err != nil {
+		h.t.Fatalf("read the database clock: %v", err)
+	}
+	return now
+}
+
+// committedBetween counts the rows inserted in [from, to) on the database
+// clock: a row stamped after an instant was committed after it.
+func (h *harness) committedBetween(from, to time.Time) int {
+	h.t.Helper()
+	var n int
+	if err := h.pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox WHERE created_at >= $1 AND created_at < $2`, from, to).Scan(&n); err != nil {
+		h.t.Fatalf("count rows committed between %v and %v: %v", from, to, err)
+	}
+	return n
+}
+
+// waitCommittedAfter waits until at least n rows were inserted after t: the
+// producer is still writing.
+func (h *harness) waitCommittedAfter(t time.Time, n int, what string) {
+	h.t.Helper()
+	testenv.WaitFor(h.t, 30*time.Second, fmt.Sprintf("%d rows committed %s", n, what), func() (bool, error) {
+		got := h.committedBetween(t, time.Now().Add(time.Hour))
+		return got >= n, fmt.Errorf("%d so far", got)
+	})
+}
+
 // The broker is killed for longer than the ack timeout while rows stream,
 // then restarted: nothing lost, nothing stored twice, every row published.
+// The producer must be writing across the fault: rows committed before the
+// kill, while the broker was down, and after it came back.
 func TestBrokerKilledMidStream(t *testing.T) {
 	env := testenv.Shared(t)
 	n, err := testenv.StartNATS(testenv.NATSOptions{})
@@ -117,18 +158,29 @@ func TestBrokerKilledMidStream(t *testing.T) {
 	h := newHarness(t, setup{dbURL: env.PG.CreateDatabase(t), natsURL: n.URL(), stream: "BROKER", subjectPrefix: "broker."})
 	h.opts.AckTimeout = time.Second
 	h.start()
-	p := startProducer(t, h.dbURL, "b", 3000)
+	p := startProducer(t, h.dbURL, "b", 1<<30)
 	testenv.WaitFor(t, 20*time.Second, "some rows published", func() (bool, error) { return h.countState("published") > 200, nil })
 	if err := n.Kill(); err != nil {
 		t.Fatal(err)
 	}
+	killed := h.dbNow()
 	// Down for 3 ack timeouts while the producer keeps committing.
 	time.Sleep(3 * time.Second)
+	h.waitCommittedAfter(killed, 20, "while the broker is down")
+	restarting := h.dbNow()
 	if err := n.Start(); err != nil {
 		t.Fatal(err)
 	}
-	<-p.done
+	back := h.dbNow()
+	h.waitCommittedAfter(back, 20, "after the broker came back")
 	p.finish()
+	var epoch, future time.Time
+	future = time.Now().Add(time.Hour)
+	before, during, after := h.committedBetween(epoch, killed), h.committedBetween(killed, restarting), h.committedBetween(back, future)
+	t.Logf("rows committed before the kill %d, while the broker was down %d, after it came back %d", before, during, after)
+	if before == 0 || during == 0 || after == 0 {
+		t.Fatalf("the producer was not writing across the fault (%d before, %d during, %d after): the test proves nothing", before, during, after)
+	}
 	ids := h.committedIDs()
 	h.waitPublished(len(ids), 60*time.Second)
 	h.assertExactlyOnce(ids)
@@ -136,7 +188,8 @@ func TestBrokerKilledMidStream(t *testing.T) {
 }
 
 // PostgreSQL restarted mid-stream, fast and then immediate (crash recovery):
-// the relay reconnects and resumes from the slot.
+// the relay reconnects and resumes from the slot. The producer must be
+// writing across each restart: rows committed before it and after it.
 func TestPostgresRestartMidStream(t *testing.T) {
 	env := testenv.Shared(t)
 	pg, err := testenv.StartPostgres(testenv.PostgresOptions{})
@@ -147,19 +200,36 @@ func TestPostgresRestartMidStream(t *testing.T) {
 	stream, prefix := env.StreamName(t)
 	h := newHarness(t, setup{dbURL: pg.URL("postgres"), natsURL: env.NATS.URL(), stream: stream, subjectPrefix: prefix})
 	h.start()
-	p := startProducer(t, h.dbURL, "p", 3000)
+	p := startProducer(t, h.dbURL, "p", 1<<30)
+	type fault struct {
+		mode       string
+		down, back time.Time
+	}
+	var faults []fault
 	for _, mode := range []string{"fast", "immediate"} {
 		before := h.countState("published")
 		testenv.WaitFor(t, 30*time.Second, "progress before restart", func() (bool, error) {
 			return h.countState("published") > before+200, nil
 		})
+		down := h.dbNow()
 		if err := pg.Restart(mode); err != nil {
 			t.Fatalf("restart %s: %v", mode, err)
 		}
 		h.pool.Reset()
+		back := h.dbNow()
+		h.waitCommittedAfter(back, 20, "after the "+mode+" restart")
+		faults = append(faults, fault{mode, down, back})
 	}
-	<-p.done
 	p.finish()
+	var epoch time.Time
+	for _, f := range faults {
+		before, after := h.committedBetween(epoch, f.down), h.committedBetween(f.back, time.Now().Add(time.Hour))
+		t.Logf("%s restart: rows committed before %d, after %d", f.mode, before, after)
+		if before == 0 || after == 0 {
+			t.Errorf("%s restart: the producer was not writing across it (%d rows before, %d after): the test proves nothing", f.mode, before, after)
+		}
+		epoch = f.back
+	}
 	ids := h.committedIDs()
 	h.waitPublished(len(ids), 60*time.Second)
 	h.assertExactlyOnce(ids)

@@ -240,16 +240,20 @@ func (h *harness) streamMsgs() (byID map[string]*jetstream.RawStreamMsg, counts 
 	return byID, counts
 }
 
+// streamCount is the number of messages the stream holds. It fails the test
+// when it cannot tell: a 0 read from an error would pass for "nothing
+// published".
 func (h *harness) streamCount() uint64 {
+	h.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	st, err := h.js.Stream(ctx, h.opts.Stream)
 	if err != nil {
-		return 0
+		h.t.Fatalf("count the messages of stream %s: %v", h.opts.Stream, err)
 	}
 	info, err := st.Info(ctx)
 	if err != nil {
-		return 0
+		h.t.Fatalf("count the messages of stream %s: %v", h.opts.Stream, err)
 	}
 	return info.State.Msgs
 }

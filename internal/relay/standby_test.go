@@ -9,11 +9,61 @@ import (
 	"time"
 )
 
+// walSent waits until the relay's walsender has sent it the WAL up to the
+// current position: the relay holds everything committed so far, and what it
+// does with it is its own decision, not a delay in the server.
+func (h *harness) walSent() {
+	h.t.Helper()
+	var target string
+	if err := h.pool.QueryRow(context.Background(), `SELECT pg_current_wal_lsn()::text`).Scan(&target); err != nil {
+		h.t.Fatal(err)
+	}
+	testenv.WaitFor(h.t, 30*time.Second, "the relay sent the WAL up to "+target, func() (bool, error) {
+		var sent bool
+		err := h.pool.QueryRow(context.Background(), `SELECT coalesce(bool_or(r.sent_lsn >= $1::pg_lsn), false)
+			FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid
+			WHERE s.slot_name = $2 AND s.database = current_database()`, target, h.opts.Slot).Scan(&sent)
+		return sent, err
+	})
+}
+
+// releaseLatency advances standby slot to the current WAL position and
+// returns how long the relay then took to publish the rows it held, until
+// published rows are published: the time in which a relay that did not hold
+// them would have published them too.
+func (h *harness) releaseLatency(slot string, published int) time.Duration {
+	h.t.Helper()
+	start := time.Now()
+	h.exec(`SELECT pg_replication_slot_advance($1, pg_current_wal_lsn())`, slot)
+	h.waitPublished(published, 30*time.Second)
+	return time.Since(start)
+}
+
+// heldFor checks, for window, that the relay publishes nothing beyond the
+// published rows it was allowed to.
+func (h *harness) heldFor(window time.Duration, published int) {
+	h.t.Helper()
+	for deadline := time.Now().Add(window); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		if n := h.streamCount(); n != uint64(published) {
+			h.t.Fatalf("the stream holds %d messages while the standby is behind, want %d", n, published)
+		}
+		if n := h.countState("published"); n != published {
+			h.t.Fatalf("%d rows published while the standby is behind, want %d", n, published)
+		}
+	}
+}
+
 // G14 without a real standby: a physical slot that nobody advances stands
 // for a standby that is behind. Rows committed after its position are not
 // published on either path; once the slot moves past them (as a standby's
 // feedback moves it), they are. A --standby-slot that names no slot holds
 // nothing back.
+//
+// "Not published" is checked only once the relay holds the rows (its
+// walsender sent their WAL, the poller claimed its row), and for several
+// times as long as the same relay takes to publish a row once the standby
+// flushed it (measured first on a warm-up row): a relay that did not hold
+// them would have published them within that window.
 func TestStandbySlotHoldsDeliveryBack(t *testing.T) {
 	h := newHarness(t, sharedSetup(t))
 	h.exec(`SELECT pg_create_physical_replication_slot('standby_a', true)`)
@@ -22,29 +72,31 @@ func TestStandbySlotHoldsDeliveryBack(t *testing.T) {
 	})
 	h.opts.StandbySlots = []string{"standby_a", "gone_after_failover"}
 	h.start()
+	warm := h.insertRows("warm", 1, 1)
+	h.walSent()
+	latency := h.releaseLatency("standby_a", 1)
+	window := max(5*latency, time.Second)
+	t.Logf("a held row was published %v after the standby flushed it; checking holds for %v", latency.Round(time.Millisecond), window)
+
 	cdc := h.insertRows("cdc", 5, 2)
 	h.exec(`INSERT INTO outbox (work_id, kind, payload, state) VALUES ('poller-1', 'k', '{}', 'scheduled')`)
-	time.Sleep(3 * time.Second)
-	if n := h.streamCount(); n != 0 {
-		t.Fatalf("the stream holds %d messages while the standby has flushed none of their commits", n)
-	}
-	if n := h.countState("published"); n != 0 {
-		t.Fatalf("%d rows published while the standby is behind", n)
-	}
+	h.walSent()
+	testenv.WaitFor(t, 30*time.Second, "the poller claimed poller-1", func() (bool, error) {
+		var state string
+		err := h.pool.QueryRow(context.Background(), `SELECT state FROM outbox WHERE work_id = 'poller-1'`).Scan(&state)
+		return state != "scheduled", err // running: claimed and held; anything else fails below
+	})
+	h.heldFor(window, 1)
 	// The standby catches up.
-	h.exec(`SELECT pg_replication_slot_advance('standby_a', pg_current_wal_lsn())`)
-	h.waitPublished(6, 30*time.Second)
-	h.assertExactlyOnce(append(cdc, "poller-1"))
+	h.releaseLatency("standby_a", 7)
+	h.assertExactlyOnce(append(append(warm, cdc...), "poller-1"))
 
 	// Rows committed now wait again until the standby flushes them.
 	later := h.insertRows("later", 3, 1)
-	time.Sleep(time.Second)
-	if n := h.countState("published"); n != 6 {
-		t.Fatalf("%d published, want the 6 earlier rows only", n)
-	}
-	h.exec(`SELECT pg_replication_slot_advance('standby_a', pg_current_wal_lsn())`)
-	h.waitPublished(9, 30*time.Second)
-	h.assertExactlyOnce(append(append(cdc, "poller-1"), later...))
+	h.walSent()
+	h.heldFor(window, 7)
+	h.releaseLatency("standby_a", 10)
+	h.assertExactlyOnce(append(append(append(warm, cdc...), "poller-1"), later...))
 	t.Log(fmt.Sprintf("held %d rows until the standby's slot moved past them", 9))
 }
 
@@ -68,10 +120,11 @@ func TestFastShutdownWhileHeldForStandby(t *testing.T) {
 	h.opts.StandbySlots = []string{"standby_b"}
 	h.start()
 	ids := h.insertRows("held", 5, 1)
-	time.Sleep(500 * time.Millisecond)
-	if n := h.countState("published"); n != 0 {
-		t.Fatalf("%d rows published while the standby is behind", n)
-	}
+	// Held once the relay has their WAL; a second is many times what a
+	// relay takes to publish five rows it holds (TestStandbySlotHoldsDeliveryBack
+	// measures that).
+	h.walSent()
+	h.heldFor(time.Second, 0)
 	start := time.Now()
 	if err := pg.Restart("fast"); err != nil {
 		t.Fatal(err)

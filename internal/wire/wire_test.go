@@ -9,6 +9,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/outbox-relay/outbox-relay/internal/wire"
+	"github.com/outbox-relay/outbox-relay/internal/wire/wiretest"
 	"github.com/outbox-relay/outbox-relay/sinks"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
@@ -167,4 +168,41 @@ func FuzzBuildMessage(f *testing.F) {
 			t.Fatalf("header block of %d bytes", n)
 		}
 	})
+}
+
+// Each bounded rule takes a value exactly when it is 1 to limit bytes,
+// compared at limit-1, limit and limit+1 with multi-byte characters ending
+// at and straddling the limit: a rule off by one or counting characters
+// fails here. The table's CHECKs are compared with these rules at the same
+// values in internal/store (TestTableChecksMatchTheRelay), the broker in
+// sinks/jetstream (TestRowsAtTheLimitsRoundTrip).
+func TestRulesAtTheLimits(t *testing.T) {
+	ascii := func(s string) bool {
+		for i := 0; i < len(s); i++ {
+			if s[i] >= 0x80 {
+				return false
+			}
+		}
+		return true
+	}
+	for _, r := range []struct {
+		name  string
+		limit int
+		rule  func(string) error
+		other func(string) bool // besides the length
+	}{
+		{"work_id", wire.MaxWorkIDBytes, wire.ValidateWorkID, nil},
+		{"kind", wire.MaxKindBytes, wire.ValidateKind, nil},
+		{"aggregate_type", wire.MaxKindBytes, func(s string) error { return wire.ValidateAggregate(s, "a", 1) }, nil},
+		{"aggregate_id", wire.MaxWorkIDBytes, func(s string) error { return wire.ValidateAggregate("t", s, 1) }, nil},
+		{"subject", wire.MaxSubjectBytes, wire.ValidateSubject, nil},
+		{"header name", 256, func(s string) error { return wire.ValidateHeader(s, "v") }, ascii},
+	} {
+		for _, v := range wiretest.AtLimit(r.limit) {
+			want := v != "" && len(v) <= r.limit && (r.other == nil || r.other(v))
+			if err := r.rule(v); (err == nil) != want {
+				t.Errorf("%s of %d bytes (%d characters, limit %d): %v, want accepted=%v", r.name, len(v), utf8.RuneCountInString(v), r.limit, err, want)
+			}
+		}
+	}
 }

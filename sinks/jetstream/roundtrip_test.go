@@ -5,8 +5,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -70,6 +72,9 @@ func TestRowsRoundTripThroughTheBroker(t *testing.T) {
 	ids := map[string]bool{}
 	for i := range 3000 {
 		row := wire.Row{WorkID: wiretest.String(r, 1100), Kind: "thing.happened", Payload: []byte(fmt.Sprintf(`{"i":%d}`, i))}
+		if r.IntN(4) == 0 {
+			row.WorkID = wiretest.Near(r, wire.MaxWorkIDBytes)
+		}
 		if r.IntN(2) == 0 {
 			row.Kind = wiretest.String(r, 300)
 		}
@@ -81,7 +86,11 @@ func TestRowsRoundTripThroughTheBroker(t *testing.T) {
 		if r.IntN(3) == 0 {
 			h := map[string]string{}
 			for range 1 + r.IntN(4) {
-				h[wiretest.String(r, 40)] = wiretest.String(r, 200)
+				name := wiretest.String(r, 40)
+				if r.IntN(4) == 0 {
+					name = wiretest.Near(r, 256)
+				}
+				h[name] = wiretest.String(r, 200)
 			}
 			row.Headers, _ = json.Marshal(h)
 		}
@@ -147,5 +156,140 @@ func TestRowsRoundTripThroughTheBroker(t *testing.T) {
 	}
 	if info.State.Msgs != uint64(len(pending)) {
 		t.Errorf("stream holds %d messages for %d published rows", info.State.Msgs, len(pending))
+	}
+}
+
+// Every bounded field of a row, exactly at its limit (limit-1, limit and
+// limit+1 bytes, with multi-byte characters ending at and straddling it,
+// and empty), through the row -> message path and a real broker: the relay
+// takes a value exactly when it is 1 to limit bytes, and what it takes is
+// stored byte for byte. A limit that drifted from what the broker carries,
+// or a rule that counts characters, fails here.
+func TestRowsAtTheLimitsRoundTrip(t *testing.T) {
+	f := newFixture(t)
+	sink := natssink.New(f.js, natssink.Options{Stream: f.stream, SubjectPrefix: f.prefix})
+	ctx := context.Background()
+	n := 0
+	base := func() wire.Row {
+		n++
+		return wire.Row{WorkID: fmt.Sprintf("lim-%d", n), Kind: "k", Subject: f.prefix + "explicit", Payload: []byte(fmt.Sprintf(`{"i":%d}`, n))}
+	}
+	type limitCase struct {
+		field, value string
+		limit        int
+		want         bool
+		row          wire.Row
+	}
+	var cases []limitCase
+	add := func(field string, limit int, value string, row wire.Row) {
+		cases = append(cases, limitCase{field, value, limit, value != "" && len(value) <= limit, row})
+	}
+	for _, v := range wiretest.AtLimit(wire.MaxWorkIDBytes) {
+		row := base()
+		row.WorkID = v
+		add("work_id", wire.MaxWorkIDBytes, v, row)
+	}
+	for _, v := range wiretest.AtLimit(wire.MaxKindBytes) {
+		row := base()
+		row.Kind = v
+		add("kind", wire.MaxKindBytes, v, row)
+	}
+	for _, v := range wiretest.AtLimit(wire.MaxKindBytes) {
+		row := base()
+		row.AggregateType, row.AggregateID, row.AggregateSeq = v, "a", 1
+		add("aggregate_type", wire.MaxKindBytes, v, row)
+	}
+	for _, v := range wiretest.AtLimit(wire.MaxWorkIDBytes) {
+		row := base()
+		row.AggregateType, row.AggregateID, row.AggregateSeq = "t", v, 1
+		add("aggregate_id", wire.MaxWorkIDBytes, v, row)
+	}
+	// A subject must stay in the stream: the prefix, then the filler.
+	for _, v := range wiretest.AtLimit(wire.MaxSubjectBytes - len(f.prefix)) {
+		if v == "" {
+			continue // an empty subject column means prefix+kind
+		}
+		row := base()
+		row.Subject = f.prefix + v
+		add("subject", wire.MaxSubjectBytes, row.Subject, row)
+	}
+	for _, v := range wiretest.AtLimit(256) {
+		row := base()
+		row.Headers, _ = json.Marshal(map[string]string{v: "x"})
+		c := limitCase{"header name", v, 256, v != "" && len(v) <= 256, row}
+		for _, b := range []byte(v) {
+			if b >= 0x80 {
+				c.want = false // header names are ASCII, whatever their length
+			}
+		}
+		cases = append(cases, c)
+	}
+	// The header block: one padding header sized so that the block is
+	// exactly MaxHeaderBytes-1, MaxHeaderBytes and MaxHeaderBytes+1 bytes.
+	{
+		row := base()
+		row.Headers = []byte(`{"X-Pad":""}`)
+		m, err := wire.BuildMessage(row, f.prefix, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for size := wire.MaxHeaderBytes - 1; size <= wire.MaxHeaderBytes+1; size++ {
+			row := base()
+			pad := strings.Repeat("p", size-m.HeaderBytes-(len(row.WorkID)-len(m.ID)))
+			row.Headers, _ = json.Marshal(map[string]string{"X-Pad": pad})
+			c := limitCase{fmt.Sprintf("header block of %d bytes: its padding value", size), pad, wire.MaxHeaderBytes, size <= wire.MaxHeaderBytes, row}
+			if mm, err := wire.BuildMessage(row, f.prefix, nil); err == nil && mm.HeaderBytes != size {
+				t.Fatalf("padding built a header block of %d bytes, want %d", mm.HeaderBytes, size)
+			}
+			cases = append(cases, c)
+		}
+	}
+	accepted := 0
+	for _, c := range cases {
+		m, err := wire.BuildMessage(c.row, f.prefix, nil)
+		if (err == nil) != c.want {
+			t.Errorf("%s of %d bytes (%d characters, limit %d): BuildMessage says %v, want accepted=%v",
+				c.field, len(c.value), utf8.RuneCountInString(c.value), c.limit, err, c.want)
+			continue
+		}
+		if err != nil {
+			if _, ok := sinks.IsRejected(err); !ok {
+				t.Errorf("%s of %d bytes: %v, want a rejection with a reason", c.field, len(c.value), err)
+			}
+			continue
+		}
+		fut, err := sink.Publish(ctx, m)
+		if err != nil {
+			t.Fatalf("%s of %d bytes: publish: %v", c.field, len(c.value), err)
+		}
+		ack, err := fut.Wait(ctx)
+		if err != nil {
+			t.Errorf("%s of %d bytes (limit %d): the relay took it, the broker refused it: %v", c.field, len(c.value), c.limit, err)
+			continue
+		}
+		accepted++
+		got, err := f.js.Stream(ctx, f.stream)
+		if err != nil {
+			t.Fatal(err)
+		}
+		stored, err := got.GetMsg(ctx, ack.Sequence)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if id := stored.Header.Get(jetstream.MsgIDHeader); id != m.ID || ack.Duplicate {
+			t.Errorf("%s of %d bytes: stored Nats-Msg-Id %.40q (duplicate %v), want %.40q", c.field, len(c.value), id, ack.Duplicate, m.ID)
+		}
+		if stored.Subject != m.Subject || string(stored.Data) != string(m.Data) {
+			t.Errorf("%s of %d bytes: stored %.40q %s, want %.40q %s", c.field, len(c.value), stored.Subject, stored.Data, m.Subject, m.Data)
+		}
+		for k, vs := range m.Header {
+			if g := stored.Header.Values(k); len(g) != 1 || g[0] != vs[0] {
+				t.Errorf("%s of %d bytes: stored header %.40q = %.40q, want %.40q", c.field, len(c.value), k, g, vs[0])
+			}
+		}
+	}
+	t.Logf("%d values at the limits, %d stored", len(cases), accepted)
+	if accepted == 0 || accepted == len(cases) {
+		t.Errorf("%d of %d values stored: the cases do not straddle the limits", accepted, len(cases))
 	}
 }

@@ -45,3 +45,67 @@ func String(r *rand.Rand, max int) string {
 	}
 	return strings.ToValidUTF8(strings.ReplaceAll(s, "\x00", ""), "?")
 }
+
+// wide are multi-byte characters of each UTF-8 width: a rule that counts
+// characters instead of bytes, or that cuts a value inside a character,
+// differs from a byte rule only with them at the limit.
+var wide = []string{"ü", "日", "😀"}
+
+// AtLimit returns the values a rule bounded at limit bytes must be checked
+// at: the empty string and values of exactly limit-1, limit and limit+1
+// bytes, in ASCII, made mostly of multi-byte characters (far fewer
+// characters than bytes), and ending in a multi-byte character that ends
+// at the limit or straddles it. Every value is valid UTF-8 and otherwise
+// harmless (no control characters, no edge spaces), so only its length
+// decides; none repeats.
+func AtLimit(limit int) []string {
+	seen := map[string]bool{}
+	var out []string
+	add := func(s string) {
+		if !seen[s] {
+			seen[s] = true
+			out = append(out, s)
+		}
+	}
+	add("")
+	for n := limit - 1; n <= limit+1; n++ {
+		add(strings.Repeat("a", n))
+		for _, w := range wide {
+			// Mostly wide characters, padded with ASCII in front to n bytes.
+			add(strings.Repeat("b", n%len(w)) + strings.Repeat(w, n/len(w)))
+		}
+	}
+	for _, w := range wide {
+		// The wide character's last byte at limit-1 .. limit+len(w)-1: it
+		// ends below, at, or straddles the limit by 1 to len(w)-1 bytes.
+		for end := limit - 1; end < limit+len(w); end++ {
+			add(strings.Repeat("c", end+1-len(w)) + w)
+		}
+	}
+	return out
+}
+
+// Near returns a random value of exactly limit-1, limit or limit+1 bytes
+// built from the hostile pieces (so some of them are refused for their
+// content too), or the empty string.
+func Near(r *rand.Rand, limit int) string {
+	if r.IntN(20) == 0 {
+		return ""
+	}
+	n := limit - 1 + r.IntN(3)
+	var b strings.Builder
+	for {
+		p := pieces[r.IntN(len(pieces))]
+		if p == "\x00" {
+			continue // PostgreSQL's text cannot hold it
+		}
+		if b.Len()+len(p) > n {
+			break
+		}
+		b.WriteString(p)
+	}
+	for b.Len() < n {
+		b.WriteByte('x')
+	}
+	return b.String()
+}
