@@ -1,12 +1,10 @@
 package poller_test
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io"
 	"strings"
-	"sync"
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -16,26 +14,9 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
 	"github.com/outbox-relay/outbox-relay/internal/poller"
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
-
-// syncBuffer collects log lines written from several goroutines.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
 
 // pollerWith builds a worker whose sink publishes under o (the fixture's
 // stream and prefix filled in) and whose log also goes to logs.
@@ -212,7 +193,7 @@ func TestPollerNeverPublishesIntoAStreamThatTookTheSubjects(t *testing.T) {
 func TestPollerRecordsADuplicateAck(t *testing.T) {
 	f := newFixture(t)
 	ctx := context.Background()
-	logs := &syncBuffer{}
+	logs := &testenv.LogBuffer{}
 	p := f.pollerWith("w", natssink.Options{}, poller.Config{}, logs)
 	for i, payload := range []string{`{"v": 1}`, `{"v": 2}`} {
 		if i > 0 {

@@ -1,11 +1,9 @@
 package relay_test
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -16,24 +14,6 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
-
-// syncBuffer collects log lines written from several goroutines.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
 
 type rowEvidence struct {
 	state, lastError, streamName string
@@ -179,7 +159,7 @@ func TestCDCRecordsADuplicateAck(t *testing.T) {
 			s := sharedSetup(t)
 			h := newHarness(t, s)
 			h.opts.Policy = policy
-			logs := &syncBuffer{}
+			logs := &testenv.LogBuffer{}
 			h.logs = logs
 			h.start()
 			for i, payload := range []string{`{"v": 1}`, `{"v": 2}`} {
