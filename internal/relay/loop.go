@@ -370,7 +370,7 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row) error {
 		return nil
 	}
 	if it.ordered {
-		if blocker, held := l.order.heldBy(it.agg); held {
+		if blocker, held := l.order.heldBy(it.agg); held && !l.caughtUp(ctx, it.agg) {
 			it.settle.Outcome = store.Held
 			it.settle.Error = "held: waiting for " + blocker + " (an earlier row of aggregate " + it.agg.Type + "/" + it.agg.ID + ")"
 			l.r.metrics.Handoffs.WithLabelValues("held").Inc()
@@ -455,6 +455,28 @@ func (l *loop) reject(it *item, re *sinks.RejectedError) {
 			l.handOff(w)
 		}
 	}
+}
+
+// caughtUp asks the table, for a new row of held aggregate k, whether the
+// poller has caught up with k, and if so takes k back (order.go). A failed
+// read keeps k held: the row goes to the poller, which is always safe.
+func (l *loop) caughtUp(ctx context.Context, k store.AggregateKey) bool {
+	if !l.order.mayRelease(k) {
+		return false
+	}
+	qctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	with, err := l.r.store.WithPoller(qctx, k)
+	cancel()
+	if err != nil {
+		l.r.log.Warn().Err(err).Msg("could not read whether a held aggregate is caught up; its row goes to the poller")
+		return false
+	}
+	if with {
+		return false
+	}
+	l.order.release(k, time.Now())
+	l.r.log.Debug().Str("aggregate_type", k.Type).Str("aggregate_id", k.ID).Msg("the poller caught up with a held aggregate; the CDC path publishes it again")
+	return true
 }
 
 // handOff queues a row for the settler that moves it to the poller, and

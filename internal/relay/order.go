@@ -25,14 +25,27 @@ import (
 // survives restarts), grows as this session hands rows over, and is read
 // again while it is not empty, to release the aggregates whose rows the
 // poller has published. With nothing held the CDC path asks nothing per row.
+//
+// That read alone never releases an aggregate that keeps receiving rows
+// faster than it runs: each read finds the row handed over last. So a new
+// row of a held aggregate asks the table first (store.WithPoller) whether
+// anything of the aggregate is still with the poller; when nothing is and
+// this session has no handoff of it the table may not show yet, the poller
+// has caught up and the row is the CDC path's again. Its predecessors are
+// all decoded by then (next_seq's lock orders the commits) and settled:
+// published (acked), or still in this session's chain, behind which it
+// waits.
 
 // orderState is the loop's per-aggregate state; it belongs to the loop's
 // goroutine, except active, which the refresher reads.
 type orderState struct {
 	held   map[store.AggregateKey]*hold
 	chains map[store.AggregateKey]*chain
-	parked int         // rows waiting in chains, not yet published
-	active atomic.Bool // len(held) > 0, for the refresher
+	// released: aggregates taken back from the poller by this session, and
+	// when; a read of the held set begun before that is older news.
+	released map[store.AggregateKey]time.Time
+	parked   int         // rows waiting in chains, not yet published
+	active   atomic.Bool // len(held) > 0, for the refresher
 }
 
 // hold is one held aggregate: the row the others wait for, and this
@@ -56,7 +69,7 @@ type heldRefresh struct {
 }
 
 func newOrderState(held map[store.AggregateKey]string) *orderState {
-	o := &orderState{held: map[store.AggregateKey]*hold{}, chains: map[store.AggregateKey]*chain{}}
+	o := &orderState{held: map[store.AggregateKey]*hold{}, chains: map[store.AggregateKey]*chain{}, released: map[store.AggregateKey]time.Time{}}
 	for k, blocker := range held {
 		o.held[k] = &hold{blocker: blocker}
 	}
@@ -84,6 +97,28 @@ func (o *orderState) handedOff(it *item) {
 	}
 	h.unsettled++
 	it.holds = true
+}
+
+// mayRelease reports whether k's hold could end on the table's word: no
+// handoff of k by this session is waiting for its settle. (The loop asks
+// the table after every settle it saw committed, so none it misses.)
+func (o *orderState) mayRelease(k store.AggregateKey) bool {
+	h, ok := o.held[k]
+	return ok && h.unsettled == 0
+}
+
+// release ends k's hold: the poller has nothing of k left.
+func (o *orderState) release(k store.AggregateKey, now time.Time) {
+	delete(o.held, k)
+	for r, at := range o.released {
+		// A read of the held set ends within seconds (its timeout is
+		// 10 s); older entries can no longer meet one.
+		if now.Sub(at) > time.Minute {
+			delete(o.released, r)
+		}
+	}
+	o.released[k] = now
+	o.active.Store(len(o.held) > 0)
 }
 
 // settled records that the settle of a handed-off row committed.
@@ -160,8 +195,17 @@ func (o *orderState) refreshed(r heldRefresh) {
 		delete(o.held, k)
 	}
 	for k, blocker := range r.held {
-		if _, ok := o.held[k]; !ok {
-			o.held[k] = &hold{blocker: blocker}
+		if _, ok := o.held[k]; ok {
+			continue
+		}
+		if at, ok := o.released[k]; ok && at.After(r.startedAt) {
+			continue // taken back after this read began
+		}
+		o.held[k] = &hold{blocker: blocker}
+	}
+	for k, at := range o.released {
+		if !at.After(r.startedAt) {
+			delete(o.released, k)
 		}
 	}
 	o.active.Store(len(o.held) > 0)

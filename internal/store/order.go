@@ -59,6 +59,27 @@ func (s *Store) HeldAggregates(ctx context.Context) (map[AggregateKey]string, er
 	return out, nil
 }
 
+// WithPoller reports whether any row of agg is with the poller or
+// dead-lettered ('scheduled', 'running', 'failed'): the rule HeldAggregates
+// holds an aggregate by, for one aggregate. The CDC path asks it when a
+// new row of a held aggregate arrives, to take the aggregate back once the
+// poller has caught up. 'running' counts (the poller may be publishing that
+// row right now), and only 'published' means the broker acked it. 'ready'
+// rows are the CDC path's own, ordered by its chains. A row with a higher
+// sequence counts too (explicit sequences may commit out of order): while
+// any row of the aggregate is with the poller, the CDC path keeps off it.
+// One range scan of aggregate_idx over the aggregate's rows.
+func (s *Store) WithPoller(ctx context.Context, agg AggregateKey) (bool, error) {
+	var with bool
+	err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+s.table.String()+`
+		WHERE aggregate_type = $1 AND aggregate_id = $2 AND state IN ('scheduled', 'running', 'failed'))`,
+		agg.Type, agg.ID).Scan(&with)
+	if err != nil {
+		return false, fmt.Errorf("read whether aggregate (%q, %q) of %s has rows with the poller: %w", agg.Type, agg.ID, s.table.Qualified(), err)
+	}
+	return with, nil
+}
+
 // BlockedAggregates counts the aggregates whose rows wait behind a lower
 // unpublished row that is with the poller or dead-lettered, and returns the
 // oldest few of them with their blocking rows.
