@@ -79,6 +79,9 @@ func EnqueueOne(ctx context.Context, db DBTX, t Table, r EnqueueRow) (bool, erro
 // concurrent insert of the same work_id won anyway, the number goes back
 // (this transaction holds the counter row's lock, so it is still the last).
 // A gap would stall every InSequence consumer of the aggregate.
+// <table>_give_back_seq acts only for the transaction that took the number
+// and only while no row has it (migration 0009), so a producer cannot lower
+// another transaction's counter with it.
 func enqueueOrdered(ctx context.Context, db DBTX, t Table, r EnqueueRow) (bool, error) {
 	var seq *int64
 	var inserted bool
