@@ -10,6 +10,8 @@ import (
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/outbox-relay/outbox-relay/internal/termsafe"
 )
 
 // Settings are what every instance of one table must run with (DESIGN.md,
@@ -47,7 +49,7 @@ type RecordedSettings struct {
 
 // ErrSettingsDiffer says an instance was started with settings that differ
 // from those recorded for its table.
-var ErrSettingsDiffer = errors.New("settings differ from those recorded for the table")
+var ErrSettingsDiffer = errors.New("this instance's settings differ from those recorded for table")
 
 // SettingsTable is the quoted name of <table>_settings.
 func SettingsTable(t Table) string { return t.derived("settings", true) }
@@ -119,20 +121,21 @@ func (s *Store) CheckSettings(ctx context.Context, want Settings, by string) (re
 			return RecordedSettings{}, false, fmt.Errorf("record settings of %s: the record vanished after it was written; is something deleting from %s?", s.table.Qualified(), SettingsTable(s.table))
 		}
 	}
-	var differ []string
+	var differ, why []string
 	if rec.Ordering != want.Ordering {
 		differ = append(differ, fmt.Sprintf("--ordering: the table's is %s, this instance's %s", rec.Ordering, want.Ordering))
+		why = append(why, "an instance without --ordering aggregate publishes a held aggregate's later rows before its earlier one (G12)")
 	}
 	if rec.OnPublish != want.OnPublish {
 		differ = append(differ, fmt.Sprintf("--on-publish: the table's is %s, this instance's %s", rec.OnPublish, want.OnPublish))
+		why = append(why, "with two policies what the table keeps of a published row depends on which instance published it")
 	}
 	if len(differ) > 0 {
-		return rec, false, fmt.Errorf("%w: %s (recorded by %s at %s). Every instance of a table runs with the same --ordering and --on-publish: "+
-			"an instance without the table's --ordering aggregate would publish a held aggregate's later rows before its earlier one. "+
-			"Start this instance with %s, or, to change the table's settings, stop every instance, run `outbox-relay migrate --record-settings %s` "+
+		return rec, false, fmt.Errorf("%w %s: %s (recorded by %s at %s). Every instance of a table runs with the same --ordering and --on-publish: %s. "+
+			"Start this instance with %s; or, to change the table's settings, stop every instance, run `outbox-relay migrate --record-settings %s` "+
 			"with the same --database-url and --table, and start every instance with the new flags (docs/operations.md, \"Changing --ordering or --on-publish\")",
-			ErrSettingsDiffer, strings.Join(differ, "; "), rec.RecordedBy, rec.RecordedAt.UTC().Format(time.RFC3339),
-			rec.Flags(), want.Flags())
+			ErrSettingsDiffer, s.table.Qualified(), strings.Join(differ, "; "), termsafe.String(rec.RecordedBy), rec.RecordedAt.UTC().Format(time.RFC3339),
+			strings.Join(why, "; "), rec.Flags(), want.Flags())
 	}
 	return rec, recorded, nil
 }
