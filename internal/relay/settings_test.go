@@ -41,13 +41,25 @@ func TestInstancesMustShareSettings(t *testing.T) {
 	t.Cleanup(func() { _ = h.js.DeleteStream(context.Background(), s.stream) })
 	h.start()
 	h.exec(`INSERT INTO outbox (work_id, kind, payload, aggregate_type, aggregate_id, aggregate_seq)
-		VALUES ('order-7-1', 'order_event', jsonb_build_object('pad', repeat('x', 2048)), 'order', '7', 1)`)
+		VALUES ('order-7-1', 'order_event', jsonb_build_object('pad', repeat('x', 2048)), 'shop/eu', '7', 1)`)
 	h.exec(`INSERT INTO outbox (work_id, kind, payload, aggregate_type, aggregate_id, aggregate_seq)
-		VALUES ('order-7-2', 'order_event', '{}', 'order', '7', 2), ('order-7-3', 'order_event', '{}', 'order', '7', 3)`)
+		VALUES ('order-7-2', 'order_event', '{}', 'shop/eu', '7', 2), ('order-7-3', 'order_event', '{}', 'shop/eu', '7', 3)`)
 	testenv.WaitFor(t, 60*time.Second, "order-7-1 failed, 7-2 and 7-3 held", func() (bool, error) {
 		return h.countState("failed") == 1 && h.countState("scheduled") == 2, fmt.Errorf("failed %d, scheduled %d, published %d",
 			h.countState("failed"), h.countState("scheduled"), h.countState("published"))
 	})
+
+	// The held rows say which aggregate, with type and id quoted: "shop/eu"
+	// and "7" would otherwise read like "shop" and "eu/7".
+	for _, id := range []string{"order-7-2", "order-7-3"} {
+		var le string
+		if err := h.pool.QueryRow(ctx, `SELECT last_error FROM outbox WHERE work_id = $1`, id).Scan(&le); err != nil {
+			t.Fatal(err)
+		}
+		if want := `(an earlier row of aggregate "shop/eu"/"7")`; !strings.HasPrefix(le, "held: waiting for order-7-") || !strings.HasSuffix(le, want) {
+			t.Errorf("%s: last_error %q, want held ... %s", id, le, want)
+		}
+	}
 
 	// second runs another instance of the table for at most d and returns
 	// what Run returned (nil: it ran until d was up) and whether it stood by

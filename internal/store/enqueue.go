@@ -99,11 +99,11 @@ func enqueueOrdered(ctx context.Context, db DBTX, t Table, r EnqueueRow) (bool, 
 		r.WorkID, r.Kind, r.Subject, r.Payload, r.Headers, r.availableAt(), r.AggregateType, r.AggregateID, r.AggregateSeq, r.expiresAt()).
 		Scan(&seq, &inserted)
 	if err != nil {
-		return false, fmt.Errorf("insert %q (aggregate %s/%s) into %s: %w", r.WorkID, r.AggregateType, r.AggregateID, t.Qualified(), err)
+		return false, fmt.Errorf("insert %q (aggregate %s) into %s: %w", r.WorkID, AggregateKey{Type: r.AggregateType, ID: r.AggregateID}, t.Qualified(), err)
 	}
 	if !inserted && seq != nil && r.AggregateSeq == 0 {
 		if _, err := db.Exec(ctx, `SELECT `+t.derived("give_back_seq", true)+`($1, $2, $3)`, r.AggregateType, r.AggregateID, *seq); err != nil {
-			return false, fmt.Errorf("give back sequence %d of aggregate %s/%s of %s: %w", *seq, r.AggregateType, r.AggregateID, t.Qualified(), err)
+			return false, fmt.Errorf("give back sequence %d of aggregate %s of %s: %w", *seq, AggregateKey{Type: r.AggregateType, ID: r.AggregateID}, t.Qualified(), err)
 		}
 	}
 	return inserted, nil
