@@ -372,6 +372,11 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		}
 		return nil
 	}
+	// A stream set up wrong fails the start; a broker that is only
+	// unreachable is retried by every session.
+	if err := ensureStream(ctx); errors.Is(err, natssink.ErrStreamConfig) {
+		return err
+	}
 	// One store for both paths: they meet in the table and the sink only.
 	st := store.New(pool, o.Table, o.Policy)
 	gate := standby.New(pool, o.StandbySlots, log, m)
@@ -409,10 +414,9 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	// behind each other's acks.
 	p := poller.New(pc, st, natssink.New(js, o.sinkOptions()), log, m)
 
-	// Before the poller claims a row, and before the stream is created: an
-	// instance whose --ordering or --on-publish differs from the table's
-	// must neither publish nor change anything. Preflight first, so a
-	// missing table or privilege is named as such.
+	// Before the poller claims a row: an instance whose --ordering or
+	// --on-publish differs from the table's must not publish anything.
+	// Preflight first, so a missing table or privilege is named as such.
 	if err := r.Preflight(ctx); err != nil {
 		return err
 	}
@@ -422,11 +426,6 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	}
 	if recorded {
 		log.Info().Str("settings", rec.Flags()).Msgf("recorded the settings of %s: every instance of it must run with %s", o.Table.Qualified(), rec.Flags())
-	}
-	// A stream set up wrong fails the start; a broker that is only
-	// unreachable is retried by every session.
-	if err := ensureStream(ctx); errors.Is(err, natssink.ErrStreamConfig) {
-		return err
 	}
 
 	g, gctx := errgroup.WithContext(ctx)
