@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/outbox"
 )
 
@@ -206,36 +207,48 @@ func TestGiveBackSeqOnlyByTheTaker(t *testing.T) {
 	}
 	want("b", 2)
 
-	// Enqueue's own give-back: a repeat of c-1, of another aggregate, takes
-	// a number of d, waits for the first insert of c-1, finds it committed
-	// and gives the number back; d's next enqueue in the same transaction
-	// takes 1, with no gap. The same with a repeat of the same aggregate,
-	// which waits on the counter row instead.
+	// Enqueue's own give-back, after a concurrent repeat of its work ID won:
+	// a repeat in another aggregate (d) takes d's number, waits for the
+	// first insert of the work ID, finds it committed and gives the number
+	// back; a repeat in the same aggregate (c) waits on the counter row,
+	// takes the number after the first one's and gives it back. The next
+	// enqueue of each aggregate in the repeat's transaction takes the next
+	// number, with no gap.
 	for _, agg := range []string{"d", "c"} {
-		first, err := producer.Begin(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := enqueue(first, "c-1", "c"); err != nil && !errors.Is(err, outbox.ErrAlreadyEnqueued) {
-			t.Fatal(err)
-		}
-		done := make(chan error, 1)
-		go func() {
-			done <- pgx.BeginFunc(ctx, producer, func(tx pgx.Tx) error {
-				if err := enqueue(tx, "c-1", agg); !errors.Is(err, outbox.ErrAlreadyEnqueued) {
-					return fmt.Errorf("repeat of c-1 with aggregate %s: %v, want ErrAlreadyEnqueued", agg, err)
-				}
-				return enqueue(tx, agg+"-next", agg)
+		func() {
+			id := "r-" + agg
+			first, err := producer.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer first.Rollback(ctx) //nolint:errcheck // after Commit a no-op; on a failure it frees the repeat
+			if err := enqueue(first, id, "c"); err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan error, 1)
+			go func() {
+				done <- pgx.BeginFunc(ctx, producer, func(tx pgx.Tx) error {
+					if err := enqueue(tx, id, agg); !errors.Is(err, outbox.ErrAlreadyEnqueued) {
+						return fmt.Errorf("repeat of %s in aggregate %s: %v, want ErrAlreadyEnqueued", id, agg, err)
+					}
+					return enqueue(tx, agg+"-next", agg)
+				})
+			}()
+			// The repeat waits for the first insert's transaction (a
+			// lock) once it has taken its number; commit only then.
+			testenv.WaitFor(t, 10*time.Second, "the repeat of "+id+" waiting", func() (bool, error) {
+				var n int
+				err := owner.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE usename = $1 AND wait_event_type = 'Lock'`, roles.Producer).Scan(&n)
+				return n == 1, err
 			})
+			if err := first.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
 		}()
-		time.Sleep(300 * time.Millisecond) // let the repeat reach its wait
-		if err := first.Commit(ctx); err != nil {
-			t.Fatal(err)
-		}
-		if err := <-done; err != nil {
-			t.Fatal(err)
-		}
 	}
-	want("c", 2)
+	want("c", 3)
 	want("d", 1)
 }
