@@ -20,6 +20,10 @@ END $do$;
 GRANT USAGE ON SCHEMA {{.Schema}} TO {{.Relay}};
 GRANT SELECT, UPDATE, DELETE ON {{.Table}} TO {{.Relay}};
 GRANT SELECT, INSERT, UPDATE ON {{.Companion "slots"}} TO {{.Relay}};
+-- The first instance records the table's --ordering and --on-publish; every
+-- later one reads them. Changing them is the owner's (migrate
+-- --record-settings), so no UPDATE.
+GRANT SELECT, INSERT ON {{.Companion "settings"}} TO {{.Relay}};
 
 -- The producer: the application role that writes the outbox row in its own
 -- transaction. INSERT only on the columns a producer means to set; every

@@ -20,7 +20,7 @@ import (
 // Stated here rather than derived from the commands, so that a command that
 // starts or stops reading one changes this test too.
 var ignoredBy = map[string][]string{
-	"migrate": {"nats-url", "slot", "stream", "subject-prefix", "on-publish", "log-level", "log-format"},
+	"migrate": {"nats-url", "slot", "stream", "subject-prefix", "log-level", "log-format"},
 	"run":     nil,
 	"status":  {"publication", "subject-prefix", "on-publish", "log-level", "log-format"},
 	"redrive": {"slot", "publication", "subject-prefix", "on-publish", "log-level", "log-format"},

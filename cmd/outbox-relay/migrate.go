@@ -4,11 +4,15 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"os"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/outbox-relay/outbox-relay/inbox"
+	"github.com/outbox-relay/outbox-relay/internal/app"
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/termsafe"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
 
@@ -19,7 +23,11 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	var roles store.Roles
 	fs := newFlagSet("migrate", "Creates or upgrades the outbox table and its indexes (versioned, idempotent, safe to run concurrently) and the insert-only publication.\n"+
 		"With --inbox, creates a consumer's inbox tables (package inbox) instead, usually in the consumer's own database.", stderr)
-	c.register(fs, flagDatabaseURL, flagTable, flagPublication)
+	var recordSettings bool
+	var ordering string
+	c.register(fs, flagDatabaseURL, flagTable, flagPublication, flagOnPublish)
+	fs.BoolVar(&recordSettings, "record-settings", false, "record --ordering and --on-publish as the table's settings, which every `run` of it must use (stop every instance first: docs/operations.md, \"Changing --ordering or --on-publish\"); without it, migrate prints the recorded ones")
+	fs.StringVar(&ordering, "ordering", app.OrderingNone, "with --record-settings: the table's --ordering, none or aggregate")
 	fs.StringVar(&inboxTable, "inbox", "", "create the inbox table with this name (name or schema.name) and its <name>_fences table for consumers using package inbox, instead of the outbox table and publication")
 	fs.BoolVar(&printGrants, "print-grants", false, "print the least-privilege roles and grants (sql/roles.sql) for --table and exit; run the output as the table's owner")
 	fs.StringVar(&roles.Relay, "relay-role", "outbox_relay", "with --print-grants: the relay's role (LOGIN REPLICATION)")
@@ -79,6 +87,47 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		fmt.Fprintf(stdout, "publication %s: added the row filter WHERE %s\n", c.publication, replication.ReadyFilter)
 	}
 	fmt.Fprintf(stdout, "publication %s publishes inserts of ready rows on %s\n", c.publication, t.Qualified())
+	if recordSettings {
+		return recordTableSettings(ctx, conn, t, ordering, c.onPublish, stdout)
+	}
+	rec, found, err := store.ReadSettings(ctx, conn, t)
+	if err != nil {
+		return err
+	}
+	if found {
+		fmt.Fprintf(stdout, "settings of %s: %s (recorded by %s at %s); every instance of it must run with them\n",
+			t.Qualified(), rec.Flags(), termsafe.String(rec.RecordedBy), rec.RecordedAt.UTC().Format(time.RFC3339))
+	} else {
+		fmt.Fprintf(stdout, "settings of %s: none recorded yet; the first `run` records its --ordering and --on-publish\n", t.Qualified())
+	}
+	return nil
+}
+
+// recordTableSettings replaces the table's recorded --ordering and
+// --on-publish. Instances already running keep what they started with; the
+// next start of each is checked against the new record.
+func recordTableSettings(ctx context.Context, conn *pgx.Conn, t store.Table, ordering, onPublish string, stdout io.Writer) error {
+	switch ordering {
+	case app.OrderingNone, app.OrderingAggregate:
+	default:
+		return fmt.Errorf("--ordering %q: want none or aggregate", ordering)
+	}
+	policy, err := store.ParsePolicy(onPublish)
+	if err != nil {
+		return err
+	}
+	host, _ := os.Hostname()
+	s := store.Settings{Ordering: ordering, OnPublish: policy}
+	prev, found, err := store.RecordSettings(ctx, conn, t, s, "migrate --record-settings on "+host)
+	if err != nil {
+		return err
+	}
+	was := "none recorded"
+	if found {
+		was = fmt.Sprintf("%s, recorded by %s at %s", prev.Flags(), termsafe.String(prev.RecordedBy), prev.RecordedAt.UTC().Format(time.RFC3339))
+	}
+	fmt.Fprintf(stdout, "recorded the settings of %s: %s (were: %s)\n", t.Qualified(), s.Flags(), was)
+	fmt.Fprintf(stdout, "start every instance of %s with %s; an instance that was running keeps its old settings until it is restarted\n", t.Qualified(), s.Flags())
 	return nil
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -42,5 +43,63 @@ func TestMigrateFiltersThePublication(t *testing.T) {
 	}
 	if out := migrate(); strings.Contains(out, "added") || !strings.Contains(out, "publishes inserts of ready rows") {
 		t.Fatalf("third migrate: output %q, want nothing added", out)
+	}
+}
+
+// The procedure for changing a table's --ordering or --on-publish
+// (docs/operations.md): migrate prints the recorded settings, migrate
+// --record-settings replaces them (from flags or the environment, as run
+// reads them), and a run with other settings exits 1 naming each one.
+func TestMigrateRecordSettings(t *testing.T) {
+	env := testenv.Shared(t)
+	url := env.PG.CreateDatabase(t)
+	stream, prefix := env.StreamName(t)
+	migrate := func(args ...string) (int, string, string) {
+		t.Helper()
+		return run(t, append([]string{"migrate", "--database-url", url}, args...)...)
+	}
+	if code, out, _ := migrate(); code != 0 || !strings.Contains(out, "settings of public.outbox: none recorded yet; the first `run` records") {
+		t.Fatalf("first migrate: exit %d, %q; want none recorded", code, out)
+	}
+	if code, _, errOut := migrate("--record-settings", "--ordering", "sometimes"); code != 1 || !strings.Contains(errOut, `--ordering "sometimes": want none or aggregate`) {
+		t.Fatalf("--record-settings --ordering sometimes: exit %d, %q", code, errOut)
+	}
+	if code, _, errOut := migrate("--record-settings", "--on-publish", "sometimes"); code != 1 || !strings.Contains(errOut, `--on-publish "sometimes"`) {
+		t.Fatalf("--record-settings --on-publish sometimes: exit %d, %q", code, errOut)
+	}
+	code, out, _ := migrate("--record-settings", "--ordering", "aggregate")
+	if code != 0 || !strings.Contains(out, "recorded the settings of public.outbox: --ordering aggregate --on-publish mark (were: none recorded)") {
+		t.Fatalf("--record-settings --ordering aggregate: exit %d, %q", code, out)
+	}
+	if code, out, _ := migrate(); code != 0 || !strings.Contains(out, "settings of public.outbox: --ordering aggregate --on-publish mark (recorded by migrate --record-settings on ") {
+		t.Fatalf("migrate after recording: exit %d, %q", code, out)
+	}
+
+	runArgs := []string{"run", "--database-url", url, "--nats-url", env.NATS.URL(), "--stream", stream, "--subject-prefix", prefix}
+	code, errOut := runWithin(t, 60*time.Second, runArgs...)
+	if code != 1 || !strings.Contains(errOut, "--ordering: the table's is aggregate, this instance's none") ||
+		!strings.Contains(errOut, "migrate --record-settings --ordering none --on-publish mark") {
+		t.Fatalf("run without --ordering aggregate: exit %d, stderr %q; want 1, naming --ordering and the change", code, errOut)
+	}
+
+	// The same values from the environment, as one env file serves both.
+	t.Setenv("OUTBOX_RELAY_ORDERING", "none")
+	t.Setenv("OUTBOX_RELAY_ON_PUBLISH", "delete")
+	code, out, _ = migrate("--record-settings")
+	if code != 0 || !strings.Contains(out, "recorded the settings of public.outbox: --ordering none --on-publish delete (were: --ordering aggregate --on-publish mark, recorded by migrate --record-settings on ") {
+		t.Fatalf("--record-settings from the environment: exit %d, %q", code, out)
+	}
+	pool, err := pgxpool.New(context.Background(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	var ordering, onPublish string
+	if err := pool.QueryRow(context.Background(), `SELECT ordering, on_publish FROM outbox_settings`).Scan(&ordering, &onPublish); err != nil || ordering != "none" || onPublish != "delete" {
+		t.Fatalf("outbox_settings: %s, %s, %v; want none, delete", ordering, onPublish, err)
+	}
+	code, errOut = runWithin(t, 60*time.Second, append(runArgs, "--on-publish", "mark")...)
+	if code != 1 || !strings.Contains(errOut, "--on-publish: the table's is delete, this instance's mark") || strings.Contains(errOut, "--ordering: ") {
+		t.Fatalf("run with --on-publish mark: exit %d, stderr %q; want 1, naming --on-publish only", code, errOut)
 	}
 }

@@ -444,3 +444,26 @@ func TestStatusActiveSlotLag(t *testing.T) {
 	}
 	t.Logf("slot %+v", rep.Slot)
 }
+
+// status prints a blocked aggregate so that two different ones never read
+// the same: type a/b with id c and type a with id b/c both printed a/b/c.
+// Each part is quoted (and so escaped) now.
+func TestStatusPrintsAggregatesUnambiguously(t *testing.T) {
+	url, pool := migrated(t)
+	// Each aggregate: its first row dead-lettered, its second waiting
+	// behind it. The first is the oldest blocked one.
+	mustExec(t, pool, `INSERT INTO outbox (work_id, kind, payload, state, last_error, created_at, aggregate_type, aggregate_id, aggregate_seq) VALUES
+		('x-1', 'k', '{}', 'failed', 'rejected: x', clock_timestamp() - interval '2 hours', 'a/b', 'c', 1),
+		('x-2', 'k', '{}', 'scheduled', NULL, clock_timestamp() - interval '2 hours', 'a/b', 'c', 2),
+		('y-1', 'k', '{}', 'failed', 'rejected: y', clock_timestamp() - interval '1 hour', 'a', 'b/c', 1),
+		('y-2', 'k', '{}', 'scheduled', NULL, clock_timestamp() - interval '1 hour', 'a', 'b/c', 2)`)
+	code, out, _ := run(t, "status", "--database-url", url)
+	if code != 0 || !strings.Contains(out, `blocked aggregates: 2; oldest "a/b"/"c": 1 rows wait behind x-1`) {
+		t.Fatalf("status: exit %d, %q; want the oldest blocked aggregate printed as \"a/b\"/\"c\"", code, out)
+	}
+	mustExec(t, pool, `UPDATE outbox SET state = 'cancelled' WHERE work_id = 'x-1'`)
+	code, out, _ = run(t, "status", "--database-url", url)
+	if code != 0 || !strings.Contains(out, `blocked aggregates: 1; oldest "a"/"b/c": 1 rows wait behind y-1`) {
+		t.Fatalf("status: exit %d, %q; want the oldest blocked aggregate printed as \"a\"/\"b/c\"", code, out)
+	}
+}

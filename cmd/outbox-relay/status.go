@@ -232,8 +232,9 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if rep.BlockedAggregates > 0 {
 		b := rep.OldestBlocked
 		// Aggregates and work IDs come from rows: escape them.
-		fmt.Fprintf(stdout, "blocked aggregates: %d; oldest %s/%s: %d rows wait behind %s (sequence %d, %s since %s)\n",
-			rep.BlockedAggregates, termsafe.String(b.Aggregate.Type), termsafe.String(b.Aggregate.ID), b.Waiting,
+		// The aggregate prints quoted ("a/b"/"c"), which escapes it too.
+		fmt.Fprintf(stdout, "blocked aggregates: %d; oldest %s: %d rows wait behind %s (sequence %d, %s since %s)\n",
+			rep.BlockedAggregates, b.Aggregate, b.Waiting,
 			termsafe.String(b.WorkID), b.Seq, b.State, b.Since.UTC().Format(time.RFC3339))
 	}
 	for _, w := range rep.Warnings {

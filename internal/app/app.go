@@ -424,6 +424,20 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	// behind each other's acks.
 	p := poller.New(pc, st, natssink.New(js, o.sinkOptions()), log, m)
 
+	// Before the poller claims a row: an instance whose --ordering or
+	// --on-publish differs from the table's must not publish anything.
+	// Preflight first, so a missing table or privilege is named as such.
+	if err := r.Preflight(ctx); err != nil {
+		return err
+	}
+	rec, recorded, err := st.CheckSettings(ctx, store.Settings{Ordering: o.Ordering, OnPublish: o.Policy}, "run --worker-id "+pc.WorkerID)
+	if err != nil {
+		return err
+	}
+	if recorded {
+		log.Info().Str("settings", rec.Flags()).Msgf("recorded the settings of %s: every instance of it must run with %s", o.Table.Qualified(), rec.Flags())
+	}
+
 	g, gctx := errgroup.WithContext(ctx)
 	if o.HTTPAddr != "" {
 		srv, ln, err := listenHTTP(o.HTTPAddr, o.HTTP, m, r, pool, nc, &o)

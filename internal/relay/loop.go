@@ -372,7 +372,7 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row) error {
 	if it.ordered {
 		if blocker, held := l.order.heldBy(it.agg); held && !l.caughtUp(ctx, it.agg) {
 			it.settle.Outcome = store.Held
-			it.settle.Error = "held: waiting for " + blocker + " (an earlier row of aggregate " + it.agg.Type + "/" + it.agg.ID + ")"
+			it.settle.Error = "held: waiting for " + blocker + " (an earlier row of aggregate " + it.agg.String() + ")"
 			l.r.metrics.Handoffs.WithLabelValues("held").Inc()
 			l.handOff(it)
 			return nil
@@ -450,7 +450,7 @@ func (l *loop) reject(it *item, re *sinks.RejectedError) {
 		for _, w := range l.order.finished(it) {
 			w.msg = nil
 			w.settle.Outcome = store.Held
-			w.settle.Error = "held: waiting for " + it.workID + " (an earlier row of aggregate " + w.agg.Type + "/" + w.agg.ID + ")"
+			w.settle.Error = "held: waiting for " + it.workID + " (an earlier row of aggregate " + w.agg.String() + ")"
 			l.r.metrics.Handoffs.WithLabelValues("held").Inc()
 			l.handOff(w)
 		}

@@ -140,6 +140,9 @@ type Relay struct {
 	// streamed and not yet confirmed, 0 when none: kept across sessions, so
 	// the lag keeps growing through an outage.
 	oldestOpen atomic.Int64
+	// preflighted: Preflight passed (the daemon runs it before it starts
+	// the poller); Run does not repeat it.
+	preflighted atomic.Bool
 
 	// sleep waits between sessions; tests replace it.
 	sleep func(ctx context.Context, d time.Duration) error
@@ -228,7 +231,11 @@ func (r *Relay) Preflight(ctx context.Context) error {
 			Msgf("publication %s has no row filter: the slot streams rows inserted in every state and the relay drops all but 'ready' ones; outbox-relay migrate adds WHERE %s (saves the walsender and the relay that work)",
 				r.cfg.Publication, replication.ReadyFilter)
 	}
-	return r.checkSlotOwner(ctx)
+	if err := r.checkSlotOwner(ctx); err != nil {
+		return err
+	}
+	r.preflighted.Store(true)
+	return nil
 }
 
 // checkSlotOwner refuses a slot that exists but was not created for this
@@ -255,8 +262,10 @@ func (r *Relay) checkSlotOwner(ctx context.Context) error {
 // It returns nil after a graceful shutdown and an error only when Preflight
 // fails; every later failure is logged and retried with capped backoff.
 func (r *Relay) Run(ctx context.Context) error {
-	if err := r.Preflight(ctx); err != nil {
-		return err
+	if !r.preflighted.Load() {
+		if err := r.Preflight(ctx); err != nil {
+			return err
+		}
 	}
 	attempt := 0
 	for {

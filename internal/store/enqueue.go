@@ -79,6 +79,9 @@ func EnqueueOne(ctx context.Context, db DBTX, t Table, r EnqueueRow) (bool, erro
 // concurrent insert of the same work_id won anyway, the number goes back
 // (this transaction holds the counter row's lock, so it is still the last).
 // A gap would stall every InSequence consumer of the aggregate.
+// <table>_give_back_seq acts only for the transaction that took the number
+// and only while no row has it (migration 0009), so a producer cannot lower
+// another transaction's counter with it.
 func enqueueOrdered(ctx context.Context, db DBTX, t Table, r EnqueueRow) (bool, error) {
 	var seq *int64
 	var inserted bool
@@ -96,11 +99,11 @@ func enqueueOrdered(ctx context.Context, db DBTX, t Table, r EnqueueRow) (bool, 
 		r.WorkID, r.Kind, r.Subject, r.Payload, r.Headers, r.availableAt(), r.AggregateType, r.AggregateID, r.AggregateSeq, r.expiresAt()).
 		Scan(&seq, &inserted)
 	if err != nil {
-		return false, fmt.Errorf("insert %q (aggregate %s/%s) into %s: %w", r.WorkID, r.AggregateType, r.AggregateID, t.Qualified(), err)
+		return false, fmt.Errorf("insert %q (aggregate %s) into %s: %w", r.WorkID, AggregateKey{Type: r.AggregateType, ID: r.AggregateID}, t.Qualified(), err)
 	}
 	if !inserted && seq != nil && r.AggregateSeq == 0 {
 		if _, err := db.Exec(ctx, `SELECT `+t.derived("give_back_seq", true)+`($1, $2, $3)`, r.AggregateType, r.AggregateID, *seq); err != nil {
-			return false, fmt.Errorf("give back sequence %d of aggregate %s/%s of %s: %w", *seq, r.AggregateType, r.AggregateID, t.Qualified(), err)
+			return false, fmt.Errorf("give back sequence %d of aggregate %s of %s: %w", *seq, AggregateKey{Type: r.AggregateType, ID: r.AggregateID}, t.Qualified(), err)
 		}
 	}
 	return inserted, nil

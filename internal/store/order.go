@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -25,6 +26,12 @@ type AggregateKey struct {
 	Type string `json:"type"`
 	ID   string `json:"id"`
 }
+
+// String prints the aggregate for people: type and id each as a Go-quoted
+// string, "order"/"103". Either may contain a slash, so a bare type/id would
+// print a/b+c and a+b/c alike; quoted, every pair prints differently, and
+// control and bidi characters from the row are escaped.
+func (k AggregateKey) String() string { return strconv.Quote(k.Type) + "/" + strconv.Quote(k.ID) }
 
 // Blocked is an aggregate whose lowest unpublished row is with the poller or
 // dead-lettered, and so holds the rows after it.

@@ -164,3 +164,23 @@ func TestSettleUsesPrimaryKey(t *testing.T) {
 		t.Errorf("new-1 %s/%d, new-2 %s, w1 seq %d; want published/7, scheduled, 1", st1, seq1, st2, seqW1)
 	}
 }
+
+// An aggregate prints with both parts quoted: a slash in either part, or a
+// quote, cannot make two aggregates read the same, and control and bidi
+// characters from the row are escaped.
+func TestAggregateKeyString(t *testing.T) {
+	for _, c := range []struct {
+		k    store.AggregateKey
+		want string
+	}{
+		{store.AggregateKey{Type: "a/b", ID: "c"}, `"a/b"/"c"`},
+		{store.AggregateKey{Type: "a", ID: "b/c"}, `"a"/"b/c"`},
+		{store.AggregateKey{Type: `a"/"b`, ID: "c"}, `"a\"/\"b"/"c"`},
+		{store.AggregateKey{Type: "a", ID: `b"/"c`}, `"a"/"b\"/\"c"`},
+		{store.AggregateKey{Type: "order", ID: "7\u202e1"}, `"order"/"7\u202e1"`},
+	} {
+		if got := c.k.String(); got != c.want {
+			t.Errorf("%#v: %s, want %s", c.k, got, c.want)
+		}
+	}
+}
