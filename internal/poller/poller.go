@@ -564,7 +564,7 @@ func (p *Poller) giveBack(ctx context.Context, blocker store.Claimed, rest []sto
 	for i, c := range rest {
 		items[i] = store.Unclaimed{WorkID: c.WorkID, Generation: c.ClaimGeneration, Reclaimed: c.Reclaimed}
 	}
-	why := "held: waiting for " + blocker.WorkID + " (an earlier row of aggregate " + blocker.AggregateType + "/" + blocker.AggregateID + ")"
+	why := "held: waiting for " + blocker.WorkID + " (an earlier row of aggregate " + store.AggregateKey{Type: blocker.AggregateType, ID: blocker.AggregateID}.String() + ")"
 	released, err := p.st.Release(ctx, items, p.cfg.WorkerID, why)
 	if err != nil {
 		p.log.Warn().Err(err).Int("claims", len(items)).Str("behind", blocker.WorkID).

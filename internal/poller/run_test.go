@@ -274,7 +274,7 @@ func TestRunStopsAtTheFirstFailure(t *testing.T) {
 				t.Errorf("%s: %+v, want scheduled, 1 attempt, the refusal", id, r)
 			}
 		default:
-			if r.state != "scheduled" || r.attempts != 0 || r.lastErr != "held: waiting for x-3 (an earlier row of aggregate order/x)" {
+			if r.state != "scheduled" || r.attempts != 0 || r.lastErr != `held: waiting for x-3 (an earlier row of aggregate "order"/"x")` {
 				t.Errorf("%s: %+v, want scheduled, no attempt, held behind x-3", id, r)
 			}
 		}
