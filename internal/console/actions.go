@@ -213,14 +213,8 @@ func (c *Console) act(w http.ResponseWriter, r *http.Request, preview bool) {
 		// change exactly the rows the preview showed, and then only those.
 		var ids []string
 		if len(a.IDs) > 0 {
-			req, err := c.request(r, a, true)
-			if err != nil {
-				c.fail(w, r, http.StatusBadRequest, err.Error())
-				return
-			}
-			res, err := c.run(r, a, req)
-			if err != nil {
-				c.opFailed(w, r, err)
+			_, res, ok := c.runOp(w, r, a, true)
+			if !ok {
 				return
 			}
 			ids = changedIDs(res)
@@ -241,14 +235,8 @@ func (c *Console) act(w http.ResponseWriter, r *http.Request, preview bool) {
 		t, _ := parseDeadline(a.ExpiresAt, time.Now())
 		a.ExpiresAt = t.UTC().Format(time.RFC3339Nano)
 	}
-	req, err := c.request(r, a, preview)
-	if err != nil {
-		c.fail(w, r, http.StatusBadRequest, err.Error())
-		return
-	}
-	res, err := c.run(r, a, req)
-	if err != nil {
-		c.opFailed(w, r, err)
+	req, res, ok := c.runOp(w, r, a, preview)
+	if !ok {
 		return
 	}
 	page := "result"
@@ -260,6 +248,22 @@ func (c *Console) act(w http.ResponseWriter, r *http.Request, preview bool) {
 		}
 	}
 	c.render(w, r, page, d, http.StatusOK)
+}
+
+// runOp runs a's operation (a dry run when dryRun); false: it failed and
+// the answer is written.
+func (c *Console) runOp(w http.ResponseWriter, r *http.Request, a actionForm, dryRun bool) (store.OpRequest, store.OpResult, bool) {
+	req, err := c.request(r, a, dryRun)
+	if err != nil {
+		c.fail(w, r, http.StatusBadRequest, err.Error())
+		return req, store.OpResult{}, false
+	}
+	res, err := c.run(r, a, req)
+	if err != nil {
+		c.opFailed(w, r, err)
+		return req, store.OpResult{}, false
+	}
+	return req, res, true
 }
 
 func changedIDs(res store.OpResult) []string {
