@@ -393,6 +393,15 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	if err := reportFailover(ctx, pool, o, log); err != nil {
 		return err
 	}
+	pc := o.pollerConfig(nc.IsConnected)
+	if gate != nil {
+		pc.Standby = gate
+		pc.WALPosition = func(ctx context.Context) (replication.LSN, error) { return replication.CurrentFlushLSN(ctx, pool) }
+	}
+	// Each sink has its own pending publishes: the two paths never wait
+	// behind each other's acks.
+	p := poller.New(pc, st, natssink.New(js, o.sinkOptions()), log, m)
+
 	r := relay.New(relay.Config{
 		DatabaseURL:      o.DatabaseURL,
 		Table:            o.Table,
@@ -410,19 +419,11 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		DeadlineMargin:   o.DeadlineMargin,
 		Standby:          gate,
 		FailoverSlot:     o.FailoverSlot,
+		HandedOver:       p.Wake,
 	}, pool, st, natssink.New(js, o.sinkOptions()), log, m)
 	if o.Started != nil {
 		o.Started(r)
 	}
-
-	pc := o.pollerConfig(nc.IsConnected)
-	if gate != nil {
-		pc.Standby = gate
-		pc.WALPosition = func(ctx context.Context) (replication.LSN, error) { return replication.CurrentFlushLSN(ctx, pool) }
-	}
-	// Each sink has its own pending publishes: the two paths never wait
-	// behind each other's acks.
-	p := poller.New(pc, st, natssink.New(js, o.sinkOptions()), log, m)
 
 	// Before the poller claims a row: an instance whose --ordering or
 	// --on-publish differs from the table's must not publish anything.

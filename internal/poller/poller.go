@@ -142,6 +142,38 @@ type Poller struct {
 	// The per-row counters, bound once: a label lookup per message is a
 	// measurable share of a batch's CPU.
 	pubOK, pubDuplicate prometheus.Counter
+	// wake cuts an idle pause short (Wake): rows due at once were written.
+	wake chan struct{}
+}
+
+// Wake tells the poller that rows it may claim at once were just committed
+// (the CDC path handed a held aggregate's rows over), so an idle pause ends
+// now instead of a poll interval later. A released aggregate then drains
+// while its new rows still arrive, and the CDC path finds it caught up and
+// takes it back (G12). Never blocks; wakes that come while the poller is
+// busy fold into one.
+func (p *Poller) Wake() {
+	select {
+	case p.wake <- struct{}{}:
+	default:
+	}
+}
+
+// pause waits d, or less when Wake is called; an error only when ctx ends.
+func (p *Poller) pause(ctx context.Context, d time.Duration) error {
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-p.wake:
+			cancel()
+		case <-sctx.Done():
+		}
+	}()
+	if err := p.cfg.Sleep(sctx, d); err != nil && ctx.Err() != nil {
+		return err
+	}
+	return nil
 }
 
 // New returns a poller; Run starts it.
@@ -165,6 +197,7 @@ func New(cfg Config, st *store.Store, sink sinks.Sink, log zerolog.Logger, m *me
 	l := log.With().Str("component", "poller").Str("worker", cfg.WorkerID).Logger()
 	return &Poller{cfg: cfg, st: st, sink: sink, log: l, m: m,
 		noisy:        l.Sample(&zerolog.BurstSampler{Burst: 5, Period: 30 * time.Second}),
+		wake:         make(chan struct{}, 1),
 		pubOK:        m.Published.WithLabelValues("poller", "ok"),
 		pubDuplicate: m.Published.WithLabelValues("poller", "duplicate"),
 	}
@@ -203,7 +236,7 @@ func (p *Poller) Run(ctx context.Context) error {
 			if d > 0 {
 				d = d/2 + time.Duration(p.cfg.Rand(int64(d)))
 			}
-			if err := p.cfg.Sleep(ctx, d); err != nil || ctx.Err() != nil {
+			if err := p.pause(ctx, d); err != nil || ctx.Err() != nil {
 				return nil
 			}
 		}
@@ -224,7 +257,7 @@ func (p *Poller) Run(ctx context.Context) error {
 			// batches in flight (the rest of an aggregate's run): claim
 			// again as soon as one of them ends, not a poll interval later.
 			if p.cfg.Ordered && f.batches > 0 {
-				immediate = f.waitOne(ctx, p.cfg.PollInterval)
+				immediate = f.waitOne(ctx, p.cfg.PollInterval, p.wake)
 			}
 			continue
 		}
@@ -290,9 +323,9 @@ func (f *flight) waitRoom(ctx context.Context, pipeline int) bool {
 	}
 }
 
-// waitOne waits until a batch in flight ends or d passes; false: ctx ended
-// first.
-func (f *flight) waitOne(ctx context.Context, d time.Duration) bool {
+// waitOne waits until a batch in flight ends, d passes or a wake comes;
+// false: ctx ended first.
+func (f *flight) waitOne(ctx context.Context, d time.Duration, wake <-chan struct{}) bool {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
@@ -301,6 +334,8 @@ func (f *flight) waitOne(ctx context.Context, d time.Duration) bool {
 		f.bytes -= n
 		return true
 	case <-t.C:
+		return true
+	case <-wake:
 		return true
 	case <-ctx.Done():
 		return false

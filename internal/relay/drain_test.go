@@ -117,7 +117,22 @@ func TestReleasedAggregateReturnsToTheCDCPath(t *testing.T) {
 // cancelled, the aggregate must come back to the CDC path within 15 s: new
 // rows are published with no attempt and no claim, and the stream holds
 // every sequence once, in order.
+//
+// At about 20 rows a second the table's answer alone hands it back. Faster
+// (a row every 2 ms plus its insert, a few hundred a second), the poller
+// must also claim the rows handed over at once (the relay wakes it) rather
+// than at its next poll: otherwise rows pile up for a poll interval and the
+// aggregate is never found caught up.
 func TestBusyReleasedAggregateReturnsToTheCDCPath(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		gap  time.Duration
+	}{{"20 rows/s", 40 * time.Millisecond}, {"hundreds of rows/s", 2 * time.Millisecond}} {
+		t.Run(c.name, func(t *testing.T) { busyReleasedAggregate(t, c.gap) })
+	}
+}
+
+func busyReleasedAggregate(t *testing.T, gap time.Duration) {
 	s := sharedSetup(t)
 	h := newHarness(t, s)
 	h.opts.Ordering = app.OrderingAggregate
@@ -131,6 +146,7 @@ func TestBusyReleasedAggregateReturnsToTheCDCPath(t *testing.T) {
 	last.Store(1)
 	pctx, stopProducer := context.WithCancel(ctx)
 	produced := make(chan struct{})
+	producing := time.Now()
 	go func() {
 		defer close(produced)
 		for pctx.Err() == nil {
@@ -141,7 +157,7 @@ func TestBusyReleasedAggregateReturnsToTheCDCPath(t *testing.T) {
 				return
 			}
 			last.Store(n)
-			time.Sleep(40 * time.Millisecond)
+			time.Sleep(gap)
 		}
 	}()
 	defer func() { stopProducer(); <-produced }()
@@ -179,7 +195,7 @@ func TestBusyReleasedAggregateReturnsToTheCDCPath(t *testing.T) {
 	<-produced
 	n := last.Load()
 	h.waitPublished(int(n)-1, time.Minute)
-	t.Logf("%d rows produced; the CDC path took the aggregate back from sequence %d, %v after the cancel", n-1, byCDC, back.Round(time.Millisecond))
+	t.Logf("%d rows produced (%.0f/s); the CDC path took the aggregate back from sequence %d, %v after the cancel", n-1, float64(n-1)/time.Since(producing).Seconds(), byCDC, back.Round(time.Millisecond))
 	var viaPoller int
 	if err := h.pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE aggregate_seq >= $1 AND (attempts > 0 OR claim_generation > 0)`, byCDC).Scan(&viaPoller); err != nil {
 		t.Fatal(err)

@@ -598,12 +598,19 @@ func (l *loop) settler(ctx context.Context) {
 
 func (l *loop) handleSettled(res settleResult, confirms chan replication.LSN) {
 	now := time.Now()
+	heldOver := false
+	defer func() {
+		if heldOver && l.r.cfg.HandedOver != nil {
+			l.r.cfg.HandedOver()
+		}
+	}()
 	for i, it := range res.batch {
 		if res.settled[i] {
 			l.cp.Settle(it.txn)
 			if it.holds {
 				l.order.settled(it, now)
 			}
+			heldOver = heldOver || it.settle.Outcome == store.Held
 			continue
 		}
 		// Streamed before visible: the commit is flushed but the backend

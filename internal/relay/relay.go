@@ -52,6 +52,10 @@ type Config struct {
 	// aggregates.
 	Ordered     bool
 	HeldRefresh time.Duration
+	// HandedOver, when set, is called after a settle committed held rows
+	// (due at once) for the poller, e.g. to wake a poller in this process
+	// instead of leaving them to its next poll.
+	HandedOver func()
 	// DeadlineMargin: a row closer than this to its deadline is handed to
 	// the poller, which decides on the database clock (G13).
 	DeadlineMargin time.Duration
