@@ -82,12 +82,12 @@ pg-versions:
 ## Debian's): the replication package, the relay package, and testenv's
 ## physical standby and failover (on 15 and 17 always, plus the version).
 ## PG_VERSION_SKIP leaves out the relay's slowest tests of its own logic
-## (deadlines, aggregate order, hostile and poison rows, delayed rows: about
-## 70 s of the package's 140 s per version), which the server's version
-## does not change; a new test runs on every version unless named here.
+## (deadlines, aggregate order and its hand-back, hostile and poison rows,
+## delayed rows, stream binding, duplicate acks, the table's settings),
+## which the server's version does not change; a new test runs on every version unless named here.
 ## Prints how long each version took.
 PG_VERSION_PKGS ?= ./replication/ ./internal/relay/
-PG_VERSION_SKIP ?= ^(TestDeadlines|TestOrderingHoldsAnAggregateBehindItsRefusedRow|TestHostileRowsNeverDriveTheBrokerOrCollapse|TestPoisonRowsDoNotBlock|TestDelayedRowWaitsForItsTime)$$
+PG_VERSION_SKIP ?= ^(TestDeadlines|TestDeadlineEdgesOnBothPaths|TestOrderingHoldsAnAggregateBehindItsRefusedRow|TestHostileRowsNeverDriveTheBrokerOrCollapse|TestPoisonRowsDoNotBlock|TestDelayedRowWaitsForItsTime|TestCDCNeverPublishesIntoAStreamThatTookTheSubjects|TestCDCRecordsADuplicateAck|TestOutOfSequencePublication|TestInstancesMustShareSettings|TestReleasedAggregateReturnsToTheCDCPath|TestBusyReleasedAggregateReturnsToTheCDCPath)$$
 test-pg-versions: setup pg-versions
 	@failed=""; \
 	for v in $(PG_VERSIONS); do \
