@@ -11,7 +11,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/inbox"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
@@ -86,8 +85,7 @@ func Example() {
 		time.Sleep(50 * time.Millisecond)
 	}
 
-	quiet := zerolog.Nop()
-	in, err := inbox.New(pool, inbox.Config{Consumer: "billing", Logger: &quiet})
+	in, err := inbox.New(pool, inbox.Config{Consumer: "billing"}) // Logger: a *slog.Logger; nil is quiet
 	if err != nil {
 		panic(err)
 	}
@@ -172,13 +170,11 @@ func Example_inSequence() {
 	examplePublish(ctx, js, prefix, "order.paid", "order-103-paid", 2, nil)
 	examplePublish(ctx, js, prefix, "order.placed", "order-103-placed", 1, nil)
 
-	quiet := zerolog.Nop()
 	in, err := inbox.New(pool, inbox.Config{
 		Consumer: "ledger",
 		Order:    inbox.InSequence,
 		GapAfter: 10 * time.Minute, // then OnGap, an error log and Stats.Gaps
 		OnGap:    func(g inbox.Gap) { fmt.Printf("sequence %d of %s/%s missing\n", g.Applied+1, g.Type, g.ID) },
-		Logger:   &quiet,
 	})
 	if err != nil {
 		panic(err)
@@ -230,8 +226,7 @@ func Example_latestWins() {
 	examplePublish(ctx, js, prefix, "order.discount", "order-103-discount", 4,
 		nats.Header{"Outbox-Expires-At": []string{"2020-01-01T00:00:00Z"}})
 
-	quiet := zerolog.Nop()
-	in, err := inbox.New(pool, inbox.Config{Consumer: "status-view", Order: inbox.LatestWins, EnforceDeadline: true, Logger: &quiet})
+	in, err := inbox.New(pool, inbox.Config{Consumer: "status-view", Order: inbox.LatestWins, EnforceDeadline: true})
 	if err != nil {
 		panic(err)
 	}

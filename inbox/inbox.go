@@ -66,14 +66,13 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/rs/zerolog"
-	"github.com/rs/zerolog/log"
 
 	"github.com/outbox-relay/outbox-relay/internal/retry"
 	"github.com/outbox-relay/outbox-relay/internal/wire"
@@ -116,8 +115,10 @@ type Config struct {
 	TxOptions pgx.TxOptions
 	// Logger receives rejections and gaps (error), retries, expiries and
 	// skips (warn), and duplicates, waits and superseded messages (debug).
-	// Default: zerolog's global logger.
-	Logger *zerolog.Logger
+	// Records carry component=inbox and consumer, and for a message its
+	// msg_id, subject, stream_seq and delivered count. Nil: nothing is
+	// logged (Stats, OnReject and OnGap still report).
+	Logger *slog.Logger
 	// OnReject, when set, is called for every message the inbox terminates,
 	// expired ones included.
 	OnReject func(Rejection)
@@ -218,7 +219,7 @@ type Stats struct {
 type Inbox struct {
 	pool *pgxpool.Pool
 	cfg  Config
-	log  zerolog.Logger
+	log  *slog.Logger
 	t    tableName
 
 	insertSQL, storedSQL, fenceSQL, fenceReadSQL, pruneSQL string
@@ -282,11 +283,11 @@ func New(pool *pgxpool.Pool, cfg Config) (*Inbox, error) {
 	}
 	in := &Inbox{pool: pool, cfg: cfg, t: t}
 	if cfg.Logger != nil {
-		in.log = *cfg.Logger
+		in.log = cfg.Logger
 	} else {
-		in.log = log.Logger
+		in.log = slog.New(slog.DiscardHandler)
 	}
-	in.log = in.log.With().Str("component", "inbox").Str("consumer", cfg.Consumer).Logger()
+	in.log = in.log.With(slog.String("component", "inbox"), slog.String("consumer", cfg.Consumer))
 	inbox, fences := t.inbox(), t.fences()
 	in.insertSQL = `INSERT INTO ` + inbox + ` (consumer, message_id, payload_sha256, subject, stream_seq)
 		VALUES ($1, $2, $3, $4, $5) ON CONFLICT (consumer, message_id) DO NOTHING`
@@ -327,14 +328,24 @@ func (in *Inbox) Wrap(ctx context.Context, h Handler) jetstream.MessageHandler {
 
 // delivery is what the inbox knows about one delivery.
 type delivery struct {
+	// ctx is Process's, handed to the log handler (trace IDs and the like).
+	ctx       context.Context
 	msg       jetstream.Msg
 	id        string
 	seq       uint64
 	delivered uint64
 }
 
-func (d delivery) event(e *zerolog.Event) *zerolog.Event {
-	return e.Str("msg_id", d.id).Str("subject", d.msg.Subject()).Uint64("stream_seq", d.seq).Uint64("delivered", d.delivered)
+// log writes one record about the delivery at level, with its identity
+// first and then attrs.
+func (in *Inbox) logDelivery(d delivery, level slog.Level, msg string, attrs ...slog.Attr) {
+	if !in.log.Enabled(d.ctx, level) {
+		return
+	}
+	all := make([]slog.Attr, 0, 4+len(attrs))
+	all = append(all, slog.String("msg_id", d.id), slog.String("subject", d.msg.Subject()),
+		slog.Uint64("stream_seq", d.seq), slog.Uint64("delivered", d.delivered))
+	in.log.LogAttrs(d.ctx, level, msg, append(all, attrs...)...)
 }
 
 // Process applies msg with h once, then acks, naks or terminates msg as the
@@ -342,7 +353,7 @@ func (d delivery) event(e *zerolog.Event) *zerolog.Event {
 // a retry or rejection (nil for Applied, Duplicate, Waiting and Superseded,
 // and for a failed ack after a commit, which is logged and counted only).
 func (in *Inbox) Process(ctx context.Context, msg jetstream.Msg, h Handler) (Outcome, error) {
-	d := delivery{msg: msg, id: msg.Headers().Get(wire.HeaderMsgID), delivered: 1}
+	d := delivery{ctx: ctx, msg: msg, id: msg.Headers().Get(wire.HeaderMsgID), delivered: 1}
 	if md, err := msg.Metadata(); err == nil {
 		d.seq, d.delivered = md.Sequence.Stream, md.NumDelivered
 	}
@@ -478,7 +489,7 @@ func (in *Inbox) repeat(ctx context.Context, tx pgx.Tx, d delivery, sum []byte) 
 			d.id, hex.EncodeToString(sum[:8]), hex.EncodeToString(stored[:min(8, len(stored))])))
 	}
 	in.duplicates.Add(1)
-	d.event(in.log.Debug()).Str("disposition", disposition).Msg("duplicate: already recorded, acking")
+	in.logDelivery(d, slog.LevelDebug, "duplicate: already recorded, acking", slog.String("disposition", disposition))
 	in.ack(d)
 	return Duplicate, nil
 }
@@ -491,7 +502,7 @@ func (in *Inbox) ack(d delivery) {
 		return
 	}
 	in.ackFailed.Add(1)
-	d.event(in.log.Warn()).Err(err).Msg("ack failed after commit; JetStream redelivers after AckWait and the inbox drops the repeat")
+	in.logDelivery(d, slog.LevelWarn, "ack failed after commit; JetStream redelivers after AckWait and the inbox drops the repeat", slog.Any("error", err))
 }
 
 // retry rolls nothing back itself (the caller did) and naks with a delay.
@@ -500,14 +511,14 @@ func (in *Inbox) ack(d delivery) {
 func (in *Inbox) retry(d delivery, handler bool, cause error) (Outcome, error) {
 	delay := in.delay(d)
 	in.retried.Add(1)
-	ev := d.event(in.log.Warn()).Err(cause).Dur("redeliver_in", delay)
+	attrs := []slog.Attr{slog.Any("error", cause), slog.Duration("redeliver_in", delay)}
 	if err := d.msg.NakWithDelay(delay); err != nil {
-		ev = ev.AnErr("nak_error", err)
+		attrs = append(attrs, slog.Any("nak_error", err))
 	}
 	if handler {
-		ev.Msg("handler failed; rolled back, redelivering")
+		in.logDelivery(d, slog.LevelWarn, "handler failed; rolled back, redelivering", attrs...)
 	} else {
-		ev.Msg("inbox database step failed; rolled back, redelivering")
+		in.logDelivery(d, slog.LevelWarn, "inbox database step failed; rolled back, redelivering", attrs...)
 	}
 	return Retrying, cause
 }
@@ -521,11 +532,11 @@ func (in *Inbox) delay(d delivery) time.Duration {
 
 func (in *Inbox) reject(d delivery, reason string, cause error) (Outcome, error) {
 	in.rejected.Add(1)
-	ev := d.event(in.log.Error()).Str("reason", reason).Err(cause)
+	attrs := []slog.Attr{slog.String("reason", reason), slog.Any("error", cause)}
 	if err := d.msg.TermWithReason(reason); err != nil && !errors.Is(err, jetstream.ErrMsgAlreadyAckd) {
-		ev = ev.AnErr("term_error", err)
+		attrs = append(attrs, slog.Any("term_error", err))
 	}
-	ev.Msg("message rejected and terminated; not applied")
+	in.logDelivery(d, slog.LevelError, "message rejected and terminated; not applied", attrs...)
 	if in.cfg.OnReject != nil {
 		in.cfg.OnReject(Rejection{MsgID: d.id, Subject: d.msg.Subject(), StreamSeq: d.seq, Reason: reason, Err: cause})
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"testing"
 	"time"
 
@@ -11,7 +12,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/inbox"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
@@ -91,8 +91,8 @@ func newPool(t testing.TB, url string) *pgxpool.Pool {
 // logger writing to the test.
 func (f *fixture) newInbox(pool *pgxpool.Pool, mod func(*inbox.Config)) *inbox.Inbox {
 	f.t.Helper()
-	logger := zerolog.New(zerolog.NewTestWriter(f.t)).Level(zerolog.DebugLevel)
-	cfg := inbox.Config{Consumer: "billing", BackoffMin: 10 * time.Millisecond, BackoffMax: 50 * time.Millisecond, Logger: &logger}
+	logger := slog.New(slog.NewTextHandler(f.t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug}))
+	cfg := inbox.Config{Consumer: "billing", BackoffMin: 10 * time.Millisecond, BackoffMax: 50 * time.Millisecond, Logger: logger}
 	if mod != nil {
 		mod(&cfg)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strconv"
 	"strings"
 	"time"
@@ -225,21 +226,22 @@ func (in *Inbox) wait(ctx context.Context, tx pgx.Tx, d delivery, a Aggregate, p
 	}
 	in.waited.Add(1)
 	delay := in.delay(d)
-	ev := d.event(in.log.Debug()).Str("aggregate", a.String()).Int64("sequence", a.Seq).Int64("applied", p.applied).Dur("redeliver_in", delay)
+	attrs := []slog.Attr{slog.String("aggregate", a.String()), slog.Int64("sequence", a.Seq), slog.Int64("applied", p.applied), slog.Duration("redeliver_in", delay)}
 	if err := d.msg.NakWithDelay(delay); err != nil {
-		ev = ev.AnErr("nak_error", err)
+		attrs = append(attrs, slog.Any("nak_error", err))
 	}
-	ev.Msg("waiting: an earlier sequence of the aggregate is not applied yet")
+	in.logDelivery(d, slog.LevelDebug, "waiting: an earlier sequence of the aggregate is not applied yet", attrs...)
 	if report {
 		g := Gap{Type: a.Type, ID: a.ID, Applied: p.applied, Waiting: a.Seq, MsgID: d.id, Age: p.age}
 		if p.waitingSince != nil {
 			g.Since = *p.waitingSince
 		}
 		in.gaps.Add(1)
-		d.event(in.log.Error()).Str("aggregate", a.String()).Int64("missing", g.Applied+1).Int64("waiting", g.Waiting).
-			Time("waiting_since", g.Since).Dur("waited", g.Age).
-			Msgf("gap: sequence %d of %s has not arrived and later ones have waited %v; they wait on. If it will never come (cancelled, failed or expired at the relay), redrive it there or skip it here (Inbox.Skip)",
-				g.Applied+1, a, g.Age.Round(time.Second))
+		in.logDelivery(d, slog.LevelError,
+			fmt.Sprintf("gap: sequence %d of %s has not arrived and later ones have waited %v; they wait on. If it will never come (cancelled, failed or expired at the relay), redrive it there or skip it here (Inbox.Skip)",
+				g.Applied+1, a, g.Age.Round(time.Second)),
+			slog.String("aggregate", a.String()), slog.Int64("missing", g.Applied+1), slog.Int64("waiting", g.Waiting),
+			slog.Time("waiting_since", g.Since), slog.Duration("waited", g.Age))
 		if in.cfg.OnGap != nil {
 			in.cfg.OnGap(g)
 		}
@@ -258,8 +260,8 @@ func (in *Inbox) supersede(ctx context.Context, tx pgx.Tx, d delivery, a Aggrega
 		return in.retry(d, false, fmt.Errorf("inbox: commit %q as superseded (outcome unknown; a redelivery finds out): %w", d.id, err))
 	}
 	in.superseded.Add(1)
-	d.event(in.log.Debug()).Str("aggregate", a.String()).Int64("sequence", a.Seq).Int64("applied", p.applied).
-		Msg("superseded: the aggregate is already at this sequence or past it; recorded, acked, not applied")
+	in.logDelivery(d, slog.LevelDebug, "superseded: the aggregate is already at this sequence or past it; recorded, acked, not applied",
+		slog.String("aggregate", a.String()), slog.Int64("sequence", a.Seq), slog.Int64("applied", p.applied))
 	in.ack(d)
 	return Superseded, nil
 }
@@ -283,11 +285,11 @@ func (in *Inbox) expire(ctx context.Context, tx pgx.Tx, d delivery, a Aggregate,
 	}
 	in.expired.Add(1)
 	cause := fmt.Errorf("%w: message %q expired at %s (database clock); recorded, not applied", ErrExpired, d.id, deadline.UTC().Format(time.RFC3339Nano))
-	ev := d.event(in.log.Warn()).Str("reason", dispositionExpired).Time("expires_at", deadline).Err(cause)
+	attrs := []slog.Attr{slog.String("reason", dispositionExpired), slog.Time("expires_at", deadline), slog.Any("error", cause)}
 	if err := d.msg.TermWithReason(dispositionExpired); err != nil && !errors.Is(err, jetstream.ErrMsgAlreadyAckd) {
-		ev = ev.AnErr("term_error", err)
+		attrs = append(attrs, slog.Any("term_error", err))
 	}
-	ev.Msg("deadline passed: recorded as expired and terminated; not applied")
+	in.logDelivery(d, slog.LevelWarn, "deadline passed: recorded as expired and terminated; not applied", attrs...)
 	if in.cfg.OnReject != nil {
 		in.cfg.OnReject(Rejection{MsgID: d.id, Subject: d.msg.Subject(), StreamSeq: d.seq, Reason: dispositionExpired, Err: cause})
 	}
@@ -325,7 +327,7 @@ func (in *Inbox) Skip(ctx context.Context, aggregateType, aggregateID string, th
 	if err != nil {
 		return fmt.Errorf("inbox.Skip %s through %d in %s: %w", a, through, in.t.positionsName(), err)
 	}
-	in.log.Warn().Str("aggregate", a.String()).Int64("skipped_after", after).Int64("skipped_through", through).Str("reason", reason).
-		Msg("position skipped forward by an operator; the skipped sequences will not be applied")
+	in.log.LogAttrs(ctx, slog.LevelWarn, "position skipped forward by an operator; the skipped sequences will not be applied",
+		slog.String("aggregate", a.String()), slog.Int64("skipped_after", after), slog.Int64("skipped_through", through), slog.String("reason", reason))
 	return nil
 }

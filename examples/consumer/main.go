@@ -16,6 +16,7 @@ import (
 	"flag"
 	"fmt"
 	"log"
+	"log/slog"
 	"os"
 	"os/signal"
 	"syscall"
@@ -25,7 +26,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/inbox"
 )
@@ -96,8 +96,8 @@ func run(ctx context.Context, dbURL, natsURL, streamName, subject, name string) 
 		return fmt.Errorf("create consumer %s: %w", name, err)
 	}
 
-	logger := zerolog.New(os.Stderr).With().Timestamp().Logger()
-	in, err := inbox.New(pool, inbox.Config{Consumer: name, Logger: &logger})
+	logger := slog.New(slog.NewJSONHandler(os.Stderr, nil))
+	in, err := inbox.New(pool, inbox.Config{Consumer: name, Logger: logger})
 	if err != nil {
 		return err
 	}

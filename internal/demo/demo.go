@@ -25,6 +25,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/inbox"
 	"github.com/outbox-relay/outbox-relay/internal/app"
 	"github.com/outbox-relay/outbox-relay/internal/devenv"
+	"github.com/outbox-relay/outbox-relay/internal/logbridge"
 	"github.com/outbox-relay/outbox-relay/internal/relay"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/wire"
@@ -424,7 +425,7 @@ func (d *run) consume(ctx context.Context, js jetstream.JetStream, firstSeq uint
 		work_id text PRIMARY KEY, payload jsonb NOT NULL, applied_at timestamptz NOT NULL DEFAULT clock_timestamp())`); err != nil {
 		return fmt.Errorf("create demo_effects: %w", err)
 	}
-	in, err := inbox.New(pool, inbox.Config{Consumer: "demo", Table: "demo_inbox", Logger: &d.log})
+	in, err := inbox.New(pool, inbox.Config{Consumer: "demo", Table: "demo_inbox", Logger: logbridge.Slog(d.log)})
 	if err != nil {
 		return fmt.Errorf("inbox: %w", err)
 	}

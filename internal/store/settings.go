@@ -7,7 +7,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
@@ -145,10 +144,10 @@ func settingsErr(t Table, what string, err error) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		switch pgErr.Code {
-		case pgerrcode.UndefinedTable:
+		case sqlstateUndefinedTable:
 			return fmt.Errorf("%w: %s (the table's recorded --ordering and --on-publish, added in migration 0009): run `outbox-relay migrate` with the same --database-url and --table",
 				ErrTableMissing, SettingsTable(t))
-		case pgerrcode.InsufficientPrivilege:
+		case sqlstateInsufficientPrivilege:
 			return fmt.Errorf("%s settings of %s: %w: GRANT SELECT, INSERT ON %s TO the relay's role (outbox-relay migrate --print-grants prints every grant)",
 				what, t.Qualified(), err, SettingsTable(t))
 		}

@@ -10,7 +10,6 @@ import (
 	"fmt"
 	"strings"
 
-	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -316,8 +315,16 @@ func batchMode(n int) pgx.QueryExecMode {
 	return unplanned
 }
 
+// The SQLSTATEs the store tells apart, written out rather than taken from
+// pgerrcode: the public outbox package builds on the store and depends on
+// nothing beyond pgx and the standard library.
+const (
+	sqlstateUndefinedTable        = "42P01"
+	sqlstateInsufficientPrivilege = "42501"
+)
+
 // IsUndefinedTable reports a 42P01 error.
 func IsUndefinedTable(err error) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedTable
+	return errors.As(err, &pgErr) && pgErr.Code == sqlstateUndefinedTable
 }

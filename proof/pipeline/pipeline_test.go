@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"os"
 	"os/exec"
@@ -20,7 +21,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/inbox"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
@@ -199,7 +199,7 @@ func TestExactlyOnceEffectsAcrossRelayKills(t *testing.T) {
 	if _, err := pgxExec(ctx, consumerDB, `CREATE TABLE effects (id bigserial PRIMARY KEY, msg_id text NOT NULL, order_id bigint NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
-	logger := zerolog.New(zerolog.NewTestWriter(t)).Level(zerolog.WarnLevel)
+	logger := slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelWarn}))
 	var instances []*inbox.Inbox
 	consumeCtx, stopConsuming := context.WithCancel(ctx)
 	defer stopConsuming()
@@ -209,7 +209,7 @@ func TestExactlyOnceEffectsAcrossRelayKills(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer pool.Close()
-		in, err := inbox.New(pool, inbox.Config{Consumer: "fulfilment", Logger: &logger, BackoffMin: 50 * time.Millisecond, BackoffMax: time.Second})
+		in, err := inbox.New(pool, inbox.Config{Consumer: "fulfilment", Logger: logger, BackoffMin: 50 * time.Millisecond, BackoffMax: time.Second})
 		if err != nil {
 			t.Fatal(err)
 		}
