@@ -1,6 +1,7 @@
 package outbox_test
 
 import (
+	"encoding/json"
 	"errors"
 	"os/exec"
 	"sort"
@@ -88,5 +89,30 @@ func TestPublicPackagesDependOnlyOnPgxNATSAndTheStandardLibrary(t *testing.T) {
 			chain[i], chain[j] = chain[j], chain[i]
 		}
 		t.Errorf("public packages depend on %s (module %s): %s", p, pkgs[p].module, strings.Join(chain, " -> "))
+	}
+}
+
+// Applications that import the public packages resolve the product module's
+// requirements: the browser test's chromedp lives in the proof module
+// (proof/console), not here.
+func TestProductModuleRequiresNoBrowserTooling(t *testing.T) {
+	out, err := exec.Command("go", "mod", "edit", "-json", "../go.mod").Output()
+	if err != nil {
+		t.Fatalf("go mod edit -json ../go.mod: %v", err)
+	}
+	var mod struct {
+		Module  struct{ Path string }
+		Require []struct{ Path string }
+	}
+	if err := json.Unmarshal(out, &mod); err != nil {
+		t.Fatalf("go mod edit -json: %v", err)
+	}
+	if mod.Module.Path != "github.com/outbox-relay/outbox-relay" {
+		t.Fatalf("../go.mod is module %q, want the product's", mod.Module.Path)
+	}
+	for _, r := range mod.Require {
+		if strings.HasPrefix(r.Path, "github.com/chromedp/") {
+			t.Errorf("the product module requires %s; browser tests belong in proof/ (its own module)", r.Path)
+		}
 	}
 }
