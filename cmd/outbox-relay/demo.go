@@ -13,7 +13,7 @@ import (
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var c common
 	var natsServer string
-	fs := newFlagSet("demo", "Shows rows flowing end to end. Without --database-url / --nats-url it starts a throwaway PostgreSQL (wal_level=logical) and nats-server and removes them afterwards.", stderr)
+	fs := newFlagSet("demo", "Shows rows flowing end to end, then order per aggregate (--ordering aggregate) with one order held behind its refused row, a deadline passing into expired, a dead letter redriven, and (on a terminal, or with --console) the operator console until Ctrl-C. Without --database-url / --nats-url it starts a throwaway PostgreSQL (wal_level=logical) and nats-server and removes them afterwards.", stderr)
 	c.register(fs, commonFlags...) // the demo runs the relay: it reads them all
 	// Its environment variable, OUTBOX_RELAY_NATS_SERVER, is how the
 	// error for a missing nats-server tells people to name theirs.
