@@ -153,7 +153,7 @@ bench: setup
 build:
 	$(GO) build -trimpath -ldflags "-X main.version=$(VERSION)" -o $(BIN) ./cmd/outbox-relay
 
-## demo: start throwaway PostgreSQL and nats-server and show rows flowing.
+## demo: start throwaway PostgreSQL and nats-server and show rows flowing, order per aggregate, a deadline, a dead letter redriven, then the console (until Ctrl-C).
 demo: setup
 	$(GO) run ./cmd/outbox-relay demo
 

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"io"
+	"os"
 
 	"github.com/rs/zerolog"
 
@@ -12,11 +13,16 @@ import (
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var c common
 	var natsServer string
-	fs := newFlagSet("demo", "Shows rows flowing end to end. Without --database-url / --nats-url it starts a throwaway PostgreSQL (wal_level=logical) and nats-server and removes them afterwards.", stderr)
+	fs := newFlagSet("demo", "Shows rows flowing end to end, then order per aggregate (--ordering aggregate) with one order held behind its refused row, a deadline passing into expired, a dead letter redriven, and (on a terminal, or with --console) the operator console until Ctrl-C. Without --database-url / --nats-url it starts a throwaway PostgreSQL (wal_level=logical) and nats-server and removes them afterwards.", stderr)
 	c.register(fs, commonFlags...) // the demo runs the relay: it reads them all
 	// Its environment variable, OUTBOX_RELAY_NATS_SERVER, is how the
 	// error for a missing nats-server tells people to name theirs.
 	fs.StringVar(&natsServer, "nats-server", "", "nats-server binary for the throwaway server (default: the version go.mod pins when run in a source checkout, else nats-server on PATH)")
+	terminal := isTerminal(stdout)
+	var withConsole bool
+	var consoleAddr string
+	fs.BoolVar(&withConsole, "console", false, "end by serving the operator console, with a token printed for the session, until Ctrl-C (default: when stdout is a terminal)")
+	fs.StringVar(&consoleAddr, "http-addr", "127.0.0.1:0", "serve the console here (loopback; port 0 picks a free one)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -37,5 +43,20 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err != nil {
 		return err
 	}
-	return demo.Run(ctx, demo.Options{Relay: o, NATSServer: natsServer}, stdout, log)
+	if !flagGiven(fs, "console") {
+		withConsole = terminal
+	}
+	return demo.Run(ctx, demo.Options{Relay: o, NATSServer: natsServer, Terminal: terminal,
+		Console: withConsole, ConsoleAddr: consoleAddr}, stdout, log)
+}
+
+// isTerminal says w is a character device, where overwriting a progress
+// line makes sense; a file or a pipe gets plain lines.
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
+	}
+	fi, err := f.Stat()
+	return err == nil && fi.Mode()&os.ModeCharDevice != 0
 }

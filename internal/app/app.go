@@ -91,6 +91,12 @@ type Options struct {
 	PollInterval time.Duration
 	PollBatch    int
 	PollPipeline int // claimed batches in flight; 0: poller.DefaultPipeline
+	// RejectRetry (the delay before the poller retries a row the broker
+	// rejected on the CDC path) and SweepInterval (the poller's deadline
+	// sweep) have no flags: the demo shortens them to show a dead letter
+	// and an expiry in seconds. 0: the relay's and the poller's defaults.
+	RejectRetry   time.Duration
+	SweepInterval time.Duration
 
 	NATS NATSAuth
 
@@ -286,6 +292,7 @@ func (o *Options) pollerConfig(connected func() bool) poller.Config {
 		BackoffMin: o.BackoffMin, BackoffMax: o.BackoffMax, PollInterval: o.PollInterval, Batch: o.PollBatch, Pipeline: o.PollPipeline,
 		SubjectPrefix: o.SubjectPrefix, Connected: connected,
 		Ordered: o.Ordering == OrderingAggregate, DeadlineMargin: o.DeadlineMargin,
+		SweepInterval: o.SweepInterval,
 	}
 	if c.WorkerID == "" {
 		c.WorkerID = DefaultWorkerID()
@@ -417,6 +424,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		BeforeSession:    ensureStream,
 		Ordered:          o.Ordering == OrderingAggregate,
 		DeadlineMargin:   o.DeadlineMargin,
+		RejectRetry:      o.RejectRetry,
 		Standby:          gate,
 		FailoverSlot:     o.FailoverSlot,
 		HandedOver:       p.Wake,

@@ -42,6 +42,15 @@ type Options struct {
 	// means the version go.mod pins when run in a source checkout, else
 	// nats-server on PATH (devenv.FindNATSServer).
 	NATSServer string
+	// Terminal says stdout is a terminal: only then does the story
+	// overwrite its progress line (\r and an erase sequence), which in a
+	// file or a pipe would be noise.
+	Terminal bool
+	// Console, when set, ends the demo by serving the operator console
+	// on ConsoleAddr (with a random token printed for the session) until
+	// ctx ends.
+	Console     bool
+	ConsoleAddr string
 }
 
 // NATSServerEnv is the environment variable that names the nats-server
@@ -63,7 +72,20 @@ const (
 // when anything went wrong, including a loss or a phantom. log gets the
 // relay's and the inbox's lines; the caller picks their level.
 func Run(ctx context.Context, o Options, stdout io.Writer, log zerolog.Logger) error {
-	d := &run{o: o.Relay, stdout: stdout, log: log}
+	d := &run{o: o.Relay, opts: o, stdout: stdout, log: log}
+	// The relay runs as the later sections show it: ordered by aggregate,
+	// allowed a second stream for the orders, and with a poller quick
+	// enough that a refused row becomes a dead letter within a second. The
+	// table records --ordering on first use, so every run of the demo on a
+	// table uses the same.
+	d.o.Ordering = app.OrderingAggregate
+	d.ordersStream = d.o.Stream + ordersStreamSuffix
+	d.o.AllowStreams = append(d.o.AllowStreams, d.ordersStream)
+	d.o.MaxAttempts = demoMaxAttempts
+	d.o.BackoffMin, d.o.BackoffMax = 100*time.Millisecond, 300*time.Millisecond
+	d.o.PollInterval = 100 * time.Millisecond
+	d.o.DeadlineMargin = 200 * time.Millisecond
+	d.o.RejectRetry, d.o.SweepInterval = 200*time.Millisecond, 200*time.Millisecond
 	userDB := d.o.DatabaseURL != ""
 	stopServers, err := d.startServers(o.NATSServer)
 	defer stopServers()
@@ -80,13 +102,31 @@ func Run(ctx context.Context, o Options, stdout io.Writer, log zerolog.Logger) e
 		return fmt.Errorf("migrate %s: %w", d.o.Table.Qualified(), err)
 	}
 	d.printf("migrated %s\n", d.o.Table.Qualified())
+	// A table records --ordering on its first run, and refuses a relay
+	// with another: on a table an earlier `run` recorded unordered, the
+	// demo runs unordered too and leaves out the orders.
+	rec, found, err := store.ReadSettings(ctx, conn, d.o.Table)
+	if err != nil {
+		return err
+	}
+	showOrders := !found || rec.Ordering == app.OrderingAggregate
+	if !showOrders {
+		d.o.Ordering = rec.Ordering
+		d.printf("%s records --ordering %s (by %s): the demo runs so too and leaves out the orders section; give it another --table to see it\n",
+			d.o.Table.Qualified(), rec.Ordering, rec.RecordedBy)
+	}
+	pool, err := pgxpool.New(ctx, d.o.DatabaseURL)
+	if err != nil {
+		return fmt.Errorf("connect to PostgreSQL: %w", err)
+	}
+	defer pool.Close()
 
 	rel, err := d.startRelay(ctx)
 	defer rel.stop() //nolint:errcheck // the error that matters is returned already
 	if err != nil {
 		return err
 	}
-	d.printf("relay streaming slot %s into stream %s\n\n", d.o.Slot, d.o.Stream)
+	d.printf("relay streaming slot %s into stream %s (--ordering %s)\n\n", d.o.Slot, d.o.Stream, d.o.Ordering)
 
 	js, received, closeNATS, err := d.subscribe(ctx)
 	defer closeNATS()
@@ -114,6 +154,12 @@ func Run(ctx context.Context, o Options, stdout io.Writer, log zerolog.Logger) e
 	d.printf("\n")
 	phantoms := settle(received, committed, seen)
 
+	if showOrders {
+		if err := d.orders(ctx, pool, js, suffix, rel); err != nil || ctx.Err() != nil {
+			return err
+		}
+	}
+
 	// Stop first: a graceful stop confirms the slot past everything acked.
 	if err := rel.stop(); err != nil {
 		return fmt.Errorf("stop the relay: %w", err)
@@ -121,14 +167,22 @@ func Run(ctx context.Context, o Options, stdout io.Writer, log zerolog.Logger) e
 	if err := d.summary(ctx, conn, committed, seen, phantoms); err != nil {
 		return err
 	}
-	return d.consume(ctx, js, firstSeq, len(seen))
+	if err := d.consume(ctx, pool, js, firstSeq, len(seen)); err != nil {
+		return err
+	}
+	if o.Console {
+		return d.serveConsole(ctx, pool)
+	}
+	return nil
 }
 
 // run is one demo's state.
 type run struct {
-	o      app.Options
-	stdout io.Writer
-	log    zerolog.Logger
+	o            app.Options
+	opts         Options
+	ordersStream string
+	stdout       io.Writer
+	log          zerolog.Logger
 }
 
 // printf writes the story; a reader who closed stdout loses nothing the
@@ -349,8 +403,13 @@ func (d *run) receive(ctx context.Context, received <-chan jetstream.Msg, commit
 			if md, err := m.Metadata(); err == nil && (firstSeq == 0 || md.Sequence.Stream < firstSeq) {
 				firstSeq = md.Sequence.Stream
 			}
-			d.printf("\r\033[K  <- %-16s subject=%s lsn=%s  %s\n", id, m.Subject(), m.Headers().Get(wire.HeaderCommitLSN), m.Data())
-			d.printf("  received %d/%d", len(seen), len(committed))
+			line := fmt.Sprintf("  <- %-16s subject=%s lsn=%s  %s\n", id, m.Subject(), m.Headers().Get(wire.HeaderCommitLSN), m.Data())
+			if !d.opts.Terminal {
+				d.printf("%s", line)
+				continue
+			}
+			// On a terminal one progress line stays under the messages.
+			d.printf("\r\033[K%s  received %d/%d", line, len(seen), len(committed))
 		case <-deadline:
 			return nil, 0, fmt.Errorf("only %d of %d committed rows reached the stream within %v", len(seen), len(committed), deliverTimeout)
 		case <-rel.done:
@@ -383,8 +442,12 @@ func settle(received <-chan jetstream.Msg, committed map[string]bool, seen map[s
 // summary prints what the database and the slot say after the relay
 // stopped, and fails on a loss or a phantom.
 func (d *run) summary(ctx context.Context, conn *pgx.Conn, committed map[string]bool, seen map[string]int, phantoms int) error {
+	ids := make([]string, 0, len(committed))
+	for id := range committed {
+		ids = append(ids, id)
+	}
 	var published int
-	err := conn.QueryRow(ctx, `SELECT count(*) FROM `+d.o.Table.String()+` WHERE state = 'published'`).Scan(&published)
+	err := conn.QueryRow(ctx, `SELECT count(*) FROM `+d.o.Table.String()+` WHERE state = 'published' AND work_id = ANY($1)`, ids).Scan(&published)
 	if err != nil {
 		return fmt.Errorf("count published rows: %w", err)
 	}
@@ -411,13 +474,8 @@ func (d *run) summary(ctx context.Context, conn *pgx.Conn, committed map[string]
 // consume is the receiving end: package inbox applies each message's effect
 // once. Every message is delivered twice, by two JetStream consumers, as a
 // redelivery or a republish would: the second delivery changes nothing.
-func (d *run) consume(ctx context.Context, js jetstream.JetStream, firstSeq uint64, n int) error {
+func (d *run) consume(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, firstSeq uint64, n int) error {
 	d.printf("\nconsumer: applying each message's effect once with package inbox; every message is delivered twice\n")
-	pool, err := pgxpool.New(ctx, d.o.DatabaseURL)
-	if err != nil {
-		return fmt.Errorf("connect to PostgreSQL: %w", err)
-	}
-	defer pool.Close()
 	if err := inbox.Migrate(ctx, pool, "demo_inbox"); err != nil {
 		return fmt.Errorf("migrate demo_inbox: %w", err)
 	}
