@@ -13,6 +13,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/poller"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/sinks"
 )
 
@@ -27,7 +28,7 @@ type slowFuture struct {
 	delay time.Duration
 }
 
-func (s slowSink) Publish(ctx context.Context, m *sinks.Message) (sinks.Future, error) {
+func (s slowSink) Publish(ctx context.Context, m *wire.Message) (sinks.Future, error) {
 	f, err := s.Sink.Publish(ctx, m)
 	if err != nil {
 		return nil, err

@@ -9,6 +9,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/poller"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/sinks"
 )
 
@@ -32,7 +33,7 @@ func newGate(buffer int) *gatedSink {
 
 func (g *gatedSink) wrap(s sinks.Sink) sinks.Sink { g.Sink = s; return g }
 
-func (g *gatedSink) Publish(ctx context.Context, m *sinks.Message) (sinks.Future, error) {
+func (g *gatedSink) Publish(ctx context.Context, m *wire.Message) (sinks.Future, error) {
 	f, err := g.Sink.Publish(ctx, m)
 	if err != nil {
 		return nil, err

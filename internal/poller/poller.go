@@ -489,7 +489,7 @@ func (p *Poller) process(ctx context.Context, claimed []store.Claimed) error {
 
 // message builds c's message; extra is a scratch map for the poller's
 // headers, reused across a batch (BuildMessage copies its values).
-func (p *Poller) message(c store.Claimed, extra map[string]string) (*sinks.Message, error) {
+func (p *Poller) message(c store.Claimed, extra map[string]string) (*wire.Message, error) {
 	extra[wire.HeaderAttempt] = strconv.Itoa(c.Attempts)
 	extra[wire.HeaderClaimGeneration] = strconv.FormatInt(c.ClaimGeneration, 10)
 	return wire.BuildMessage(wire.Row{
@@ -567,7 +567,7 @@ func (p *Poller) publishRun(ctx context.Context, run []store.Claimed) []store.Co
 		if c.Reclaimed && c.Attempts > p.cfg.MaxAttempts {
 			p.failReclaimed(ctx, c)
 		} else {
-			var msg *sinks.Message
+			var msg *wire.Message
 			var f sinks.Future
 			var ack sinks.Ack
 			if msg, err = p.message(c, extra); err == nil {
@@ -681,7 +681,7 @@ func (p *Poller) keepLeases(ctx context.Context, claimed []store.Claimed, stop <
 // it as it is) or uncertain (timeout, outage: it may have been stored).
 func (p *Poller) retryOrFail(ctx context.Context, c store.Claimed, err error) {
 	var class, reason, text string
-	if re, ok := sinks.IsRejected(err); ok {
+	if re, ok := wire.IsRejected(err); ok {
 		class, reason = "rejected", re.Reason
 		text = fmt.Sprintf("rejected: %s: %v", re.Reason, re.Err)
 		p.m.Published.WithLabelValues("poller", "rejected").Inc()

@@ -47,7 +47,7 @@ type orderFuture struct {
 	refuse bool
 }
 
-func (o *orderSink) Publish(ctx context.Context, m *sinks.Message) (sinks.Future, error) {
+func (o *orderSink) Publish(ctx context.Context, m *wire.Message) (sinks.Future, error) {
 	agg := m.Header[wire.HeaderAggregateType][0] + "/" + m.Header[wire.HeaderAggregateID][0]
 	o.mu.Lock()
 	o.inflight[agg]++
@@ -75,7 +75,7 @@ func (o *orderSink) done(agg string) {
 func (f orderFuture) Wait(ctx context.Context) (sinks.Ack, error) {
 	defer f.o.done(f.agg)
 	if f.refuse {
-		return sinks.Ack{}, &sinks.RejectedError{Reason: "max_msg_size", Err: errors.New("message size exceeds maximum allowed (test)")}
+		return sinks.Ack{}, &wire.RejectedError{Reason: "max_msg_size", Err: errors.New("message size exceeds maximum allowed (test)")}
 	}
 	return f.Future.Wait(ctx)
 }

@@ -22,7 +22,7 @@ type item struct {
 	txn        *checkpoint.Txn
 	workID     string
 	commitTime time.Time
-	msg        *sinks.Message
+	msg        *wire.Message
 	size       int
 	fut        sinks.Future
 	ack        sinks.Ack
@@ -391,7 +391,7 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row) error {
 		AggregateType: aggType, AggregateID: aggID, AggregateSeq: aggSeq, ExpiresAt: row.ExpiresAt,
 	}, l.r.cfg.SubjectPrefix, l.curHeaders)
 	if err != nil {
-		re, _ := sinks.IsRejected(err)
+		re, _ := wire.IsRejected(err)
 		l.reject(it, re)
 		return nil
 	}
@@ -413,7 +413,7 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row) error {
 func (l *loop) publish(ctx context.Context, it *item) error {
 	fut, err := l.r.sink.Publish(ctx, it.msg)
 	if err != nil {
-		if re, ok := sinks.IsRejected(err); ok {
+		if re, ok := wire.IsRejected(err); ok {
 			l.reject(it, re)
 			return nil
 		}
@@ -435,7 +435,7 @@ func (l *loop) publish(ctx context.Context, it *item) error {
 // reject hands a row the broker will never take to the poller (G7): the
 // stream goes on, and the row is retried later and dead-lettered after max
 // attempts, with the reason kept in last_error.
-func (l *loop) reject(it *item, re *sinks.RejectedError) {
+func (l *loop) reject(it *item, re *wire.RejectedError) {
 	l.r.log.Warn().Str("work_id", it.workID).Str("reason", re.Reason).Err(re.Err).Msg("broker rejected row; handing it to the poller")
 	l.r.metrics.Published.WithLabelValues("cdc", "rejected").Inc()
 	l.r.metrics.Failures.WithLabelValues("rejected", re.Reason).Inc()
@@ -539,7 +539,7 @@ func (l *loop) handleResult(ctx context.Context, it *item) error {
 	l.inflight--
 	l.inflightBytes -= it.size
 	if it.err != nil {
-		if re, ok := sinks.IsRejected(it.err); ok {
+		if re, ok := wire.IsRejected(it.err); ok {
 			l.reject(it, re)
 			return nil
 		}

@@ -8,9 +8,59 @@ import (
 	"strconv"
 	"time"
 	"unicode/utf8"
-
-	"github.com/outbox-relay/outbox-relay/sinks"
 )
+
+// Message is one outbox row as the broker will store it: what BuildMessage
+// makes of a row on either path, and what a sink publishes.
+type Message struct {
+	ID      string // the row's work_id; brokers dedupe on it (Nats-Msg-Id)
+	Subject string
+	Data    []byte
+	Header  map[string][]string
+
+	// Checked says the subject and every header were checked as a broker
+	// takes them, and HeaderBytes is then the header block's size with the
+	// ID (BuildMessage sets both), so a sink need not walk the headers
+	// again for each message.
+	Checked     bool
+	HeaderBytes int
+}
+
+// Size is what the message counts against in-flight byte limits.
+func (m *Message) Size() int {
+	n := len(m.ID) + len(m.Subject) + len(m.Data)
+	if m.Checked {
+		return n + m.HeaderBytes
+	}
+	for k, vs := range m.Header {
+		for _, v := range vs {
+			n += len(k) + len(v) + 4
+		}
+	}
+	return n
+}
+
+// RejectedError says a message can never be published as it is: the row
+// breaks the format (BuildMessage), or the broker definitively refused it
+// (payload too large, no stream bound to the subject). A known non-effect
+// that retrying unchanged will not fix.
+type RejectedError struct {
+	Reason string // short, stable, for metrics: "max_payload", "no_stream", "invalid_subject", ...
+	Err    error
+}
+
+func (e *RejectedError) Error() string {
+	return fmt.Sprintf("rejected (%s): %v", e.Reason, e.Err)
+}
+
+func (e *RejectedError) Unwrap() error { return e.Err }
+
+// IsRejected reports whether err is a definitive rejection and returns it.
+func IsRejected(err error) (*RejectedError, bool) {
+	var re *RejectedError
+	ok := errors.As(err, &re)
+	return re, ok
+}
 
 // Row is what a message is built from, on either path (CDC or poller).
 type Row struct {
@@ -44,8 +94,8 @@ const (
 // the client trims and rewrites what it cannot encode, and the broker
 // deduplicates on what arrives, so a work ID that does not survive the trip
 // would be stored as another row's message. The error, always a
-// *sinks.RejectedError, means the row can never be published as it is.
-func BuildMessage(r Row, subjectPrefix string, extra map[string]string) (*sinks.Message, error) {
+// *RejectedError, means the row can never be published as it is.
+func BuildMessage(r Row, subjectPrefix string, extra map[string]string) (*Message, error) {
 	return BuildMessageShared(r, subjectPrefix, SharedHeaders(extra))
 }
 
@@ -64,12 +114,12 @@ func SharedHeaders(extra map[string]string) map[string][]string {
 // BuildMessageShared is BuildMessage with the extra headers already built by
 // SharedHeaders. Their value slices are shared by every message built from
 // them, and nothing downstream writes to them.
-func BuildMessageShared(r Row, subjectPrefix string, extra map[string][]string) (*sinks.Message, error) {
+func BuildMessageShared(r Row, subjectPrefix string, extra map[string][]string) (*Message, error) {
 	if err := ValidateWorkID(r.WorkID); err != nil {
-		return nil, &sinks.RejectedError{Reason: ReasonInvalidWorkID, Err: err}
+		return nil, &RejectedError{Reason: ReasonInvalidWorkID, Err: err}
 	}
 	if err := ValidateKind(r.Kind); err != nil {
-		return nil, &sinks.RejectedError{Reason: ReasonInvalidKind, Err: fmt.Errorf("row %s: %w", r.WorkID, err)}
+		return nil, &RejectedError{Reason: ReasonInvalidKind, Err: fmt.Errorf("row %s: %w", r.WorkID, err)}
 	}
 	subject := r.Subject
 	if subject == "" {
@@ -80,21 +130,21 @@ func BuildMessageShared(r Row, subjectPrefix string, extra map[string][]string) 
 		if errors.Is(err, ErrReservedSubject) {
 			reason = ReasonReservedSubject
 		}
-		return nil, &sinks.RejectedError{Reason: reason, Err: fmt.Errorf("row %s: %w", r.WorkID, err)}
+		return nil, &RejectedError{Reason: reason, Err: fmt.Errorf("row %s: %w", r.WorkID, err)}
 	}
 	hdr := make(map[string][]string, 5+len(extra))
 	if len(r.Headers) > 0 {
 		var user map[string]any
 		if err := json.Unmarshal(r.Headers, &user); err != nil {
-			return nil, &sinks.RejectedError{Reason: ReasonInvalidHeader, Err: fmt.Errorf("headers of %s are not a JSON object of strings: %w", r.WorkID, err)}
+			return nil, &RejectedError{Reason: ReasonInvalidHeader, Err: fmt.Errorf("headers of %s are not a JSON object of strings: %w", r.WorkID, err)}
 		}
 		for k, v := range user {
 			s, ok := v.(string)
 			if !ok {
-				return nil, &sinks.RejectedError{Reason: ReasonInvalidHeader, Err: fmt.Errorf("header %q of %s is a JSON %T, not a string", k, r.WorkID, v)}
+				return nil, &RejectedError{Reason: ReasonInvalidHeader, Err: fmt.Errorf("header %q of %s is a JSON %T, not a string", k, r.WorkID, v)}
 			}
 			if err := ValidateHeader(k, s); err != nil {
-				return nil, &sinks.RejectedError{Reason: ReasonInvalidHeader, Err: fmt.Errorf("row %s: %w", r.WorkID, err)}
+				return nil, &RejectedError{Reason: ReasonInvalidHeader, Err: fmt.Errorf("row %s: %w", r.WorkID, err)}
 			}
 			hdr[k] = []string{s}
 		}
@@ -102,7 +152,7 @@ func BuildMessageShared(r Row, subjectPrefix string, extra map[string][]string) 
 	hdr[HeaderKind] = []string{r.Kind}
 	if r.AggregateSeq != 0 || r.AggregateType != "" || r.AggregateID != "" {
 		if err := ValidateAggregate(r.AggregateType, r.AggregateID, r.AggregateSeq); err != nil {
-			return nil, &sinks.RejectedError{Reason: ReasonInvalidAggregate, Err: fmt.Errorf("row %s: %w", r.WorkID, err)}
+			return nil, &RejectedError{Reason: ReasonInvalidAggregate, Err: fmt.Errorf("row %s: %w", r.WorkID, err)}
 		}
 		hdr[HeaderAggregateType] = []string{r.AggregateType}
 		hdr[HeaderAggregateID] = []string{r.AggregateID}
@@ -113,7 +163,7 @@ func BuildMessageShared(r Row, subjectPrefix string, extra map[string][]string) 
 		// has no RFC 3339 form: publishing it would hand receivers a
 		// header they must call malformed.
 		if err := ValidateTime("expires_at", r.ExpiresAt); err != nil {
-			return nil, &sinks.RejectedError{Reason: ReasonInvalidDeadline, Err: fmt.Errorf("row %s: %w; redrive it with a new deadline (--expires-at) or none (--no-deadline)", r.WorkID, err)}
+			return nil, &RejectedError{Reason: ReasonInvalidDeadline, Err: fmt.Errorf("row %s: %w; redrive it with a new deadline (--expires-at) or none (--no-deadline)", r.WorkID, err)}
 		}
 		hdr[HeaderExpiresAt] = []string{FormatDeadline(r.ExpiresAt)}
 	}
@@ -122,11 +172,11 @@ func BuildMessageShared(r Row, subjectPrefix string, extra map[string][]string) 
 	}
 	n := HeaderBlockSize(r.WorkID, hdr)
 	if n > MaxHeaderBytes {
-		return nil, &sinks.RejectedError{Reason: ReasonHeaderTooLarge, Err: fmt.Errorf(
+		return nil, &RejectedError{Reason: ReasonHeaderTooLarge, Err: fmt.Errorf(
 			"row %s: its headers take %d bytes, over JetStream's %d-byte limit for a message's header block: send fewer or shorter headers (%s)",
 			r.WorkID, n, MaxHeaderBytes, largestHeaders(hdr))}
 	}
-	return &sinks.Message{ID: r.WorkID, Subject: subject, Data: r.Payload, Header: hdr, Checked: true, HeaderBytes: n}, nil
+	return &Message{ID: r.WorkID, Subject: subject, Data: r.Payload, Header: hdr, Checked: true, HeaderBytes: n}, nil
 }
 
 // FormatDeadline is how Outbox-Expires-At carries a deadline: RFC 3339 in

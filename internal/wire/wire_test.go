@@ -10,7 +10,6 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/internal/wire/wiretest"
-	"github.com/outbox-relay/outbox-relay/sinks"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
 
@@ -64,7 +63,7 @@ func TestBuildMessageAgreesWithValidateHeader(t *testing.T) {
 		if (ours == nil) != (theirs == nil) {
 			t.Errorf("header %q=%q: ValidateHeader says %v, BuildMessage says %v", c.name, c.value, ours, theirs)
 		}
-		if re, ok := sinks.IsRejected(theirs); theirs != nil && (!ok || re.Reason != wire.ReasonInvalidHeader) {
+		if re, ok := wire.IsRejected(theirs); theirs != nil && (!ok || re.Reason != wire.ReasonInvalidHeader) {
 			t.Errorf("header %q=%q: BuildMessage returned %v, want a rejection with reason %s", c.name, c.value, theirs, wire.ReasonInvalidHeader)
 		}
 	}
@@ -99,7 +98,7 @@ func TestBuildMessageRefusesHostileRows(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			c.row.Payload = []byte(`{}`)
 			_, err := wire.BuildMessage(c.row, "outbox.", nil)
-			re, ok := sinks.IsRejected(err)
+			re, ok := wire.IsRejected(err)
 			if !ok || re.Reason != c.reason {
 				t.Fatalf("BuildMessage = %v, want a rejection with reason %s", err, c.reason)
 			}
@@ -129,7 +128,7 @@ func FuzzBuildMessage(f *testing.F) {
 		}
 		m, err := wire.BuildMessage(row, "outbox.", map[string]string{wire.HeaderAttempt: "1"})
 		if err != nil {
-			if re, ok := sinks.IsRejected(err); !ok || re.Reason == "" {
+			if re, ok := wire.IsRejected(err); !ok || re.Reason == "" {
 				t.Fatalf("error %v is not a rejection with a reason", err)
 			}
 			return

@@ -32,7 +32,7 @@ func BenchmarkPublish(b *testing.B) {
 	data := []byte(`{"order_id":"0f8fad5b-d9cb-469f-a165-70867728950e","customer":"c-1042","amount":12999,"currency":"EUR"}`)
 	run := benchRun.Add(1)
 	lsn, commit := "16/B374D848", time.Now().UTC().Format(time.RFC3339Nano)
-	msgs := make([]sinks.Message, chunk)
+	msgs := make([]wire.Message, chunk)
 
 	queue := make(chan sinks.Future, window)
 	drained := make(chan struct{})
@@ -58,7 +58,7 @@ func BenchmarkPublish(b *testing.B) {
 		b.StopTimer()
 		n := min(chunk, b.N-done)
 		for i := range n {
-			msgs[i] = sinks.Message{
+			msgs[i] = wire.Message{
 				ID:      "bench-" + strconv.FormatInt(run, 10) + "-" + strconv.Itoa(done+i),
 				Subject: subject,
 				Data:    data,

@@ -12,7 +12,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/outbox-relay/outbox-relay/sinks"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 )
 
 // Options says where the sink may publish. A row's subject is untrusted
@@ -118,7 +118,7 @@ func newBinding(o Options) *binding {
 }
 
 // check returns the allowed stream that binds subject, a
-// *sinks.RejectedError when none does, and another error when the streams
+// *wire.RejectedError when none does, and another error when the streams
 // could not be read (an outage: retry).
 func (b *binding) check(ctx context.Context, js API, subject string) (string, error) {
 	if b.prefixOwned.Load() && strings.HasPrefix(subject, b.opts.SubjectPrefix) {
@@ -158,11 +158,11 @@ func (b *binding) check(ctx context.Context, js API, subject string) (string, er
 	var rerr error
 	switch {
 	case err == nil && name != "":
-		rerr = &sinks.RejectedError{Reason: ReasonStreamNotAllowed, Err: fmt.Errorf(
+		rerr = &wire.RejectedError{Reason: ReasonStreamNotAllowed, Err: fmt.Errorf(
 			"subject %q is bound to stream %s, which this relay does not publish to (it publishes to %s): fix the row's subject, or allow the stream with --allow-stream %s",
 			subject, name, strings.Join(b.allowed, ", "), name)}
 	case err == nil, errors.Is(err, jetstream.ErrStreamNotFound), errors.Is(err, jetstream.ErrInvalidSubject):
-		rerr = &sinks.RejectedError{Reason: ReasonNoStream, Err: fmt.Errorf(
+		rerr = &wire.RejectedError{Reason: ReasonNoStream, Err: fmt.Errorf(
 			"no JetStream stream binds subject %q (this relay publishes to %s): fix the row's subject, or bind it to one of those streams",
 			subject, strings.Join(b.allowed, ", "))}
 	default:

@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/sinks"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
@@ -58,7 +59,7 @@ func TestSinkPublishesOnlyIntoAllowedStreams(t *testing.T) {
 	t.Cleanup(func() { _ = sub.Unsubscribe() })
 
 	publish := func(s *natssink.Sink, id, subject string) (sinks.Ack, error) {
-		fut, err := s.Publish(ctx, &sinks.Message{ID: id, Subject: subject, Data: []byte(`{}`)})
+		fut, err := s.Publish(ctx, &wire.Message{ID: id, Subject: subject, Data: []byte(`{}`)})
 		if err != nil {
 			return sinks.Ack{}, err
 		}
@@ -76,7 +77,7 @@ func TestSinkPublishesOnlyIntoAllowedStreams(t *testing.T) {
 		{victim + ".y", natssink.ReasonStreamNotAllowed},
 	} {
 		_, err := publish(own, "row-"+c.subject, c.subject)
-		re, ok := sinks.IsRejected(err)
+		re, ok := wire.IsRejected(err)
 		if !ok || re.Reason != c.reason {
 			t.Errorf("subject %q: %v, want a rejection with reason %s", c.subject, err, c.reason)
 			continue
@@ -163,8 +164,8 @@ func TestSinkRemembersRefusedSubjects(t *testing.T) {
 	start := time.Now()
 	for i := range n {
 		for subject, reason := range subjects {
-			_, err := sink.Publish(ctx, &sinks.Message{ID: fmt.Sprintf("bad-%d", i), Subject: subject, Data: []byte(`{}`)})
-			if re, ok := sinks.IsRejected(err); !ok || re.Reason != reason {
+			_, err := sink.Publish(ctx, &wire.Message{ID: fmt.Sprintf("bad-%d", i), Subject: subject, Data: []byte(`{}`)})
+			if re, ok := wire.IsRejected(err); !ok || re.Reason != reason {
 				t.Fatalf("row %d on %s: %v, want a rejection with reason %s", i, subject, err, reason)
 			}
 		}
@@ -179,7 +180,7 @@ func TestSinkRemembersRefusedSubjects(t *testing.T) {
 	// Rows under the prefix still take no request at all.
 	before := api.lookups.Load() + api.reads.Load()
 	for i := range 100 {
-		fut, err := sink.Publish(ctx, &sinks.Message{ID: fmt.Sprintf("good-%d", i), Subject: f.prefix + "x", Data: []byte(`{}`)})
+		fut, err := sink.Publish(ctx, &wire.Message{ID: fmt.Sprintf("good-%d", i), Subject: f.prefix + "x", Data: []byte(`{}`)})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -214,12 +215,12 @@ func TestSinkRefusesAnAckFromAnotherStream(t *testing.T) {
 		t.Fatal(err)
 	}
 	sink := natssink.New(f.js, natssink.Options{Stream: stream, SubjectPrefix: prefix})
-	fut, err := sink.Publish(ctx, &sinks.Message{ID: "forged", Subject: prefix + "x", Data: []byte(`{}`)})
+	fut, err := sink.Publish(ctx, &wire.Message{ID: "forged", Subject: prefix + "x", Data: []byte(`{}`)})
 	if err != nil {
 		t.Fatal(err)
 	}
 	ack, err := waitFor(t, fut)
-	re, ok := sinks.IsRejected(err)
+	re, ok := wire.IsRejected(err)
 	if !ok || re.Reason != natssink.ReasonWrongStream || !strings.Contains(err.Error(), "stream ELSEWHERE at sequence 7") {
 		t.Fatalf("ack %+v, %v; want a %s rejection naming ELSEWHERE and sequence 7", ack, err, natssink.ReasonWrongStream)
 	}

@@ -50,7 +50,7 @@ func New(js API, o Options) *Sink {
 }
 
 // Publish implements sinks.Sink.
-func (s *Sink) Publish(ctx context.Context, m *sinks.Message) (sinks.Future, error) {
+func (s *Sink) Publish(ctx context.Context, m *wire.Message) (sinks.Future, error) {
 	if !m.Checked {
 		if err := checkMessage(m); err != nil {
 			return nil, err
@@ -97,7 +97,7 @@ func (f *future) Wait(ctx context.Context) (sinks.Ack, error) {
 			// server that ignores the header, a responder that is no
 			// stream) is evidence, never an acceptance.
 			f.sink.binding.misrouted(f.msg.Subject, f.stream)
-			return sinks.Ack{}, &sinks.RejectedError{Reason: ReasonWrongStream, Err: fmt.Errorf(
+			return sinks.Ack{}, &wire.RejectedError{Reason: ReasonWrongStream, Err: fmt.Errorf(
 				"%s on %s was acknowledged by stream %s at sequence %d, not by %s, the stream the relay published it to: %s",
 				f.msg.ID, f.msg.Subject, f.ack.Stream, f.ack.Sequence, f.stream, f.sink.binding.wrongStreamFix(f.ack.Stream))}
 		}
@@ -115,7 +115,7 @@ func (f *future) Wait(ctx context.Context) (sinks.Ack, error) {
 		if f.ack.Stream != "" {
 			actual = "stream " + f.ack.Stream
 		}
-		return sinks.Ack{}, &sinks.RejectedError{Reason: ReasonWrongStream, Err: fmt.Errorf(
+		return sinks.Ack{}, &wire.RejectedError{Reason: ReasonWrongStream, Err: fmt.Errorf(
 			"subject %q of %s is bound to %s now, not to %s as the relay's view of the streams said (their subjects changed): the broker refused the message and stored nothing; %s: %w",
 			f.msg.Subject, f.msg.ID, actual, f.stream, f.sink.binding.wrongStreamFix(f.ack.Stream), f.err)}
 	}
@@ -124,41 +124,41 @@ func (f *future) Wait(ctx context.Context) (sinks.Ack, error) {
 
 // checkMessage refuses what the broker or the client would mangle: a
 // message built by wire.BuildMessage was checked there already.
-func checkMessage(m *sinks.Message) error {
+func checkMessage(m *wire.Message) error {
 	if err := ValidateSubject(m.Subject); err != nil {
 		reason := wire.ReasonInvalidSubject
 		if errors.Is(err, wire.ErrReservedSubject) {
 			reason = wire.ReasonReservedSubject
 		}
-		return &sinks.RejectedError{Reason: reason, Err: err}
+		return &wire.RejectedError{Reason: reason, Err: err}
 	}
 	if n := wire.HeaderBlockSize(m.ID, m.Header); n > wire.MaxHeaderBytes {
-		return &sinks.RejectedError{Reason: wire.ReasonHeaderTooLarge, Err: fmt.Errorf(
+		return &wire.RejectedError{Reason: wire.ReasonHeaderTooLarge, Err: fmt.Errorf(
 			"message %.40q: header block of %d bytes, over JetStream's %d-byte limit", m.ID, n, wire.MaxHeaderBytes)}
 	}
 	return nil
 }
 
-// classify turns err into a *sinks.RejectedError when the broker refused the
+// classify turns err into a *wire.RejectedError when the broker refused the
 // message for good, and leaves it alone (an outage: retry) otherwise.
 // Storage failures, timeouts, disconnects and unknown API errors are outages:
 // treating them as poison would turn a broker restart into a write per row.
 func classify(ctx context.Context, js API, subject string, err error) error {
 	switch {
 	case errors.Is(err, nats.ErrMaxPayload):
-		return &sinks.RejectedError{Reason: "max_payload", Err: err}
+		return &wire.RejectedError{Reason: "max_payload", Err: err}
 	case errors.Is(err, nats.ErrBadSubject):
-		return &sinks.RejectedError{Reason: "invalid_subject", Err: err}
+		return &wire.RejectedError{Reason: "invalid_subject", Err: err}
 	case errors.Is(err, nats.ErrBadHeaderMsg):
-		return &sinks.RejectedError{Reason: "invalid_header", Err: err}
+		return &wire.RejectedError{Reason: "invalid_header", Err: err}
 	}
 	var apiErr *jetstream.APIError
 	if errors.As(err, &apiErr) {
 		switch apiErr.ErrorCode {
 		case jetstream.JSErrCodeStreamMessageExceedsMaximum:
-			return &sinks.RejectedError{Reason: "max_msg_size", Err: err}
+			return &wire.RejectedError{Reason: "max_msg_size", Err: err}
 		case errCodeHeaderExceedsMaximum:
-			return &sinks.RejectedError{Reason: wire.ReasonHeaderTooLarge, Err: err}
+			return &wire.RejectedError{Reason: wire.ReasonHeaderTooLarge, Err: err}
 		}
 	}
 	if errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, nats.ErrNoResponders) {
@@ -167,7 +167,7 @@ func classify(ctx context.Context, js API, subject string, err error) error {
 		lctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 		defer cancel()
 		if _, lerr := js.StreamNameBySubject(lctx, subject); errors.Is(lerr, jetstream.ErrStreamNotFound) {
-			return &sinks.RejectedError{Reason: "no_stream", Err: fmt.Errorf("no JetStream stream binds subject %q: %w", subject, err)}
+			return &wire.RejectedError{Reason: "no_stream", Err: fmt.Errorf("no JetStream stream binds subject %q: %w", subject, err)}
 		}
 	}
 	return err

@@ -10,6 +10,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/sinks"
 )
 
@@ -158,7 +159,7 @@ func TestPendingRing(t *testing.T) {
 	p.timer = timerForTest(t)
 	var fs []*future
 	for range 1000 {
-		f := &future{msg: &sinks.Message{}}
+		f := &future{msg: &wire.Message{}}
 		p.register(f)
 		fs = append(fs, f)
 	}
@@ -204,7 +205,7 @@ func TestPendingRing(t *testing.T) {
 	}
 	// Wrapped around: more publishes reuse the freed slots.
 	for range 40 {
-		p.register(&future{msg: &sinks.Message{}})
+		p.register(&future{msg: &wire.Message{}})
 	}
 	if p.lookup(22) != fs[22] || p.lookup(1039) == nil || p.lookup(1040) != nil || len(p.ring) != 1024 {
 		t.Fatalf("after wrapping: ring of %d", len(p.ring))

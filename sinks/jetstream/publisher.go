@@ -9,6 +9,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/sinks"
 )
 
@@ -290,7 +291,7 @@ var _ sinks.Future = (*future)(nil)
 // sinks.Future the caller waits on.
 type future struct {
 	sink *Sink
-	msg  *sinks.Message
+	msg  *wire.Message
 	hdr  nats.Header
 	id   [1]string // the Nats-Msg-Id header's value slice, when the sink had to set it
 	// stream is the allowed stream the binding resolved for the subject:

@@ -18,6 +18,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/sinks"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
@@ -48,7 +49,7 @@ func TestAcksAreTheBrokers(t *testing.T) {
 	sink := natssink.New(f.js, natssink.Options{Stream: f.stream, SubjectPrefix: f.prefix, AllowStreams: []string{other}})
 
 	type sent struct {
-		msg    *sinks.Message
+		msg    *wire.Message
 		fut    sinks.Future
 		stream string
 		repeat int // index of the first publish of this ID, or -1
@@ -64,11 +65,11 @@ func TestAcksAreTheBrokers(t *testing.T) {
 			}
 			first := all[s.repeat]
 			// A new message object, as a republish after a restart has.
-			s.msg = &sinks.Message{ID: first.msg.ID, Subject: first.msg.Subject, Data: first.msg.Data,
+			s.msg = &wire.Message{ID: first.msg.ID, Subject: first.msg.Subject, Data: first.msg.Data,
 				Header: map[string][]string{"Outbox-Kind": {"k"}}}
 			s.stream = first.stream
 		} else {
-			s.msg = &sinks.Message{ID: fmt.Sprintf("w-%d", i), Data: fmt.Appendf(nil, `{"i":%d}`, i),
+			s.msg = &wire.Message{ID: fmt.Sprintf("w-%d", i), Data: fmt.Appendf(nil, `{"i":%d}`, i),
 				Header: map[string][]string{"Outbox-Kind": {"k"}}}
 			if r.IntN(3) == 0 {
 				s.msg.Subject, s.stream = other+".x", other
@@ -146,16 +147,16 @@ func TestMessageOverMaxMsgSizeIsRejected(t *testing.T) {
 		t.Fatal(err)
 	}
 	sink := natssink.New(f.js, natssink.Options{Stream: f.stream, SubjectPrefix: f.prefix})
-	big, err := sink.Publish(ctx, &sinks.Message{ID: "big", Subject: f.prefix + "x", Data: make([]byte, 4096)})
+	big, err := sink.Publish(ctx, &wire.Message{ID: "big", Subject: f.prefix + "x", Data: make([]byte, 4096)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	small, err := sink.Publish(ctx, &sinks.Message{ID: "small", Subject: f.prefix + "x", Data: []byte(`{}`)})
+	small, err := sink.Publish(ctx, &wire.Message{ID: "small", Subject: f.prefix + "x", Data: []byte(`{}`)})
 	if err != nil {
 		t.Fatal(err)
 	}
 	_, err = waitFor(t, big)
-	re, ok := sinks.IsRejected(err)
+	re, ok := wire.IsRejected(err)
 	var apiErr *jetstream.APIError
 	if !ok || re.Reason != "max_msg_size" || !errors.As(err, &apiErr) || apiErr.ErrorCode != jetstream.JSErrCodeStreamMessageExceedsMaximum {
 		t.Errorf("over max_msg_size: %v, want rejected max_msg_size with the API error", err)
@@ -177,12 +178,12 @@ func TestNoStreamIsRejected(t *testing.T) {
 	prefix := missing + "."
 	sink := natssink.New(f.js, natssink.Options{Stream: missing, SubjectPrefix: prefix})
 	start := time.Now()
-	fut, err := sink.Publish(ctx, &sinks.Message{ID: "lost", Subject: prefix + "x", Data: []byte(`{}`)})
+	fut, err := sink.Publish(ctx, &wire.Message{ID: "lost", Subject: prefix + "x", Data: []byte(`{}`)})
 	if err != nil {
 		t.Fatal(err)
 	}
 	_, err = waitFor(t, fut)
-	if re, ok := sinks.IsRejected(err); !ok || re.Reason != natssink.ReasonNoStream {
+	if re, ok := wire.IsRejected(err); !ok || re.Reason != natssink.ReasonNoStream {
 		t.Fatalf("no stream: %v, want rejected %s", err, natssink.ReasonNoStream)
 	}
 	if !errors.Is(err, jetstream.ErrNoStreamResponse) {
@@ -200,7 +201,7 @@ func TestNoRespondersIsRetried(t *testing.T) {
 	ctx := context.Background()
 	late := f.stream + "_LATE"
 	sink := natssink.New(f.js, natssink.Options{Stream: late, SubjectPrefix: late + "."})
-	fut, err := sink.Publish(ctx, &sinks.Message{ID: "early", Subject: late + ".x", Data: []byte(`{}`)})
+	fut, err := sink.Publish(ctx, &wire.Message{ID: "early", Subject: late + ".x", Data: []byte(`{}`)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -278,7 +279,7 @@ func freeze(t *testing.T, n *testenv.NATS) (thaw func()) {
 // checkOutage: err is an outage (retry later), not a rejection.
 func checkOutage(t *testing.T, what string, err error, want error) {
 	t.Helper()
-	if _, rejected := sinks.IsRejected(err); err == nil || rejected || !errors.Is(err, want) {
+	if _, rejected := wire.IsRejected(err); err == nil || rejected || !errors.Is(err, want) {
 		t.Errorf("%s: %v, want an outage wrapping %v", what, err, want)
 	}
 }
@@ -296,7 +297,7 @@ func TestAckTimeout(t *testing.T) {
 	sink := natssink.New(js, natssink.Options{Stream: "S", SubjectPrefix: "s.", AckTimeout: timeout})
 	publish := func(id string) sinks.Future {
 		t.Helper()
-		fut, err := sink.Publish(ctx, &sinks.Message{ID: id, Subject: subject, Data: []byte(id)})
+		fut, err := sink.Publish(ctx, &wire.Message{ID: id, Subject: subject, Data: []byte(id)})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -374,14 +375,14 @@ func TestClosedConnection(t *testing.T) {
 	const timeout = 500 * time.Millisecond
 	sink := natssink.New(js, natssink.Options{Stream: "S", SubjectPrefix: "s.", AckTimeout: timeout})
 	freeze(t, n)
-	fut, err := sink.Publish(ctx, &sinks.Message{ID: "pending", Subject: subject, Data: []byte("x")})
+	fut, err := sink.Publish(ctx, &wire.Message{ID: "pending", Subject: subject, Data: []byte("x")})
 	if err != nil {
 		t.Fatal(err)
 	}
 	nc.Close()
 	_, err = waitFor(t, fut)
 	checkOutage(t, "pending at close", err, sinks.ErrAckTimeout)
-	_, err = sink.Publish(ctx, &sinks.Message{ID: "after", Subject: subject, Data: []byte("x")})
+	_, err = sink.Publish(ctx, &wire.Message{ID: "after", Subject: subject, Data: []byte("x")})
 	checkOutage(t, "publish on a closed connection", err, nats.ErrConnectionClosed)
 }
 
@@ -400,7 +401,7 @@ func TestConcurrentPublishers(t *testing.T) {
 			var ids []string
 			for i := range 300 {
 				id := fmt.Sprintf("g%d-%d", g, i)
-				fut, err := sink.Publish(ctx, &sinks.Message{ID: id, Subject: f.prefix + "c", Data: []byte(id)})
+				fut, err := sink.Publish(ctx, &wire.Message{ID: id, Subject: f.prefix + "c", Data: []byte(id)})
 				if err != nil {
 					t.Error(err)
 					return

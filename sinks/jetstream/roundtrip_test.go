@@ -64,7 +64,7 @@ func TestRowsRoundTripThroughTheBroker(t *testing.T) {
 	r := rand.New(rand.NewPCG(seed, 2))
 	ctx := context.Background()
 	type sent struct {
-		msg *sinks.Message
+		msg *wire.Message
 		fut sinks.Future
 	}
 	var pending []sent
@@ -107,7 +107,7 @@ func TestRowsRoundTripThroughTheBroker(t *testing.T) {
 				continue
 			}
 		}
-		re, ok := sinks.IsRejected(err)
+		re, ok := wire.IsRejected(err)
 		if !ok || re.Reason == "" {
 			t.Fatalf("row %q: %v, want a rejection with a reason", row.WorkID, err)
 		}
@@ -253,7 +253,7 @@ func TestRowsAtTheLimitsRoundTrip(t *testing.T) {
 			continue
 		}
 		if err != nil {
-			if _, ok := sinks.IsRejected(err); !ok {
+			if _, ok := wire.IsRejected(err); !ok {
 				t.Errorf("%s of %d bytes: %v, want a rejection with a reason", c.field, len(c.value), err)
 			}
 			continue
