@@ -7,8 +7,8 @@ import "testing"
 // with these).
 func TestStateListsRenderAsSQL(t *testing.T) {
 	for got, want := range map[string]string{
-		blockingStatesSQL:   `('ready', 'scheduled', 'running', 'failed')`,
-		withPollerStatesSQL: `('scheduled', 'running', 'failed')`,
+		blockingStatesSQL:         `('ready', 'scheduled', 'running', 'failed')`,
+		withPollerStatesSQL:       `('scheduled', 'running', 'failed')`,
 		sqlList([]string{"it's"}): `('it''s')`,
 	} {
 		if got != want {
