@@ -146,17 +146,17 @@ func checkMessage(m *sinks.Message) error {
 func classify(ctx context.Context, js API, subject string, err error) error {
 	switch {
 	case errors.Is(err, nats.ErrMaxPayload):
-		return &sinks.RejectedError{Reason: "max_payload", Err: err}
+		return &sinks.RejectedError{Reason: ReasonMaxPayload, Err: err}
 	case errors.Is(err, nats.ErrBadSubject):
-		return &sinks.RejectedError{Reason: "invalid_subject", Err: err}
+		return &sinks.RejectedError{Reason: wire.ReasonInvalidSubject, Err: err}
 	case errors.Is(err, nats.ErrBadHeaderMsg):
-		return &sinks.RejectedError{Reason: "invalid_header", Err: err}
+		return &sinks.RejectedError{Reason: wire.ReasonInvalidHeader, Err: err}
 	}
 	var apiErr *jetstream.APIError
 	if errors.As(err, &apiErr) {
 		switch apiErr.ErrorCode {
 		case jetstream.JSErrCodeStreamMessageExceedsMaximum:
-			return &sinks.RejectedError{Reason: "max_msg_size", Err: err}
+			return &sinks.RejectedError{Reason: ReasonMaxMsgSize, Err: err}
 		case errCodeHeaderExceedsMaximum:
 			return &sinks.RejectedError{Reason: wire.ReasonHeaderTooLarge, Err: err}
 		}
@@ -167,7 +167,7 @@ func classify(ctx context.Context, js API, subject string, err error) error {
 		lctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 		defer cancel()
 		if _, lerr := js.StreamNameBySubject(lctx, subject); errors.Is(lerr, jetstream.ErrStreamNotFound) {
-			return &sinks.RejectedError{Reason: "no_stream", Err: fmt.Errorf("no JetStream stream binds subject %q: %w", subject, err)}
+			return &sinks.RejectedError{Reason: ReasonNoStream, Err: fmt.Errorf("no JetStream stream binds subject %q: %w", subject, err)}
 		}
 	}
 	return err
