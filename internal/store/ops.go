@@ -58,6 +58,10 @@ func (a Action) From() []string {
 	return nil
 }
 
+// DefaultStagger spreads a redrive's rows (OpRequest.Stagger) when the
+// CLI or the console is not told otherwise.
+const DefaultStagger = 10 * time.Millisecond
+
 // Selection picks the rows of a redrive or cancel: either WorkIDs, or a
 // filter that must name a State.
 type Selection struct {

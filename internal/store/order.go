@@ -12,6 +12,10 @@ import (
 // Order of work per aggregate (G12) and business deadlines (G13). Which
 // states block the later rows of an aggregate: BlockingStates (states.go).
 
+// DefaultDeadlineMargin is how close to its deadline a row may still be
+// published, on either path: the time a publish and its ack may take.
+const DefaultDeadlineMargin = time.Second
+
 // AggregateKey names an aggregate.
 type AggregateKey struct {
 	Type string `json:"type"`
