@@ -203,7 +203,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		}
 	}
 	fmt.Fprintf(stdout, "rows       ")
-	for _, s := range []string{"ready", "scheduled", "running", "published", "failed", "cancelled", "expired"} {
+	for _, s := range store.States {
 		fmt.Fprintf(stdout, "%s=%d ", s, rep.ByState[s])
 	}
 	fmt.Fprintf(stdout, "\noldest eligible row: %.1fs\n", rep.OldestEligibleSeconds)

@@ -52,7 +52,7 @@ const (
 	// DefaultSessionTTL is how long a login lasts.
 	DefaultSessionTTL = 8 * time.Hour
 	// DefaultStagger spreads a redrive's rows as the CLI's default does.
-	DefaultStagger = 10 * time.Millisecond
+	DefaultStagger = store.DefaultStagger
 	// DefaultRefresh is how often the overview refreshes itself, and the
 	// spacing of the lag chart's samples.
 	DefaultRefresh = 5 * time.Second

@@ -59,8 +59,6 @@ type Health struct {
 	Problems              []string        `json:"problems"`
 }
 
-var states = []string{"ready", "scheduled", "running", "published", "failed", "cancelled", "expired"}
-
 // readHealth gathers the overview. A part that cannot be read becomes a
 // problem line rather than a failed page: the console is most needed when
 // something is broken.
@@ -88,7 +86,7 @@ func (c *Console) readHealth(ctx context.Context) Health {
 		problem("count rows", err)
 	} else {
 		h.OldestEligibleSeconds = counts.OldestEligibleSeconds
-		for _, s := range states {
+		for _, s := range store.States {
 			h.ByState = append(h.ByState, Count{s, counts.ByState[s]})
 		}
 		h.FailedByReason = sortedCounts(counts.FailedByReason)

@@ -168,7 +168,7 @@ const anyState = "any"
 func readFilter(v url.Values) filterForm {
 	f := filterForm{State: v.Get("state"), Kind: v.Get("kind"), Error: v.Get("error"), MinAge: v.Get("min_age"), MaxAge: v.Get("max_age")}
 	if f.State == "" {
-		f.State = "failed"
+		f.State = store.StateFailed
 	}
 	return f
 }
@@ -177,11 +177,11 @@ func (f filterForm) store() (store.ListFilter, error) {
 	var lf store.ListFilter
 	if f.State != anyState {
 		known := false
-		for _, s := range states {
+		for _, s := range store.States {
 			known = known || s == f.State
 		}
 		if !known {
-			return lf, fmt.Errorf("state %q: want one of %s or %s", f.State, strings.Join(states, ", "), anyState)
+			return lf, fmt.Errorf("state %q: want one of %s or %s", f.State, strings.Join(store.States, ", "), anyState)
 		}
 		lf.State = f.State
 	}
@@ -225,7 +225,7 @@ type rowsData struct {
 func (c *Console) rows(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
 	f := readFilter(q)
-	d := rowsData{Filter: f, States: append([]string{anyState}, states...), ErrorClasses: append(append([]string{}, store.ErrorClasses...), store.ErrorClassNone),
+	d := rowsData{Filter: f, States: append([]string{anyState}, store.States...), ErrorClasses: append(append([]string{}, store.ErrorClasses...), store.ErrorClassNone),
 		Limit: c.o.PageSize, MaxAction: c.o.MaxActionRows}
 	if l, err := strconv.Atoi(q.Get("limit")); err == nil && l > 0 {
 		d.Limit = min(l, MaxPageSize)

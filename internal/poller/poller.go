@@ -94,8 +94,8 @@ const (
 	// and its payload in memory until then.
 	MaxInFlightRows = 2000
 	// DefaultDeadlineMargin is how close to its deadline a row may still be
-	// published: the time a publish and its ack may take.
-	DefaultDeadlineMargin = time.Second
+	// published (store.DefaultDeadlineMargin, shared with the CDC path).
+	DefaultDeadlineMargin = store.DefaultDeadlineMargin
 	DefaultSweepInterval  = 5 * time.Second
 )
 

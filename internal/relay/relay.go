@@ -82,6 +82,17 @@ const (
 	// calls per message, for at most this much added latency
 	// (docs/benchmarks.md).
 	DefaultLinger = 2 * time.Millisecond
+
+	DefaultSettleBatch  = 1000
+	DefaultSettleDelay  = 5 * time.Millisecond
+	DefaultRejectRetry  = 5 * time.Second
+	DefaultBackoffMin   = 200 * time.Millisecond // reconnect backoff, not the poller's retry backoff
+	DefaultBackoffMax   = 30 * time.Second
+	DefaultStandbyRetry = time.Second
+	DefaultHeldRefresh  = time.Second
+	// DefaultDeadlineMargin is the poller's: both paths hold a row back
+	// from the same distance to its deadline (G13).
+	DefaultDeadlineMargin = store.DefaultDeadlineMargin
 )
 
 func (c *Config) setDefaults() {
@@ -97,23 +108,23 @@ func (c *Config) setDefaults() {
 		c.MaxInFlightBytes = DefaultMaxInFlightBytes
 	}
 	if c.SettleBatch <= 0 {
-		c.SettleBatch = 1000
+		c.SettleBatch = DefaultSettleBatch
 	}
 	if c.MaxUnsettled <= 0 {
 		c.MaxUnsettled = 4 * max(c.SettleBatch, c.MaxInFlight)
 	}
-	def(&c.SettleDelay, 5*time.Millisecond)
+	def(&c.SettleDelay, DefaultSettleDelay)
 	def(&c.StatusInterval, DefaultStatusInterval)
 	if c.Linger == 0 {
 		c.Linger = DefaultLinger
 	}
 	def(&c.DrainTimeout, DefaultDrainTimeout)
-	def(&c.RejectRetry, 5*time.Second)
-	def(&c.BackoffMin, 200*time.Millisecond)
-	def(&c.BackoffMax, 30*time.Second)
-	def(&c.StandbyRetry, time.Second)
-	def(&c.HeldRefresh, time.Second)
-	def(&c.DeadlineMargin, time.Second)
+	def(&c.RejectRetry, DefaultRejectRetry)
+	def(&c.BackoffMin, DefaultBackoffMin)
+	def(&c.BackoffMax, DefaultBackoffMax)
+	def(&c.StandbyRetry, DefaultStandbyRetry)
+	def(&c.HeldRefresh, DefaultHeldRefresh)
+	def(&c.DeadlineMargin, DefaultDeadlineMargin)
 }
 
 // Role is what the CDC path is doing, for /readyz and status.

@@ -51,12 +51,16 @@ const (
 func (a Action) From() []string {
 	switch a {
 	case ActionRedrive:
-		return []string{"failed", "cancelled", "expired"}
+		return []string{StateFailed, StateCancelled, StateExpired}
 	case ActionCancel:
-		return []string{"scheduled", "failed"}
+		return []string{StateScheduled, StateFailed}
 	}
 	return nil
 }
+
+// DefaultStagger spreads a redrive's rows (OpRequest.Stagger) when the
+// CLI or the console is not told otherwise.
+const DefaultStagger = 10 * time.Millisecond
 
 // Selection picks the rows of a redrive or cancel: either WorkIDs, or a
 // filter that must name a State.
@@ -189,24 +193,24 @@ func (r Refusal) Why(a Action) string {
 		return r.State + ": it was in another state when the " + string(a) + " ran; check it and run again"
 	}
 	switch r.State {
-	case "ready":
+	case StateReady:
 		return "ready: already on its way through the CDC path"
-	case "running":
+	case StateRunning:
 		s := "running: a worker holds it, retry after its lease"
 		if !r.LeaseUntil.IsZero() {
 			s += " (until " + r.LeaseUntil.UTC().Format(time.RFC3339) + ")"
 		}
 		return s
-	case "scheduled":
+	case StateScheduled:
 		return "scheduled: the poller will publish it when due"
-	case "published":
+	case StatePublished:
 		if a == ActionRedrive {
 			return "published: the broker has it (terminal); publish again with a new row and work ID"
 		}
 		return "published: the broker has it (terminal)"
-	case "cancelled":
+	case StateCancelled:
 		return "cancelled: already cancelled"
-	case "expired":
+	case StateExpired:
 		return "expired: its deadline passed before it was published (terminal for cancel; redrive it with a new deadline)"
 	}
 	return r.State

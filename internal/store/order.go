@@ -9,17 +9,12 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// Order of work per aggregate (G12) and business deadlines (G13).
-//
-// A row of an aggregate blocks the later rows of that aggregate while it is
-// unpublished and not given up on: 'ready' (the CDC path has it),
-// 'scheduled', 'running' or 'failed' (a dead letter blocks until it is
-// redriven or cancelled). 'published', 'cancelled' and 'expired' rows block
-// nothing: a cancelled or expired one leaves a gap the receiver can see in
-// Outbox-Sequence.
+// Order of work per aggregate (G12) and business deadlines (G13). Which
+// states block the later rows of an aggregate: BlockingStates (states.go).
 
-// blockingStates is the SQL list of the states above.
-const blockingStates = `('ready', 'scheduled', 'running', 'failed')`
+// DefaultDeadlineMargin is how close to its deadline a row may still be
+// published, on either path: the time a publish and its ack may take.
+const DefaultDeadlineMargin = time.Second
 
 // AggregateKey names an aggregate.
 type AggregateKey struct {
@@ -52,7 +47,7 @@ type Blocked struct {
 func (s *Store) HeldAggregates(ctx context.Context) (map[AggregateKey]string, error) {
 	rows, err := s.pool.Query(ctx, `SELECT DISTINCT ON (aggregate_type, aggregate_id) aggregate_type, aggregate_id, work_id
 		FROM `+s.table.String()+`
-		WHERE aggregate_type IS NOT NULL AND state IN ('scheduled', 'running', 'failed')
+		WHERE aggregate_type IS NOT NULL AND state IN `+withPollerStatesSQL+`
 		ORDER BY aggregate_type, aggregate_id, aggregate_seq`)
 	if err != nil {
 		return nil, fmt.Errorf("read held aggregates of %s: %w", s.table.Qualified(), err)
@@ -79,7 +74,7 @@ func (s *Store) HeldAggregates(ctx context.Context) (map[AggregateKey]string, er
 func (s *Store) WithPoller(ctx context.Context, agg AggregateKey) (bool, error) {
 	var with bool
 	err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+s.table.String()+`
-		WHERE aggregate_type = $1 AND aggregate_id = $2 AND state IN ('scheduled', 'running', 'failed'))`,
+		WHERE aggregate_type = $1 AND aggregate_id = $2 AND state IN `+withPollerStatesSQL+`)`,
 		agg.Type, agg.ID).Scan(&with)
 	if err != nil {
 		return false, fmt.Errorf("read whether aggregate (%q, %q) of %s has rows with the poller: %w", agg.Type, agg.ID, s.table.Qualified(), err)
@@ -94,12 +89,12 @@ func (s *Store) BlockedAggregates(ctx context.Context, limit int) (total int64, 
 	rows, err := s.pool.Query(ctx, `WITH firsts AS (
 			SELECT DISTINCT ON (aggregate_type, aggregate_id) aggregate_type, aggregate_id, work_id, aggregate_seq, state, created_at
 			FROM `+s.table.String()+`
-			WHERE aggregate_type IS NOT NULL AND state IN `+blockingStates+`
+			WHERE aggregate_type IS NOT NULL AND state IN `+blockingStatesSQL+`
 			ORDER BY aggregate_type, aggregate_id, aggregate_seq),
 		blocked AS (
 			SELECT f.*, (SELECT count(*) FROM `+s.table.String()+` w
 				WHERE w.aggregate_type = f.aggregate_type AND w.aggregate_id = f.aggregate_id
-				  AND w.aggregate_seq > f.aggregate_seq AND w.state IN `+blockingStates+`) AS waiting
+				  AND w.aggregate_seq > f.aggregate_seq AND w.state IN `+blockingStatesSQL+`) AS waiting
 			FROM firsts f WHERE f.state <> 'ready')
 		SELECT aggregate_type, aggregate_id, work_id, aggregate_seq, state, created_at, waiting, count(*) OVER ()
 		FROM blocked WHERE waiting > 0 ORDER BY created_at LIMIT $1`, limit)

@@ -287,7 +287,7 @@ func (s *Store) Fail(ctx context.Context, workID, workerID string, gen int64, la
 // deadline margin in microseconds. The CTE's select walks the partial poll
 // index in poll_at order and stops after batch due rows; with ordered, a row
 // of an aggregate is claimable only while no lower sequence of it blocks
-// (see blockingStates; the partial aggregate index serves that probe).
+// (see BlockingStates; the partial aggregate index serves that probe).
 //
 // Which rows are due is one opaque expression (coalesce) beside the index's
 // own predicate: the planner cannot estimate it, so it never expects fewer
@@ -370,7 +370,7 @@ func (s *Store) orderedClaimSQL() string {
 		WHERE poll_at IS NOT NULL AND coalesce(` + dueSQL("q") + `
 		  AND (q.aggregate_type IS NULL OR (
 			SELECT 1 FROM ` + tbl + ` AS b
-			WHERE ` + same("b", "q") + ` AND b.aggregate_seq < q.aggregate_seq AND b.state IN ` + blockingStates + `
+			WHERE ` + same("b", "q") + ` AND b.aggregate_seq < q.aggregate_seq AND b.state IN ` + blockingStatesSQL + `
 			ORDER BY b.aggregate_seq DESC LIMIT 1) IS NULL), false)
 		ORDER BY poll_at
 		LIMIT $1
@@ -379,10 +379,10 @@ func (s *Store) orderedClaimSQL() string {
 		SELECT h.work_id AS head, h.poll_at, n.work_id, n.aggregate_seq
 		FROM h CROSS JOIN LATERAL (
 			SELECT b.work_id, b.aggregate_seq FROM ` + tbl + ` AS b
-			WHERE ` + same("b", "h") + ` AND b.aggregate_seq > h.aggregate_seq AND b.state IN ` + blockingStates + `
+			WHERE ` + same("b", "h") + ` AND b.aggregate_seq > h.aggregate_seq AND b.state IN ` + blockingStatesSQL + `
 			  AND b.aggregate_seq < coalesce((
 				SELECT x.aggregate_seq FROM ` + tbl + ` AS x
-				WHERE ` + same("x", "h") + ` AND x.aggregate_seq > h.aggregate_seq AND x.state IN ` + blockingStates + `
+				WHERE ` + same("x", "h") + ` AND x.aggregate_seq > h.aggregate_seq AND x.state IN ` + blockingStatesSQL + `
 				  AND NOT coalesce(x.poll_at IS NOT NULL AND ` + dueSQL("x") + `, false)
 				ORDER BY x.aggregate_seq LIMIT 1), 9223372036854775807)
 			ORDER BY b.aggregate_seq

@@ -28,7 +28,7 @@ type Counts struct {
 // reason.
 func (s *Store) Counts(ctx context.Context) (Counts, error) {
 	c := Counts{ByState: map[string]int64{}, FailedByReason: map[string]int64{}}
-	for _, st := range []string{"ready", "scheduled", "running", "published", "failed", "cancelled", "expired"} {
+	for _, st := range States {
 		c.ByState[st] = 0
 	}
 	rows, err := s.pool.Query(ctx, `SELECT state, count(*) FROM `+s.table.String()+` GROUP BY state`)

@@ -86,6 +86,10 @@ const (
 	ReasonInvalidDeadline  = "invalid_deadline"
 )
 
+// Reasons is every reason above: the one list docs checks hold the docs to.
+var Reasons = []string{ReasonInvalidWorkID, ReasonInvalidKind, ReasonInvalidSubject, ReasonInvalidHeader,
+	ReasonHeaderTooLarge, ReasonReservedSubject, ReasonInvalidAggregate, ReasonInvalidDeadline}
+
 // BuildMessage turns a row into the message the broker stores: the payload's
 // committed text as the data (G4), the subject column or prefix+kind, the
 // row's headers, and the relay's own. extra holds path-specific headers.

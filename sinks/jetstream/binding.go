@@ -54,12 +54,20 @@ const maxRefused = 4096
 
 // Reasons of rejections decided by the binding check, or by the broker
 // finding the message's subject bound to another stream than the one the
-// binding resolved.
+// binding resolved, or refusing the message for its size. The broker's
+// refusals of a malformed subject or header carry wire's reasons
+// (wire.ReasonInvalidSubject, ...).
 const (
 	ReasonNoStream         = "no_stream"
 	ReasonStreamNotAllowed = "stream_not_allowed"
 	ReasonWrongStream      = "wrong_stream"
+	ReasonMaxPayload       = "max_payload"  // larger than the server's max_payload
+	ReasonMaxMsgSize       = "max_msg_size" // larger than the stream's max_msg_size
 )
+
+// Reasons is every reason above; wire.Reasons has the rest a publish can
+// end with.
+var Reasons = []string{ReasonNoStream, ReasonStreamNotAllowed, ReasonWrongStream, ReasonMaxPayload, ReasonMaxMsgSize}
 
 // binding caches the allowed streams' subject filters, and the refusals of
 // subjects no allowed stream binds. Every publish carries the stream it

@@ -146,17 +146,17 @@ func checkMessage(m *wire.Message) error {
 func classify(ctx context.Context, js API, subject string, err error) error {
 	switch {
 	case errors.Is(err, nats.ErrMaxPayload):
-		return &wire.RejectedError{Reason: "max_payload", Err: err}
+		return &wire.RejectedError{Reason: ReasonMaxPayload, Err: err}
 	case errors.Is(err, nats.ErrBadSubject):
-		return &wire.RejectedError{Reason: "invalid_subject", Err: err}
+		return &wire.RejectedError{Reason: wire.ReasonInvalidSubject, Err: err}
 	case errors.Is(err, nats.ErrBadHeaderMsg):
-		return &wire.RejectedError{Reason: "invalid_header", Err: err}
+		return &wire.RejectedError{Reason: wire.ReasonInvalidHeader, Err: err}
 	}
 	var apiErr *jetstream.APIError
 	if errors.As(err, &apiErr) {
 		switch apiErr.ErrorCode {
 		case jetstream.JSErrCodeStreamMessageExceedsMaximum:
-			return &wire.RejectedError{Reason: "max_msg_size", Err: err}
+			return &wire.RejectedError{Reason: ReasonMaxMsgSize, Err: err}
 		case errCodeHeaderExceedsMaximum:
 			return &wire.RejectedError{Reason: wire.ReasonHeaderTooLarge, Err: err}
 		}
@@ -167,7 +167,7 @@ func classify(ctx context.Context, js API, subject string, err error) error {
 		lctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 		defer cancel()
 		if _, lerr := js.StreamNameBySubject(lctx, subject); errors.Is(lerr, jetstream.ErrStreamNotFound) {
-			return &wire.RejectedError{Reason: "no_stream", Err: fmt.Errorf("no JetStream stream binds subject %q: %w", subject, err)}
+			return &wire.RejectedError{Reason: ReasonNoStream, Err: fmt.Errorf("no JetStream stream binds subject %q: %w", subject, err)}
 		}
 	}
 	return err
