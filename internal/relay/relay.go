@@ -45,7 +45,7 @@ type Config struct {
 	RejectRetry      time.Duration // delay before the poller retries a row the broker rejected
 	BackoffMin       time.Duration // reconnect backoff after a failed session
 	BackoffMax       time.Duration
-	StandbyRetry     time.Duration // START_REPLICATION retry while another instance holds the slot
+	WaitingRetry     time.Duration // START_REPLICATION retry of a waiting instance (another instance holds the slot)
 
 	// Ordered keeps the order of work per aggregate (run --ordering
 	// aggregate, G12); HeldRefresh paces the reads that release held
@@ -111,7 +111,7 @@ func (c *Config) setDefaults() {
 	def(&c.RejectRetry, 5*time.Second)
 	def(&c.BackoffMin, 200*time.Millisecond)
 	def(&c.BackoffMax, 30*time.Second)
-	def(&c.StandbyRetry, time.Second)
+	def(&c.WaitingRetry, time.Second)
 	def(&c.HeldRefresh, time.Second)
 	def(&c.DeadlineMargin, time.Second)
 }
@@ -122,10 +122,16 @@ type Role int32
 const (
 	RoleStarting Role = iota
 	RoleActive
-	RoleStandby
+	// RoleWaiting: another instance streams the slot and this one waits to
+	// take over (a waiting instance, docs/design.md's glossary). Its name in
+	// /readyz, the outbox_relay_role metric and the logs stays "standby",
+	// which operators and alerts already use.
+	RoleWaiting
 	RoleReconnecting
 )
 
+// String is the role's name in /readyz and the metrics: a contract, kept
+// whatever the constant is called.
 func (r Role) String() string {
 	return [...]string{"starting", "active", "standby", "reconnecting"}[r]
 }
@@ -190,12 +196,12 @@ func (r *Relay) setRole(role Role) {
 	} else {
 		r.metrics.SlotOwner.Set(0)
 	}
-	if role == RoleStandby {
+	if role == RoleWaiting {
 		// Another instance streams the slot now: the lag of what this
 		// one streamed before is no longer the slot's.
 		r.oldestOpen.Store(0)
 	}
-	for _, x := range []Role{RoleStarting, RoleActive, RoleStandby, RoleReconnecting} {
+	for _, x := range []Role{RoleStarting, RoleActive, RoleWaiting, RoleReconnecting} {
 		v := 0.0
 		if x == role {
 			v = 1
@@ -285,11 +291,11 @@ func (r *Relay) Run(ctx context.Context) error {
 		var wait time.Duration
 		switch {
 		case replication.IsSlotActive(err):
-			if r.Role() != RoleStandby {
+			if r.Role() != RoleWaiting {
 				r.log.Info().Msg("slot is streamed by another instance; standing by")
 			}
-			r.setRole(RoleStandby)
-			wait = r.cfg.StandbyRetry
+			r.setRole(RoleWaiting)
+			wait = r.cfg.WaitingRetry
 			attempt = 0
 		default:
 			r.setRole(RoleReconnecting)
