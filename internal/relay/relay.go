@@ -35,7 +35,7 @@ type Config struct {
 	AppName       string
 
 	MaxInFlight      int           // messages published and not yet acked
-	MaxInFlightBytes int           // their bytes; keep below the client's reconnect buffer
+	MaxInFlightBytes int           // their bytes: bounds the memory unacked messages hold (the NATS connection buffers nothing while disconnected, app sets ReconnectBufSize(-1))
 	SettleBatch      int           // rows per settle statement
 	SettleDelay      time.Duration // how long a partial batch waits for more rows before it is settled
 	MaxUnsettled     int           // rows acked (or handed off) and not yet settled before reading WAL pauses
