@@ -117,9 +117,9 @@ var ErrStandby = errors.New("connected to a standby")
 // it back (pg_get_expr). Only a row inserted 'ready' is the CDC path's: one
 // inserted in any other state ('scheduled': for later, or left to the
 // poller) belongs to the poller. Unfiltered, the walsender converts every
-// such row to text and sends it, and the relay decodes it only to drop it
-// (on a poller backlog that was a third of the relay's CPU and a quarter of
-// the walsender's; docs/benchmarks.md).
+// such row to text and sends it, and the relay decodes it only to drop it,
+// a large share of both processes' CPU on a poller backlog
+// (docs/benchmarks.md, "Figures that used to live in code comments").
 const (
 	ReadyFilter        = `(state = 'ready')`
 	ReadyFilterCatalog = `(state = 'ready'::text)`

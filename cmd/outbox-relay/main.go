@@ -51,9 +51,9 @@ func main() {
 // defaultGCPercent is the relay's garbage-collection target unless GOGC is
 // set. Its live heap is a few megabytes (queues are bounded), so at Go's
 // default of 100 the collector ran every few thousand messages and marking
-// was the largest single cost of a backlog drain: 82k instructions per
-// message at 100, 65k at 400 (docs/benchmarks.md), for about 20 MB more
-// peak memory.
+// was the largest single cost of a backlog drain; a higher target trades a
+// little peak memory for fewer collections (the figures: docs/benchmarks.md,
+// "Figures that used to live in code comments").
 const defaultGCPercent = 400
 
 func tuneGC() {

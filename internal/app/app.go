@@ -484,7 +484,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 				m.SlotLagBytes.Set(float64(end - min(conf, end)))
 				continue
 			}
-			// Not streaming (standby, or the broker or database is
+			// Not streaming (waiting for the slot, or the broker or database is
 			// down): the stream's figures are stale; ask the catalog,
 			// which knows the WAL the slot holds whoever owns it.
 			if tick%10 == 0 {

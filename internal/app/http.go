@@ -94,7 +94,7 @@ func listenHTTP(addr string, lim HTTPLimits, m *metrics.Metrics, r *relay.Relay,
 	mux.HandleFunc("/readyz", func(w http.ResponseWriter, req *http.Request) {
 		role := r.Role()
 		var problems []string
-		if role != relay.RoleActive && role != relay.RoleStandby {
+		if role != relay.RoleActive && role != relay.RoleWaiting {
 			problems = append(problems, "cdc: "+role.String())
 		}
 		if !nc.IsConnected() {

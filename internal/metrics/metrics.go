@@ -21,7 +21,7 @@ type Metrics struct {
 	SlotLagBytes      prometheus.Gauge
 	InFlight          prometheus.Gauge
 	InFlightBytes     prometheus.Gauge
-	Handoffs          *prometheus.CounterVec // reason (delayed, rejected)
+	Handoffs          *prometheus.CounterVec // reason (delayed, rejected, deadline, held): the values internal/relay passes
 	SettleRetries     prometheus.Counter
 	Sessions          *prometheus.CounterVec // result (started, error)
 	SlotOwner         prometheus.Gauge

@@ -35,7 +35,7 @@ type Config struct {
 	AppName       string
 
 	MaxInFlight      int           // messages published and not yet acked
-	MaxInFlightBytes int           // their bytes; keep below the client's reconnect buffer
+	MaxInFlightBytes int           // their bytes: bounds the memory unacked messages hold (the NATS connection buffers nothing while disconnected, app sets ReconnectBufSize(-1))
 	SettleBatch      int           // rows per settle statement
 	SettleDelay      time.Duration // how long a partial batch waits for more rows before it is settled
 	MaxUnsettled     int           // rows acked (or handed off) and not yet settled before reading WAL pauses
@@ -45,7 +45,7 @@ type Config struct {
 	RejectRetry      time.Duration // delay before the poller retries a row the broker rejected
 	BackoffMin       time.Duration // reconnect backoff after a failed session
 	BackoffMax       time.Duration
-	StandbyRetry     time.Duration // START_REPLICATION retry while another instance holds the slot
+	WaitingRetry     time.Duration // START_REPLICATION retry of a waiting instance (another instance holds the slot)
 
 	// Ordered keeps the order of work per aggregate (run --ordering
 	// aggregate, G12); HeldRefresh paces the reads that release held
@@ -88,7 +88,7 @@ const (
 	DefaultRejectRetry  = 5 * time.Second
 	DefaultBackoffMin   = 200 * time.Millisecond // reconnect backoff, not the poller's retry backoff
 	DefaultBackoffMax   = 30 * time.Second
-	DefaultStandbyRetry = time.Second
+	DefaultWaitingRetry = time.Second
 	DefaultHeldRefresh  = time.Second
 	// DefaultDeadlineMargin is the poller's: both paths hold a row back
 	// from the same distance to its deadline (G13).
@@ -122,7 +122,7 @@ func (c *Config) setDefaults() {
 	def(&c.RejectRetry, DefaultRejectRetry)
 	def(&c.BackoffMin, DefaultBackoffMin)
 	def(&c.BackoffMax, DefaultBackoffMax)
-	def(&c.StandbyRetry, DefaultStandbyRetry)
+	def(&c.WaitingRetry, DefaultWaitingRetry)
 	def(&c.HeldRefresh, DefaultHeldRefresh)
 	def(&c.DeadlineMargin, DefaultDeadlineMargin)
 }
@@ -133,10 +133,16 @@ type Role int32
 const (
 	RoleStarting Role = iota
 	RoleActive
-	RoleStandby
+	// RoleWaiting: another instance streams the slot and this one waits to
+	// take over (a waiting instance, docs/design.md's glossary). Its name in
+	// /readyz, the outbox_relay_role metric and the logs stays "standby",
+	// which operators and alerts already use.
+	RoleWaiting
 	RoleReconnecting
 )
 
+// String is the role's name in /readyz and the metrics: a contract, kept
+// whatever the constant is called.
 func (r Role) String() string {
 	return [...]string{"starting", "active", "standby", "reconnecting"}[r]
 }
@@ -201,12 +207,12 @@ func (r *Relay) setRole(role Role) {
 	} else {
 		r.metrics.SlotOwner.Set(0)
 	}
-	if role == RoleStandby {
+	if role == RoleWaiting {
 		// Another instance streams the slot now: the lag of what this
 		// one streamed before is no longer the slot's.
 		r.oldestOpen.Store(0)
 	}
-	for _, x := range []Role{RoleStarting, RoleActive, RoleStandby, RoleReconnecting} {
+	for _, x := range []Role{RoleStarting, RoleActive, RoleWaiting, RoleReconnecting} {
 		v := 0.0
 		if x == role {
 			v = 1
@@ -296,11 +302,11 @@ func (r *Relay) Run(ctx context.Context) error {
 		var wait time.Duration
 		switch {
 		case replication.IsSlotActive(err):
-			if r.Role() != RoleStandby {
+			if r.Role() != RoleWaiting {
 				r.log.Info().Msg("slot is streamed by another instance; standing by")
 			}
-			r.setRole(RoleStandby)
-			wait = r.cfg.StandbyRetry
+			r.setRole(RoleWaiting)
+			wait = r.cfg.WaitingRetry
 			attempt = 0
 		default:
 			r.setRole(RoleReconnecting)

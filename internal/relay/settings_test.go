@@ -24,7 +24,7 @@ import (
 // A second instance without --ordering aggregate used to start, and its
 // poller published 7's later rows before the first one: now it is refused at
 // start, names the setting, the table's value and its own, and publishes
-// nothing. One with the same settings starts (and stands by); one with
+// nothing. One with the same settings starts (and waits for the slot); one with
 // another --on-publish is refused too. The documented change (stop every
 // instance, migrate --record-settings, start them with the new flags) works,
 // and afterwards the old flags are the ones refused.
@@ -82,7 +82,7 @@ func TestInstancesMustShareSettings(t *testing.T) {
 			case <-time.After(20 * time.Millisecond):
 			}
 			mu.Lock()
-			stoodBy = stoodBy || (r != nil && r.Role() == relay.RoleStandby)
+			stoodBy = stoodBy || (r != nil && r.Role() == relay.RoleWaiting)
 			mu.Unlock()
 		}
 	}
@@ -126,10 +126,10 @@ func TestInstancesMustShareSettings(t *testing.T) {
 		t.Fatalf("an instance with both settings different: %v; want both named", err)
 	}
 
-	// The same settings: it starts and stands by beside the first.
+	// The same settings: it starts and waits beside the first.
 	err, stoodBy := second(h.opts, 3*time.Second)
 	if err != nil || !stoodBy {
-		t.Fatalf("an instance with the table's settings: %v, stood by %t; want it running as standby", err, stoodBy)
+		t.Fatalf("an instance with the table's settings: %v, stood by %t; want it running, waiting for the slot", err, stoodBy)
 	}
 	held("after a second instance with the same settings ran")
 	rec, found, err := store.ReadSettings(ctx, h.pool, h.opts.Table)

@@ -39,9 +39,9 @@ func (h *harness) releaseLatency(slot string, published int) time.Duration {
 	return time.Since(start)
 }
 
-// heldFor checks, for window, that the relay publishes nothing beyond the
+// gatedFor checks, for window, that the relay publishes nothing beyond the
 // published rows it was allowed to.
-func (h *harness) heldFor(window time.Duration, published int) {
+func (h *harness) gatedFor(window time.Duration, published int) {
 	h.t.Helper()
 	for deadline := time.Now().Add(window); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
 		if n := h.streamCount(); n != uint64(published) {
@@ -76,7 +76,7 @@ func TestStandbySlotHoldsDeliveryBack(t *testing.T) {
 	h.walSent()
 	latency := h.releaseLatency("standby_a", 1)
 	window := max(5*latency, time.Second)
-	t.Logf("a held row was published %v after the standby flushed it; checking holds for %v", latency.Round(time.Millisecond), window)
+	t.Logf("a gated row was published %v after the standby flushed it; checking holds for %v", latency.Round(time.Millisecond), window)
 
 	cdc := h.insertRows("cdc", 5, 2)
 	h.exec(`INSERT INTO outbox (work_id, kind, payload, state) VALUES ('poller-1', 'k', '{}', 'scheduled')`)
@@ -86,7 +86,7 @@ func TestStandbySlotHoldsDeliveryBack(t *testing.T) {
 		err := h.pool.QueryRow(context.Background(), `SELECT state FROM outbox WHERE work_id = 'poller-1'`).Scan(&state)
 		return state != "scheduled", err // running: claimed and held; anything else fails below
 	})
-	h.heldFor(window, 1)
+	h.gatedFor(window, 1)
 	// The standby catches up.
 	h.releaseLatency("standby_a", 7)
 	h.assertExactlyOnce(append(append(warm, cdc...), "poller-1"))
@@ -94,10 +94,10 @@ func TestStandbySlotHoldsDeliveryBack(t *testing.T) {
 	// Rows committed now wait again until the standby flushes them.
 	later := h.insertRows("later", 3, 1)
 	h.walSent()
-	h.heldFor(window, 7)
+	h.gatedFor(window, 7)
 	h.releaseLatency("standby_a", 10)
 	h.assertExactlyOnce(append(append(append(warm, cdc...), "poller-1"), later...))
-	t.Log(fmt.Sprintf("held %d rows until the standby's slot moved past them", 9))
+	t.Log(fmt.Sprintf("gated %d rows until the standby's slot moved past them", 9))
 }
 
 // A fast shutdown of PostgreSQL while a transaction waits for a standby: the
@@ -105,9 +105,9 @@ func TestStandbySlotHoldsDeliveryBack(t *testing.T) {
 // it sent, and the relay cannot read the standby's position any more. The
 // relay ends its session instead of waiting, so the shutdown completes at
 // once (it used to take the server's 60 s timeout, found by the chaos run's
-// failover mode); after the restart the held rows are delivered once the
+// failover mode); after the restart the gated rows are delivered once the
 // standby catches up.
-func TestFastShutdownWhileHeldForStandby(t *testing.T) {
+func TestFastShutdownWhileGatedForStandby(t *testing.T) {
 	env := testenv.Shared(t)
 	pg, err := testenv.StartPostgres(testenv.PostgresOptions{})
 	if err != nil {
@@ -124,13 +124,13 @@ func TestFastShutdownWhileHeldForStandby(t *testing.T) {
 	// relay takes to publish five rows it holds (TestStandbySlotHoldsDeliveryBack
 	// measures that).
 	h.walSent()
-	h.heldFor(time.Second, 0)
+	h.gatedFor(time.Second, 0)
 	start := time.Now()
 	if err := pg.Restart("fast"); err != nil {
 		t.Fatal(err)
 	}
 	if took := time.Since(start); took > 15*time.Second {
-		t.Fatalf("fast restart took %v with a transaction held for the standby; want the relay to let go at once", took)
+		t.Fatalf("fast restart took %v with a transaction gated for the standby; want the relay to let go at once", took)
 	} else {
 		t.Logf("fast restart took %v", took.Round(10*time.Millisecond))
 	}

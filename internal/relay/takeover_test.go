@@ -22,22 +22,23 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
 
-// takeoverBound is how long the docs promise a standby takes to stream the
-// slot after the active instance's connection ends (operations.md: "a
-// standby takes over within a second or two"; guarantees.md, Takeover
-// times: the walsender exits when its socket closes and the standby takes
+// takeoverBound is how long the docs promise a waiting instance takes to
+// stream the slot after the active instance's connection ends
+// (operations.md: "a standby takes over within a second or two";
+// guarantees.md, Takeover times: the walsender exits when its socket
+// closes and the waiting instance takes
 // the slot at its next START_REPLICATION retry, which comes every
-// relay.Config.StandbyRetry, 1 s by default). One retry interval plus a
+// relay.Config.WaitingRetry, 1 s by default). One retry interval plus a
 // second for the new session's start-up checks.
 const takeoverBound = 2 * time.Second
 
-// TestStandbyTakesOverFromCrashedRelay: two relays on one slot while a
-// producer commits rows all along. A streams; B stands by and publishes
+// TestWaitingInstanceTakesOverFromCrashedRelay: two relays on one slot while a
+// producer commits rows all along. A streams; B waits (role standby) and publishes
 // nothing; A dies without a clean stop (every connection it had closed at
 // once and none allowed again: what its host's kernel does when the
 // process is gone); B streams within the documented bound, and every
 // committed row ends published and stored exactly once.
-func TestStandbyTakesOverFromCrashedRelay(t *testing.T) {
+func TestWaitingInstanceTakesOverFromCrashedRelay(t *testing.T) {
 	s := sharedSetup(t)
 	a := newHarness(t, s)
 	pgProxy := newCrashProxy(t, hostPort(t, s.dbURL))
@@ -55,9 +56,9 @@ func TestStandbyTakesOverFromCrashedRelay(t *testing.T) {
 	})
 }
 
-// TestStandbyTakesOverFromKilledRelay is the same with A a relay process
+// TestWaitingInstanceTakesOverFromKilledRelay is the same with A a relay process
 // killed with SIGKILL.
-func TestStandbyTakesOverFromKilledRelay(t *testing.T) {
+func TestWaitingInstanceTakesOverFromKilledRelay(t *testing.T) {
 	bin, err := testenv.RelayBinary(false)
 	if err != nil {
 		t.Fatalf("build outbox-relay: %v", err)
@@ -142,7 +143,7 @@ func runTakeover(t *testing.T, s setup, act takeoverActive) {
 	})
 
 	done := b.launch()
-	testenv.WaitFor(t, 30*time.Second, "relay B standing by", func() (bool, error) {
+	testenv.WaitFor(t, 30*time.Second, "relay B waiting (role standby)", func() (bool, error) {
 		select {
 		case err := <-done:
 			done <- err
@@ -151,27 +152,27 @@ func runTakeover(t *testing.T, s setup, act takeoverActive) {
 		}
 		b.mu.Lock()
 		defer b.mu.Unlock()
-		return b.relay != nil && b.relay.Role() == relay.RoleStandby, nil
+		return b.relay != nil && b.relay.Role() == relay.RoleWaiting, nil
 	})
 	addr := <-metricsAddr
-	// B stands by while A goes on publishing: several of B's retries pass
+	// B waits while A goes on publishing: several of B's retries pass
 	// and A settles hundreds more rows.
 	published := b.countState("published")
-	testenv.WaitFor(t, 30*time.Second, "relay A publishing while B stands by", func() (bool, error) {
+	testenv.WaitFor(t, 30*time.Second, "relay A publishing while B waits", func() (bool, error) {
 		return b.countState("published") > published+300, nil
 	})
 	if app, err := b.slotHolder(); err != nil || app != act.app {
-		t.Fatalf("the slot is held by %q (%v) while B stands by, want %q", app, err, act.app)
+		t.Fatalf("the slot is held by %q (%v) while B waits, want %q", app, err, act.app)
 	}
-	if r := b.role(); r != relay.RoleStandby {
-		t.Fatalf("relay B is %v while A streams, want standby", r)
+	if r := b.role(); r != relay.RoleWaiting {
+		t.Fatalf("relay B is %v while A streams, want standby (waiting)", r)
 	}
 	m := scrapeMetrics(t, addr)
 	if n := m.sum("outbox_relay_messages_published_total"); n != 0 {
-		t.Fatalf("relay B published %v messages while standing by, want 0", n)
+		t.Fatalf("relay B published %v messages while waiting, want 0", n)
 	}
 	if n := m.get(`outbox_relay_replication_sessions_total{result="started"}`); n != 0 {
-		t.Fatalf("relay B started %v replication sessions while standing by, want 0", n)
+		t.Fatalf("relay B started %v replication sessions while waiting, want 0", n)
 	}
 	if n := m.get(`outbox_relay_role{role="standby"}`); n != 1 {
 		t.Fatalf("relay B's outbox_relay_role{role=\"standby\"} is %v, want 1", n)

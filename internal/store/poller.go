@@ -111,7 +111,8 @@ const claimGuard = `t.state = 'running' AND t.claimed_by = $2 AND t.lease_until 
 // before the rows were claimed, or none yet) expect about one row of the
 // table to pass it, and then scan the table once and rescan the unnest for
 // every row found, a cost that grows with the table times the batch
-// (measured on a fresh 60k-row backlog: 711 ms for 1,000 claims). Opaque,
+// (measured: docs/benchmarks.md, "Figures that used to live in code
+// comments"). Opaque,
 // the filter leaves the table's side large, and the only plans left look
 // each claim up by primary key (or hash a small table).
 const batchGuard = `coalesce(` + claimGuard + `, false)`
@@ -154,9 +155,9 @@ func (s *Store) Complete(ctx context.Context, items []Completion, workerID strin
 // unnest. Two things keep the planner there. There is no
 // `t.work_id = ANY($1)` filter beside the join (the settle statement has
 // one): with it the planner scanned the key for the whole array and rescanned
-// unnest for every row found, quadratic in the batch (measured on 100k rows:
-// 100 claims 5.4 ms, 1,000 claims 287 ms; driven from unnest 1.8 ms and
-// 16 ms). And the guard is batchGuard, opaque to the planner.
+// unnest for every row found, quadratic in the batch (measured:
+// docs/benchmarks.md, "Figures that used to live in code comments"). And the
+// guard is batchGuard, opaque to the planner.
 func completeSQL(t Table, policy Policy) string {
 	if policy == PolicyDelete {
 		return `DELETE FROM ` + t.String() + ` AS t USING unnest($1::text[], $3::bigint[]) AS u(work_id, gen)
@@ -294,9 +295,9 @@ func (s *Store) Fail(ctx context.Context, workID, workerID string, gen int64, la
 // due rows than the batch. Estimated from statistics that lag behind a
 // table whose rows change state by the thousand (or from none, on a fresh
 // backlog), the separate conditions looked like a handful of rows, and the
-// planner read and sorted the whole table for every claim instead. (Together
-// with batchGuard: a fresh 60k-row backlog drained 1,000 rows per claim cost
-// PostgreSQL 56 µs per row before, 27 µs after.)
+// planner read and sorted the whole table for every claim instead (with
+// batchGuard, it cut PostgreSQL's cost per claimed row on a fresh backlog:
+// docs/benchmarks.md, "Figures that used to live in code comments").
 func (s *Store) claimSQL(ordered bool) string {
 	if ordered {
 		return s.orderedClaimSQL()
