@@ -244,7 +244,7 @@ func runOne(t *testing.T, args []string, during func()) (stderr string) {
 	i := slices.IndexFunc(commands(), func(c command) bool { return c.name == args[0] })
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	var out, errOut safeBuffer
+	var out, errOut testenv.LogBuffer
 	done := make(chan error, 1)
 	go func() { done <- commands()[i].run(ctx, args[1:], &out, &errOut) }()
 	// A command that fails at start ends before during's wait would.
@@ -285,7 +285,7 @@ func runOne(t *testing.T, args []string, during func()) (stderr string) {
 // stderr must take concurrent writes, as os.Stderr does.
 func runLogging(t *testing.T, args ...string) (code int, stdout string) {
 	t.Helper()
-	var out, errOut safeBuffer
+	var out, errOut testenv.LogBuffer
 	code = mainErr(args, &out, &errOut)
 	t.Logf("outbox-relay %s -> %d\nstdout:\n%sstderr:\n%s", strings.Join(args, " "), code, out.String(), errOut.String())
 	return code, out.String()

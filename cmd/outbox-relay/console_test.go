@@ -27,7 +27,7 @@ func TestConsoleCommand(t *testing.T) {
 	addr := ln.Addr().String()
 	ln.Close()
 	ctx, cancel := context.WithCancel(context.Background())
-	var errOut safeBuffer
+	var errOut testenv.LogBuffer
 	done := make(chan error, 1)
 	go func() {
 		done <- runConsole(ctx, []string{"--database-url", url, "--http-addr", addr, "--console-token", consoleToken,

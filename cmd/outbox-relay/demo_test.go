@@ -209,7 +209,7 @@ func TestDemoConsole(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	pr, pw := io.Pipe()
-	var errOut safeBuffer
+	var errOut testenv.LogBuffer
 	done := make(chan error, 1)
 	go func() {
 		err := runDemo(ctx, []string{"--console", "--database-url", env.PG.CreateDatabase(t), "--nats-url", env.NATS.URL(),
@@ -219,7 +219,7 @@ func TestDemoConsole(t *testing.T) {
 	}()
 	type served struct{ url, token string }
 	found := make(chan served, 1)
-	var out safeBuffer
+	var out testenv.LogBuffer
 	go func() {
 		var s served
 		sc := bufio.NewScanner(pr)

@@ -1,11 +1,9 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -159,7 +157,7 @@ func TestOperatorOutputEscapesRowData(t *testing.T) {
 // hanging it.
 func runWithin(t *testing.T, d time.Duration, args ...string) (code int, stderr string) {
 	t.Helper()
-	var out, errOut safeBuffer
+	var out, errOut testenv.LogBuffer
 	done := make(chan int, 1)
 	go func() { done <- mainErr(args, &out, &errOut) }()
 	select {
@@ -276,22 +274,4 @@ func TestMigrateTableNameLength(t *testing.T) {
 	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_indexes WHERE indexname = $1`, name+"_redrives_work_id_idx").Scan(&idx); err != nil || idx != 1 {
 		t.Errorf("index %s_redrives_work_id_idx: %d, %v", name, idx, err)
 	}
-}
-
-// safeBuffer is a bytes.Buffer for a command that runs in another goroutine.
-type safeBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *safeBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *safeBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }
