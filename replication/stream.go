@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -115,220 +116,291 @@ func Start(ctx context.Context, conn *pgconn.PgConn, cfg StreamConfig, slotConfi
 // larger one, so the relay wakes once per transaction rather than once per
 // message. The receiver owns a batch and may hand it back with ReleaseBatch.
 func (s *Stream) Run(ctx context.Context, out chan<- []Event, confirms <-chan pglogrepl.LSN, stop <-chan struct{}) error {
-	ticker := time.NewTicker(s.cfg.StatusInterval)
-	defer ticker.Stop()
-	nextStatus := time.Now().Add(s.cfg.StatusInterval)
-
-	// A receive waits up to a status interval, through a read deadline on
-	// the socket rather than a context: pgconn watches a cancellable
-	// context with a goroutine per call, and at one call per WAL message
-	// that was the stream's largest cost. Stop (or ctx) must end the wait
-	// at once, or an idle relay takes up to a status interval to shut down:
-	// this goroutine moves the deadline to now, which leaves the
-	// connection usable for the last status update.
-	var interrupted atomic.Bool
-	netConn := s.conn.Conn()
+	r := &run{s: s, ctx: ctx, out: out, confirms: confirms, stop: stop, netConn: s.conn.Conn()}
+	r.ticker = time.NewTicker(s.cfg.StatusInterval)
+	defer r.ticker.Stop()
+	r.nextStatus = time.Now().Add(s.cfg.StatusInterval)
 	watchDone := make(chan struct{})
 	defer close(watchDone)
-	s.interruptDone = make(chan struct{})
-	go func() {
-		defer close(s.interruptDone)
-		select {
-		case <-stop:
-		case <-ctx.Done():
-		case <-watchDone:
-			return
+	r.watchInterrupt(watchDone)
+	r.lingerTimer = time.NewTimer(time.Hour)
+	r.lingerTimer.Stop()
+	defer r.lingerTimer.Stop()
+	defer func() { _ = r.netConn.SetReadDeadline(time.Time{}) }()
+
+	for {
+		err := r.step()
+		switch {
+		case err == nil:
+		case errors.Is(err, errStopped):
+			return s.drain(ctx, confirms)
+		case errors.Is(err, errConfirmsClosed):
+			return s.sendStatus(ctx, false)
+		default:
+			return err
 		}
-		interrupted.Store(true)
-		_ = netConn.SetReadDeadline(time.Now())
-	}()
-	var deadline time.Time
-	var lingerUntil time.Time // when the batch's first commit has waited Linger; zero: none waits
+	}
+}
+
+var (
+	errStopped        = errors.New("stream stopped")
+	errConfirmsClosed = errors.New("confirmations closed")
+)
+
+// run is one Run's state, owned by its goroutine.
+type run struct {
+	s        *Stream
+	ctx      context.Context
+	out      chan<- []Event
+	confirms <-chan pglogrepl.LSN
+	stop     <-chan struct{}
+
+	ticker      *time.Ticker
+	nextStatus  time.Time
+	netConn     net.Conn
+	interrupted atomic.Bool
+	deadline    time.Time // the socket's read deadline
+	lingerUntil time.Time // when the batch's first commit has waited Linger; zero: none waits
+	lingerTimer *time.Timer
 	// At a trickle (the last batch went out because nothing more came
 	// within Linger), the stream does not read while a commit lingers: what
 	// arrives meanwhile waits in the socket and is then taken with one read,
 	// instead of a wake-up and a read per message. While WAL flows (batches
 	// fill), it reads on.
-	var trickle, draining bool
-	lingerTimer := time.NewTimer(time.Hour)
-	lingerTimer.Stop()
-	defer lingerTimer.Stop()
-	defer func() { _ = netConn.SetReadDeadline(time.Time{}) }()
-
-	for {
-		select {
-		case <-stop:
-			return s.drain(ctx, confirms)
-		case lsn, ok := <-confirms:
-			if !ok {
-				return s.sendStatus(ctx, false)
-			}
-			s.ack(lsn)
-			continue
-		default:
-		}
-		if !time.Now().Before(nextStatus) {
-			if err := s.sendStatus(ctx, false); err != nil {
-				return err
-			}
-			nextStatus = time.Now().Add(s.cfg.StatusInterval)
-		}
-
-		if trickle && s.batch != nil && !lingerUntil.IsZero() && !draining {
-			if d := time.Until(lingerUntil); d > 0 {
-				lingerTimer.Reset(d)
-				select {
-				case <-stop:
-					return s.drain(ctx, confirms)
-				case <-ctx.Done():
-					return ctx.Err()
-				case lsn, ok := <-confirms:
-					lingerTimer.Stop()
-					if !ok {
-						return s.sendStatus(ctx, false)
-					}
-					s.ack(lsn)
-					continue
-				case <-lingerTimer.C:
-				}
-			}
-			draining = true
-			// A deadline just ahead: the read below takes what the socket
-			// holds, and the first read that would wait ends the batch.
-			deadline = time.Now().Add(drainWait)
-			if err := netConn.SetReadDeadline(deadline); err != nil {
-				return fmt.Errorf("set read deadline on slot %s: %w", s.cfg.Slot, err)
-			}
-		}
-		wake := nextStatus
-		if draining {
-			wake = deadline
-		} else if s.batch != nil && !lingerUntil.IsZero() && lingerUntil.Before(wake) {
-			wake = lingerUntil
-		}
-		if !wake.Equal(deadline) {
-			deadline = wake
-			if err := netConn.SetReadDeadline(deadline); err != nil {
-				return fmt.Errorf("set read deadline on slot %s: %w", s.cfg.Slot, err)
-			}
-		}
-		if interrupted.Load() {
-			// The interrupt may have come before the deadline above
-			// replaced it.
-			_ = netConn.SetReadDeadline(time.Now())
-		}
-		msg, err := s.conn.ReceiveMessage(context.Background())
-		if err != nil {
-			select {
-			case <-stop:
-				if ctx.Err() == nil {
-					return s.drain(ctx, confirms)
-				}
-			default:
-			}
-			if pgconn.Timeout(err) && ctx.Err() == nil {
-				if s.batch != nil && !lingerUntil.IsZero() && (draining || !time.Now().Before(lingerUntil)) {
-					trickle, draining = true, false
-					if err := s.flush(ctx, out, confirms, stop, ticker.C, &lingerUntil); err != nil {
-						if errors.Is(err, errStopped) {
-							return s.drain(ctx, confirms)
-						}
-						return err
-					}
-				}
-				continue
-			}
-			return fmt.Errorf("receive from slot %s: %w", s.cfg.Slot, err)
-		}
-
-		switch msg := msg.(type) {
-		case *pgproto3.CopyData:
-			if len(msg.Data) == 0 {
-				continue
-			}
-			switch msg.Data[0] {
-			case pglogrepl.PrimaryKeepaliveMessageByteID:
-				pkm, err := pglogrepl.ParsePrimaryKeepaliveMessage(msg.Data[1:])
-				if err != nil {
-					return fmt.Errorf("parse keepalive on slot %s: %w", s.cfg.Slot, err)
-				}
-				s.noteServerEnd(pkm.ServerWALEnd)
-				// Nothing open, nothing in flight: the keepalive's position
-				// is safe to confirm, which keeps an idle outbox in a busy
-				// database from holding WAL (G10).
-				if !s.dec.InTransaction() && s.acked >= s.lastEnd && pkm.ServerWALEnd > s.acked {
-					s.acked = pkm.ServerWALEnd
-					s.lastEnd = pkm.ServerWALEnd
-				}
-				if pkm.ReplyRequested {
-					if err := s.sendStatus(ctx, false); err != nil {
-						return err
-					}
-					nextStatus = time.Now().Add(s.cfg.StatusInterval)
-				}
-			case pglogrepl.XLogDataByteID:
-				xld, err := pglogrepl.ParseXLogData(msg.Data[1:])
-				if err != nil {
-					return fmt.Errorf("parse XLogData on slot %s: %w", s.cfg.Slot, err)
-				}
-				s.noteServerEnd(xld.ServerWALEnd)
-				ev, ok, err := s.dec.Decode(xld.WALData)
-				if err != nil {
-					return fmt.Errorf("decode WAL at %s on slot %s: %w", xld.WALStart, s.cfg.Slot, err)
-				}
-				if !ok {
-					continue
-				}
-				if ev.Type == EventCommit {
-					s.lastEnd = ev.EndLSN
-				}
-				if s.batch == nil {
-					s.batch = newBatch()
-				}
-				s.batch = append(s.batch, ev)
-				if len(s.batch) < MaxBatch {
-					if ev.Type != EventCommit {
-						continue
-					}
-					if s.cfg.Linger > 0 {
-						now := time.Now()
-						if lingerUntil.IsZero() {
-							lingerUntil = now.Add(s.cfg.Linger)
-						}
-						if trickle || now.Before(lingerUntil) {
-							continue
-						}
-					}
-				}
-				trickle, draining = false, false
-				if err := s.flush(ctx, out, confirms, stop, ticker.C, &lingerUntil); err != nil {
-					if errors.Is(err, errStopped) {
-						return s.drain(ctx, confirms)
-					}
-					return err
-				}
-			}
-		case *pgproto3.ErrorResponse:
-			return fmt.Errorf("slot %s: %w", s.cfg.Slot, pgconn.ErrorResponseToPgError(msg))
-		default:
-			s.log.Debug().Str("message", fmt.Sprintf("%T", msg)).Msg("unexpected message on replication connection")
-		}
-	}
+	trickle, draining bool
 }
 
-var errStopped = errors.New("stream stopped")
+// watchInterrupt ends a receive's wait at once on stop or ctx. A receive
+// waits up to a status interval, through a read deadline on the socket
+// rather than a context: pgconn watches a cancellable context with a
+// goroutine per call, and at one call per WAL message that was the
+// stream's largest cost. Without this an idle relay takes up to a status
+// interval to shut down; moving the deadline to now leaves the connection
+// usable for the last status update.
+func (r *run) watchInterrupt(watchDone <-chan struct{}) {
+	r.s.interruptDone = make(chan struct{})
+	go func() {
+		defer close(r.s.interruptDone)
+		select {
+		case <-r.stop:
+		case <-r.ctx.Done():
+		case <-watchDone:
+			return
+		}
+		r.interrupted.Store(true)
+		_ = r.netConn.SetReadDeadline(time.Now())
+	}()
+}
+
+// step takes a confirmation, or sends a due status update and receives
+// and handles one message. errStopped and errConfirmsClosed end Run.
+func (r *run) step() error {
+	s := r.s
+	select {
+	case <-r.stop:
+		return errStopped
+	case lsn, ok := <-r.confirms:
+		if !ok {
+			return errConfirmsClosed
+		}
+		s.ack(lsn)
+		return nil
+	default:
+	}
+	if !time.Now().Before(r.nextStatus) {
+		if err := s.sendStatus(r.ctx, false); err != nil {
+			return err
+		}
+		r.nextStatus = time.Now().Add(s.cfg.StatusInterval)
+	}
+	if again, err := r.linger(); again || err != nil {
+		return err
+	}
+	if err := r.setDeadline(); err != nil {
+		return err
+	}
+	msg, err := s.conn.ReceiveMessage(context.Background())
+	if err != nil {
+		return r.receiveFailed(err)
+	}
+	return r.handle(msg)
+}
+
+// linger waits, at a trickle, until the batch's first commit has waited
+// Linger, then sets a deadline just ahead: the next read takes what the
+// socket holds, and the first read that would wait ends the batch. again:
+// a confirmation came meanwhile; step is over.
+func (r *run) linger() (again bool, err error) {
+	s := r.s
+	if !r.trickle || s.batch == nil || r.lingerUntil.IsZero() || r.draining {
+		return false, nil
+	}
+	if d := time.Until(r.lingerUntil); d > 0 {
+		r.lingerTimer.Reset(d)
+		select {
+		case <-r.stop:
+			return false, errStopped
+		case <-r.ctx.Done():
+			return false, r.ctx.Err()
+		case lsn, ok := <-r.confirms:
+			r.lingerTimer.Stop()
+			if !ok {
+				return false, errConfirmsClosed
+			}
+			s.ack(lsn)
+			return true, nil
+		case <-r.lingerTimer.C:
+		}
+	}
+	r.draining = true
+	r.deadline = time.Now().Add(drainWait)
+	if err := r.netConn.SetReadDeadline(r.deadline); err != nil {
+		return false, fmt.Errorf("set read deadline on slot %s: %w", s.cfg.Slot, err)
+	}
+	return false, nil
+}
+
+// setDeadline makes the next receive wake for the next status update, the
+// lingering batch, or the drain's deadline, whichever comes first.
+func (r *run) setDeadline() error {
+	wake := r.nextStatus
+	if r.draining {
+		wake = r.deadline
+	} else if r.s.batch != nil && !r.lingerUntil.IsZero() && r.lingerUntil.Before(wake) {
+		wake = r.lingerUntil
+	}
+	if !wake.Equal(r.deadline) {
+		r.deadline = wake
+		if err := r.netConn.SetReadDeadline(r.deadline); err != nil {
+			return fmt.Errorf("set read deadline on slot %s: %w", r.s.cfg.Slot, err)
+		}
+	}
+	if r.interrupted.Load() {
+		// The interrupt may have come before the deadline above replaced
+		// it.
+		_ = r.netConn.SetReadDeadline(time.Now())
+	}
+	return nil
+}
+
+// receiveFailed handles a receive that ended without a message: a stop, a
+// deadline (the lingering batch goes out), or a failure.
+func (r *run) receiveFailed(err error) error {
+	select {
+	case <-r.stop:
+		if r.ctx.Err() == nil {
+			return errStopped
+		}
+	default:
+	}
+	if !pgconn.Timeout(err) || r.ctx.Err() != nil {
+		return fmt.Errorf("receive from slot %s: %w", r.s.cfg.Slot, err)
+	}
+	if r.s.batch != nil && !r.lingerUntil.IsZero() && (r.draining || !time.Now().Before(r.lingerUntil)) {
+		r.trickle, r.draining = true, false
+		return r.flush()
+	}
+	return nil
+}
+
+// handle takes one message from the server.
+func (r *run) handle(msg pgproto3.BackendMessage) error {
+	s := r.s
+	switch msg := msg.(type) {
+	case *pgproto3.CopyData:
+		if len(msg.Data) == 0 {
+			return nil
+		}
+		switch msg.Data[0] {
+		case pglogrepl.PrimaryKeepaliveMessageByteID:
+			return r.keepalive(msg.Data[1:])
+		case pglogrepl.XLogDataByteID:
+			return r.xlogData(msg.Data[1:])
+		}
+	case *pgproto3.ErrorResponse:
+		return fmt.Errorf("slot %s: %w", s.cfg.Slot, pgconn.ErrorResponseToPgError(msg))
+	default:
+		s.log.Debug().Str("message", fmt.Sprintf("%T", msg)).Msg("unexpected message on replication connection")
+	}
+	return nil
+}
+
+func (r *run) keepalive(data []byte) error {
+	s := r.s
+	pkm, err := pglogrepl.ParsePrimaryKeepaliveMessage(data)
+	if err != nil {
+		return fmt.Errorf("parse keepalive on slot %s: %w", s.cfg.Slot, err)
+	}
+	s.noteServerEnd(pkm.ServerWALEnd)
+	// Nothing open, nothing in flight: the keepalive's position is safe to
+	// confirm, which keeps an idle outbox in a busy database from holding
+	// WAL (G10).
+	if !s.dec.InTransaction() && s.acked >= s.lastEnd && pkm.ServerWALEnd > s.acked {
+		s.acked = pkm.ServerWALEnd
+		s.lastEnd = pkm.ServerWALEnd
+	}
+	if pkm.ReplyRequested {
+		if err := s.sendStatus(r.ctx, false); err != nil {
+			return err
+		}
+		r.nextStatus = time.Now().Add(s.cfg.StatusInterval)
+	}
+	return nil
+}
+
+// xlogData decodes one WAL message into the batch, and hands the batch over
+// once it is full, or at a commit unless the commit may linger.
+func (r *run) xlogData(data []byte) error {
+	s := r.s
+	xld, err := pglogrepl.ParseXLogData(data)
+	if err != nil {
+		return fmt.Errorf("parse XLogData on slot %s: %w", s.cfg.Slot, err)
+	}
+	s.noteServerEnd(xld.ServerWALEnd)
+	ev, ok, err := s.dec.Decode(xld.WALData)
+	if err != nil {
+		return fmt.Errorf("decode WAL at %s on slot %s: %w", xld.WALStart, s.cfg.Slot, err)
+	}
+	if !ok {
+		return nil
+	}
+	if ev.Type == EventCommit {
+		s.lastEnd = ev.EndLSN
+	}
+	if s.batch == nil {
+		s.batch = newBatch()
+	}
+	s.batch = append(s.batch, ev)
+	if len(s.batch) < MaxBatch {
+		if ev.Type != EventCommit {
+			return nil
+		}
+		if s.cfg.Linger > 0 {
+			now := time.Now()
+			if r.lingerUntil.IsZero() {
+				r.lingerUntil = now.Add(s.cfg.Linger)
+			}
+			if r.trickle || now.Before(r.lingerUntil) {
+				return nil
+			}
+		}
+	}
+	r.trickle, r.draining = false, false
+	return r.flush()
+}
+
+// flush hands the batch read so far to the relay.
+func (r *run) flush() error {
+	s := r.s
+	batch := s.batch
+	s.batch = nil
+	r.lingerUntil = time.Time{}
+	return s.emit(r.ctx, r.out, batch, r.confirms, r.stop, r.ticker.C)
+}
 
 // drainWait is how long a read after a lingering trickle waits for more:
 // enough for the read to be tried, not enough to add latency.
 const drainWait = 50 * time.Microsecond
-
-// flush hands the batch read so far to the relay.
-func (s *Stream) flush(ctx context.Context, out chan<- []Event, confirms <-chan pglogrepl.LSN, stop <-chan struct{}, tick <-chan time.Time, lingerUntil *time.Time) error {
-	batch := s.batch
-	s.batch = nil
-	*lingerUntil = time.Time{}
-	return s.emit(ctx, out, batch, confirms, stop, tick)
-}
 
 // emit hands ev to the relay. While the relay pushes back (broker slow or
 // down), it keeps taking confirmations and sending status updates, so the

@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"fmt"
 	"sync/atomic"
 	"time"
 
@@ -17,16 +18,34 @@ import (
 // where the commit record ends: a standby that flushed part of it would
 // lose the transaction in a promotion.
 //
-// Reading WAL continues while the gate holds fewer than gatedCap events, or
-// while a transaction is open (its Commit is needed to decide), so a
-// transaction's rows wait in memory until its commit is on the standbys.
+// The gate holds at most gateCap events (one batch more at most) and
+// rows' bytes (G15): the loop reads the stream only while the gate has
+// room and the read limit (loop.mayRead) allows. A transaction larger than
+// that fills the gate before its Commit is read. It goes through once the
+// standbys flushed the server's flushed WAL position read after its Begin
+// arrived: its commit record ends before that position (a transaction is
+// decoded only once its commit is flushed), so all of it is on the
+// standbys; its events then pass as they are read, until its Commit.
 // The standbys' positions are read only while something waits.
 type gateState struct {
 	gate   *standby.Gate
 	events []replication.Event
+	bytes  int  // the rows' sizes in events
 	open   bool // a Begin in events has no Commit yet
-	want   atomic.Bool
-	reads  chan error
+	// through: the open head transaction is known to be on the standbys
+	// (a transaction larger than the gate); its events pass as read.
+	through bool
+	// Reading the server's flushed position for a transaction that filled
+	// the gate: reads numbered from boundFrom began after it did, and
+	// bound is what the first of them found.
+	boundFrom  uint64
+	bound      replication.LSN
+	boundKnown bool
+	readsBegun atomic.Uint64
+	want       atomic.Bool
+	reads      chan gateRead
+	// peak is the most events the gate held at once (for tests: G15).
+	peak *atomic.Int64
 	// held records the head transaction's wait in
 	// outbox_relay_standby_held_seconds{path="cdc"}; endHeld ends it, nil
 	// while nothing waits.
@@ -34,8 +53,48 @@ type gateState struct {
 	endHeld func()
 }
 
-func newGateState(g *standby.Gate, held *metrics.StandbyHeld) *gateState {
-	return &gateState{gate: g, reads: make(chan error), held: held}
+// gateRead is one read of the standbys' positions: its number, the
+// server's flushed WAL position it found, and its error.
+type gateRead struct {
+	n      uint64
+	server replication.LSN
+	err    error
+}
+
+func newGateState(g *standby.Gate, held *metrics.StandbyHeld, peak *atomic.Int64) *gateState {
+	return &gateState{gate: g, reads: make(chan gateRead), held: held, peak: peak}
+}
+
+// gateCap is the most events and row bytes the gate holds.
+func (l *loop) gateCap() (events, bytes int) {
+	return 4 * l.r.cfg.MaxInFlight, l.r.cfg.MaxInFlightBytes
+}
+
+// gateReads is the channel of the standbys' position reads; nil without
+// --standby-slot.
+func (l *loop) gateReads() <-chan gateRead {
+	if l.gated == nil {
+		return nil
+	}
+	return l.gated.reads
+}
+
+// gateRead takes a read of the standbys' positions.
+func (l *loop) gateRead(ctx context.Context, r gateRead, confirms chan replication.LSN) error {
+	if r.err != nil && ctx.Err() == nil {
+		// End the session rather than wait: the walsender holds a
+		// shutting-down server open until this client confirms what it
+		// sent, and while the positions cannot be read nothing gated can
+		// be released or confirmed. The next session resumes from the
+		// slot (found by the chaos run's pg-failover mode: a fast shutdown
+		// hung for 60 s).
+		return fmt.Errorf("read the standbys' positions (--standby-slot): %w", r.err)
+	}
+	g := l.gated
+	if r.err == nil && g.boundFrom != 0 && !g.boundKnown && r.n >= g.boundFrom {
+		g.bound, g.boundKnown = r.server, true
+	}
+	return l.releaseGated(ctx, confirms)
 }
 
 // stopWaiting ends the head transaction's wait in the metric: it went
@@ -54,63 +113,120 @@ func (g *gateState) push(ev replication.Event) {
 		g.open = true
 	case replication.EventCommit:
 		g.open = false
+	case replication.EventRow:
+		g.bytes += rowBytes(ev.Row)
 	}
 }
 
-// readMore reports whether the loop may read another event into the gate.
-func (g *gateState) readMore(capacity int) bool { return g.open || len(g.events) < capacity }
+// pop takes the head event.
+func (g *gateState) pop() replication.Event {
+	ev := g.events[0]
+	g.events[0] = replication.Event{}
+	g.events = g.events[1:]
+	switch ev.Type {
+	case replication.EventRow:
+		g.bytes -= rowBytes(ev.Row)
+	case replication.EventCommit:
+		if g.through {
+			g.through, g.boundFrom, g.boundKnown = false, 0, false
+		}
+	}
+	return ev
+}
+
+func rowBytes(r *replication.Row) int {
+	if r == nil {
+		return 0
+	}
+	return len(r.WorkID) + len(r.Kind) + len(r.Subject) + len(r.Payload) + len(r.Headers)
+}
+
+// noteDepth records the gate's depth for the peak.
+func (g *gateState) noteDepth() {
+	if n := int64(len(g.events)); g.peak != nil && n > g.peak.Load() {
+		g.peak.Store(n)
+	}
+}
+
+// full reports whether the gate holds all it may.
+func (g *gateState) full(events, bytes int) bool {
+	return len(g.events) >= events || g.bytes >= bytes
+}
 
 // releasable returns how many events at the head may go through now: the
-// first transaction's, once its commit is on the standbys.
-func (g *gateState) releasable() int {
+// first transaction's, once its commit is on the standbys; or, for a
+// transaction too large for the gate, all of it read so far once it is
+// known to be on the standbys.
+func (g *gateState) releasable(capEvents, capBytes int) int {
 	for i, ev := range g.events {
 		if ev.Type != replication.EventCommit {
 			continue
 		}
-		if g.gate.Flushed(ev.EndLSN) {
+		if g.through || g.gate.Flushed(ev.EndLSN) {
 			g.stopWaiting()
 			return i + 1
 		}
-		if g.endHeld == nil {
-			g.endHeld = g.held.Begin(metrics.HeldCDC, time.Now())
-		}
-		g.want.Store(true)
+		g.waiting()
 		return 0
 	}
+	if len(g.events) == 0 {
+		return 0
+	}
+	if g.through {
+		return len(g.events)
+	}
+	if !g.open || !g.full(capEvents, capBytes) {
+		return 0 // its Commit is read next
+	}
+	// The head transaction filled the gate: learn a bound of its end.
+	if g.boundFrom == 0 {
+		g.boundFrom = g.readsBegun.Load() + 1
+	}
+	if g.boundKnown && g.gate.Flushed(g.bound) {
+		g.stopWaiting()
+		g.through = true
+		return len(g.events)
+	}
+	g.waiting()
 	return 0
+}
+
+// waiting marks the head transaction as waiting for the standbys.
+func (g *gateState) waiting() {
+	if g.endHeld == nil {
+		g.endHeld = g.held.Begin(metrics.HeldCDC, time.Now())
+	}
+	g.want.Store(true)
 }
 
 // watch reads the standbys' positions every poll interval while the loop
 // wants them, and reports each read.
 func (g *gateState) watch(ctx context.Context) {
-	pollWhile(ctx, standby.DefaultPoll, g.want.Load, func() error {
+	pollWhile(ctx, standby.DefaultPoll, g.want.Load, func() gateRead {
+		n := g.readsBegun.Add(1)
 		_, _, err := g.gate.Read(ctx)
-		return err
+		return gateRead{n: n, server: g.gate.ServerFlushed(), err: err}
 	}, g.reads)
 }
 
 // releaseGated feeds the releasable head of the gate through the loop, one
-// event at a time, stopping when the loop cannot take more (a row waits for
-// in-flight room, or too many rows of held aggregates are parked).
+// event at a time, as far as the read limit allows.
 func (l *loop) releaseGated(ctx context.Context, confirms chan replication.LSN) error {
 	g := l.gated
-	for l.blocked == nil && !l.stopping && (l.order == nil || l.order.parked < l.r.cfg.MaxInFlight) {
-		n := g.releasable()
+	for l.mayRead() {
+		n := g.releasable(l.gateCap())
 		if n == 0 {
 			break
 		}
 		g.want.Store(false)
 		for i := 0; i < n; i++ {
-			ev := g.events[0]
-			g.events[0] = replication.Event{}
-			g.events = g.events[1:]
-			if err := l.handleEvent(ctx, ev, confirms); err != nil {
+			if err := l.handleEvent(ctx, g.pop(), confirms); err != nil {
 				return err
 			}
-			if l.blocked != nil {
-				// The rest of this transaction waits with the row; the
-				// head is no longer a whole transaction, so release it
-				// event by event from here (its Commit is still ahead).
+			if !l.mayRead() {
+				// The rest waits; the head is no longer a whole
+				// transaction, so release it event by event from here
+				// (its Commit, or through, lets it go).
 				return nil
 			}
 		}

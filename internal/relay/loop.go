@@ -63,6 +63,9 @@ type loop struct {
 	pendingSince time.Time // when the oldest of pending arrived
 	retry        []*item   // settled too early (not visible yet)
 	settling     bool
+	settleTimer  *time.Timer // SettleDelay of the oldest pending row
+	settleArmed  bool
+	retryTimer   *time.Timer // the next retry's retryAt
 
 	batch []replication.Event // the batch being handled; held is its unhandled rest
 	held  []replication.Event
@@ -101,7 +104,7 @@ func newLoop(r *Relay, confirmed replication.LSN, held map[store.AggregateKey]st
 		l.order = newOrderState(held)
 	}
 	if r.cfg.Standby != nil {
-		l.gated = newGateState(r.cfg.Standby, r.metrics.StandbyHeld)
+		l.gated = newGateState(r.cfg.Standby, r.metrics.StandbyHeld, &r.gatePeak)
 	}
 	return l
 }
@@ -110,13 +113,74 @@ func newLoop(r *Relay, confirmed replication.LSN, held map[store.AggregateKey]st
 func (l *loop) wait() { l.wg.Wait() }
 
 func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Event, confirms chan replication.LSN, stop chan struct{}, streamDone <-chan error) error {
+	l.startHelpers(sessCtx)
+	if l.gated != nil {
+		defer l.gated.stopWaiting()
+	}
+	defer close(l.queue)
+	defer close(l.settleReq)
+	l.retryTimer = time.NewTimer(time.Hour)
+	l.retryTimer.Stop()
+	l.settleTimer = time.NewTimer(time.Hour)
+	l.settleTimer.Stop()
+	var drainDeadline <-chan time.Time
+	shutdown := ctx.Done()
+
+	for {
+		if err := l.takeEvents(sessCtx, confirms); err != nil {
+			return err
+		}
+		l.settleDue()
+		if l.stopping && l.inflight == 0 && !l.settling && len(l.pending) == 0 && len(l.retry) == 0 {
+			return l.finish(confirms, streamDone)
+		}
+		var err error
+		select {
+		case batch := <-l.readFrom(events):
+			err = l.received(sessCtx, batch, confirms)
+		case r := <-l.gateReads():
+			err = l.gateRead(sessCtx, r, confirms)
+		case its := <-l.results:
+			err = l.handleResults(sessCtx, its)
+		case res := <-l.settleResp:
+			err = l.handleSettled(res, confirms)
+		case <-l.retryTimer.C:
+			l.dueRetries()
+			l.armRetry()
+		case <-l.settleTimer.C:
+			l.settleArmed = false
+		case res := <-l.refresh:
+			l.refreshed(res)
+		case err := <-streamDone:
+			if err == nil {
+				err = errors.New("replication stream ended")
+			}
+			return err
+		case <-shutdown:
+			shutdown = nil
+			l.stopping = true
+			close(stop)
+			drainDeadline = time.After(l.r.cfg.DrainTimeout)
+			l.r.log.Info().Int("in_flight", l.inflight).Msg("shutting down: draining in-flight messages")
+		case <-drainDeadline:
+			l.r.log.Warn().Int("in_flight", l.inflight).Int("unsettled", len(l.pending)+len(l.retry)).
+				Msg("drain timeout: leaving the rest to the next start (the broker drops the repeats)")
+			return l.finish(confirms, streamDone)
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// startHelpers starts the goroutines of the session: the collector of
+// acks, the settler, and with their options the standbys' watcher and the
+// held aggregates' refresher. They end with sessCtx.
+func (l *loop) startHelpers(sessCtx context.Context) {
 	l.wg.Add(2)
 	go l.collect(sessCtx)
 	go l.settler(sessCtx)
-	var gateReads chan error
 	if l.gated != nil {
-		defer l.gated.stopWaiting()
-		gateReads = l.gated.reads
 		l.wg.Add(1)
 		go func() {
 			defer l.wg.Done()
@@ -130,163 +194,122 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Eve
 			refresher(sessCtx, l.r.store, l.order, l.r.cfg.HeldRefresh, l.refresh)
 		}()
 	}
-	defer close(l.queue)
-	defer close(l.settleReq)
-
-	retryTimer := time.NewTimer(time.Hour)
-	retryTimer.Stop()
-	settleTimer := time.NewTimer(time.Hour)
-	settleTimer.Stop()
-	settleArmed := false
-	var drainDeadline <-chan time.Time
-	stopping := false
-	shutdown := ctx.Done()
-
-	for {
-		if l.blocked != nil && !stopping && l.hasRoom(l.blocked.size) {
-			b := l.blocked
-			l.blocked = nil
-			if err := l.publish(sessCtx, b); err != nil {
-				return err
-			}
-		}
-		// The rest of a batch goes through as far as the limits allow; the
-		// next batch is read only once this one is done.
-		for len(l.held) > 0 && l.gated == nil && l.mayRead(stopping) {
-			ev := l.held[0]
-			l.held = l.held[1:]
-			if err := l.handleEvent(sessCtx, ev, confirms); err != nil {
-				return err
-			}
-		}
-		if len(l.held) == 0 && l.batch != nil {
-			replication.ReleaseBatch(l.batch)
-			l.batch = nil
-		}
-		if l.gated != nil && len(l.gated.events) > 0 {
-			if err := l.releaseGated(sessCtx, confirms); err != nil {
-				return err
-			}
-		}
-		if len(l.pending) > 0 && l.pendingSince.IsZero() {
-			l.pendingSince = time.Now()
-		}
-		// A settle goes out once a batch is full or its oldest row has
-		// waited SettleDelay: at one row per transaction this groups a few
-		// marks per statement instead of one statement per ack. The delay
-		// holds back the mark and the confirmation, never the publish.
-		settleNow := !l.settling && len(l.pending) > 0
-		if settleNow && !stopping && len(l.pending) < l.r.cfg.SettleBatch {
-			if wait := l.r.cfg.SettleDelay - time.Since(l.pendingSince); wait > 0 {
-				settleNow = false
-				if !settleArmed {
-					settleTimer.Reset(wait)
-					settleArmed = true
-				}
-			}
-		}
-		if settleNow {
-			l.pendingSince = time.Time{}
-			n := min(len(l.pending), l.r.cfg.SettleBatch)
-			batch := make([]*item, n)
-			copy(batch, l.pending)
-			l.pending = append(l.pending[:0], l.pending[n:]...)
-			l.settling = true
-			l.settleReq <- batch
-		}
-		if stopping && l.inflight == 0 && !l.settling && len(l.pending) == 0 && len(l.retry) == 0 {
-			return l.finish(confirms, streamDone)
-		}
-
-		var evCh <-chan []replication.Event
-		switch {
-		case l.gated != nil:
-			// The gate buffers; what it releases meets the limits below.
-			if !stopping && l.gated.readMore(4*l.r.cfg.MaxInFlight) {
-				evCh = events
-			}
-		case len(l.held) == 0 && l.mayRead(stopping):
-			evCh = events
-		}
-		select {
-		case batch := <-evCh:
-			if l.gated != nil {
-				for _, ev := range batch {
-					l.gated.push(ev)
-				}
-				replication.ReleaseBatch(batch)
-				if err := l.releaseGated(sessCtx, confirms); err != nil {
-					return err
-				}
-				continue
-			}
-			l.batch, l.held = batch, batch
-		case err := <-gateReads:
-			if err != nil && sessCtx.Err() == nil {
-				// End the session rather than wait: the walsender holds a
-				// shutting-down server open until this client confirms
-				// what it sent, and while the positions cannot be read
-				// nothing gated can be released or confirmed. The next
-				// session resumes from the slot (found by the chaos run's
-				// pg-failover mode: a fast shutdown hung for 60 s).
-				return fmt.Errorf("read the standbys' positions (--standby-slot): %w", err)
-			}
-			if err := l.releaseGated(sessCtx, confirms); err != nil {
-				return err
-			}
-		case its := <-l.results:
-			for _, it := range its {
-				if err := l.handleResult(sessCtx, it); err != nil {
-					return err
-				}
-			}
-			l.r.metrics.InFlight.Set(float64(l.inflight))
-			l.r.metrics.InFlightBytes.Set(float64(l.inflightBytes))
-		case res := <-l.settleResp:
-			l.settling = false
-			if res.err != nil {
-				return res.err
-			}
-			l.handleSettled(res, confirms)
-			l.armRetry(retryTimer)
-		case <-retryTimer.C:
-			l.dueRetries()
-			l.armRetry(retryTimer)
-		case <-settleTimer.C:
-			settleArmed = false
-		case res := <-l.refresh:
-			if res.err != nil {
-				l.r.log.Warn().Err(res.err).Msg("could not read the held aggregates; they stay held until the next read")
-				continue
-			}
-			l.order.refreshed(res)
-		case err := <-streamDone:
-			if err == nil {
-				err = errors.New("replication stream ended")
-			}
-			return err
-		case <-shutdown:
-			shutdown = nil
-			stopping = true
-			l.stopping = true
-			close(stop)
-			drainDeadline = time.After(l.r.cfg.DrainTimeout)
-			l.r.log.Info().Int("in_flight", l.inflight).Msg("shutting down: draining in-flight messages")
-		case <-drainDeadline:
-			l.r.log.Warn().Int("in_flight", l.inflight).Int("unsettled", len(l.pending)+len(l.retry)).
-				Msg("drain timeout: leaving the rest to the next start (the broker drops the repeats)")
-			return l.finish(confirms, streamDone)
-		}
-	}
 }
 
-// mayRead reports whether the next event may be handled now. Rows acked
-// and waiting for their mark are bounded too: when the database marks
-// slower than the broker acks, reading WAL waits, instead of the queue (and
-// memory) growing with the backlog.
-func (l *loop) mayRead(stopping bool) bool {
-	return l.blocked == nil && !stopping && len(l.pending)+len(l.retry) < l.r.cfg.MaxUnsettled &&
+// takeEvents moves what was read through the loop as far as the read
+// limit allows: the row waiting for in-flight room, then the rest of the
+// batch being handled (or what the gate lets through). The next batch is
+// read only once this one is done.
+func (l *loop) takeEvents(ctx context.Context, confirms chan replication.LSN) error {
+	if l.blocked != nil && !l.stopping && l.hasRoom(l.blocked.size) {
+		b := l.blocked
+		l.blocked = nil
+		if err := l.publish(ctx, b); err != nil {
+			return err
+		}
+	}
+	if l.gated != nil {
+		if len(l.gated.events) > 0 {
+			return l.releaseGated(ctx, confirms)
+		}
+		return nil
+	}
+	for len(l.held) > 0 && l.mayRead() {
+		ev := l.held[0]
+		l.held = l.held[1:]
+		if err := l.handleEvent(ctx, ev, confirms); err != nil {
+			return err
+		}
+	}
+	if len(l.held) == 0 && l.batch != nil {
+		replication.ReleaseBatch(l.batch)
+		l.batch = nil
+	}
+	return nil
+}
+
+// mayRead is the read limit, the one decision every read path asks
+// (reading the stream, taking the next event of a batch, letting events
+// through the gate): whether the loop may take another event now. Rows
+// acked and waiting for their mark are bounded too: when the database
+// marks slower than the broker acks, reading WAL waits, instead of the
+// queue (and memory) growing with the backlog (G15).
+func (l *loop) mayRead() bool {
+	return l.blocked == nil && !l.stopping && len(l.pending)+len(l.retry) < l.r.cfg.MaxUnsettled &&
 		(l.order == nil || l.order.parked < l.r.cfg.MaxInFlight)
+}
+
+// readFrom returns events when the loop may read the next batch, nil (a
+// case the select never takes) otherwise. With --standby-slot the batch
+// goes into the gate, which holds at most gateCap events: a transaction
+// larger than that waits in the stream, not in memory (gate.go).
+func (l *loop) readFrom(events <-chan []replication.Event) <-chan []replication.Event {
+	if !l.mayRead() {
+		return nil
+	}
+	if l.gated != nil {
+		if l.gated.full(l.gateCap()) {
+			return nil
+		}
+	} else if len(l.held) > 0 {
+		return nil
+	}
+	return events
+}
+
+// received takes a batch read from the stream.
+func (l *loop) received(ctx context.Context, batch []replication.Event, confirms chan replication.LSN) error {
+	if l.gated == nil {
+		l.batch, l.held = batch, batch
+		return nil
+	}
+	for _, ev := range batch {
+		l.gated.push(ev)
+	}
+	l.gated.noteDepth()
+	replication.ReleaseBatch(batch)
+	return l.releaseGated(ctx, confirms)
+}
+
+// settleDue sends the next settle once a batch is full or its oldest row
+// has waited SettleDelay: at one row per transaction this groups a few
+// marks per statement instead of one statement per ack. The delay holds
+// back the mark and the confirmation, never the publish.
+func (l *loop) settleDue() {
+	if len(l.pending) > 0 && l.pendingSince.IsZero() {
+		l.pendingSince = time.Now()
+	}
+	if l.settling || len(l.pending) == 0 {
+		return
+	}
+	if !l.stopping && len(l.pending) < l.r.cfg.SettleBatch {
+		if wait := l.r.cfg.SettleDelay - time.Since(l.pendingSince); wait > 0 {
+			if !l.settleArmed {
+				l.settleTimer.Reset(wait)
+				l.settleArmed = true
+			}
+			return
+		}
+	}
+	l.pendingSince = time.Time{}
+	n := min(len(l.pending), l.r.cfg.SettleBatch)
+	batch := make([]*item, n)
+	copy(batch, l.pending)
+	l.pending = append(l.pending[:0], l.pending[n:]...)
+	l.settling = true
+	l.settleReq <- batch
+}
+
+// handleResults takes a group of acks from the collector.
+func (l *loop) handleResults(ctx context.Context, its []*item) error {
+	for _, it := range its {
+		if err := l.handleResult(ctx, it); err != nil {
+			return err
+		}
+	}
+	l.r.metrics.InFlight.Set(float64(l.inflight))
+	l.r.metrics.InFlightBytes.Set(float64(l.inflightBytes))
+	return nil
 }
 
 // finish sends the final confirmation and lets the stream send its last
@@ -369,14 +392,9 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row) error {
 		l.handOff(it)
 		return nil
 	}
-	if it.ordered {
-		if blocker, held := l.order.heldBy(it.agg); held && !l.caughtUp(ctx, it.agg) {
-			it.settle.Outcome = store.Held
-			it.settle.Error = "held: waiting for " + blocker + " (an earlier row of aggregate " + it.agg.String() + ")"
-			l.r.metrics.Handoffs.WithLabelValues("held").Inc()
-			l.handOff(it)
-			return nil
-		}
+	turn := l.admit(ctx, it)
+	if turn == heldBack {
+		return nil
 	}
 	var aggSeq int64
 	var aggType, aggID string
@@ -397,9 +415,7 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row) error {
 	}
 	it.msg = msg
 	it.size = msg.Size()
-	if it.ordered && l.order.busy(it.agg) {
-		// Its predecessor's ack is still out: publishing now could store
-		// it first if the broker refuses that one.
+	if turn == waitTurn {
 		l.order.park(it)
 		return nil
 	}
@@ -421,9 +437,6 @@ func (l *loop) publish(ctx context.Context, it *item) error {
 		return fmt.Errorf("%w: %w", errOutage, err)
 	}
 	it.fut = fut
-	if it.ordered {
-		l.order.started(it)
-	}
 	l.inflight++
 	l.inflightBytes += it.size
 	l.r.metrics.InFlight.Set(float64(l.inflight))
@@ -444,47 +457,13 @@ func (l *loop) reject(it *item, re *wire.RejectedError) {
 	it.settle.Error = "rejected: " + re.Reason + ": " + re.Err.Error()
 	it.settle.RetryMs = l.r.cfg.RejectRetry.Milliseconds()
 	l.handOff(it)
-	if it.ordered {
-		// The rows of its aggregate that waited for its ack wait behind it
-		// at the poller now.
-		for _, w := range l.order.finished(it) {
-			w.msg = nil
-			w.settle.Outcome = store.Held
-			w.settle.Error = "held: waiting for " + it.workID + " (an earlier row of aggregate " + w.agg.String() + ")"
-			l.r.metrics.Handoffs.WithLabelValues("held").Inc()
-			l.handOff(w)
-		}
-	}
-}
-
-// caughtUp asks the table, for a new row of held aggregate k, whether the
-// poller has caught up with k, and if so takes k back (order.go). A failed
-// read keeps k held: the row goes to the poller, which is always safe.
-func (l *loop) caughtUp(ctx context.Context, k store.AggregateKey) bool {
-	if !l.order.mayRelease(k) {
-		return false
-	}
-	qctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	with, err := l.r.store.WithPoller(qctx, k)
-	cancel()
-	if err != nil {
-		l.r.log.Warn().Err(err).Msg("could not read whether a held aggregate is caught up; its row goes to the poller")
-		return false
-	}
-	if with {
-		return false
-	}
-	l.order.release(k, time.Now())
-	l.r.log.Debug().Str("aggregate_type", k.Type).Str("aggregate_id", k.ID).Msg("the poller caught up with a held aggregate; the CDC path publishes it again")
-	return true
+	l.refused(it)
 }
 
 // handOff queues a row for the settler that moves it to the poller, and
 // holds its aggregate behind it.
 func (l *loop) handOff(it *item) {
-	if it.ordered {
-		l.order.handedOff(it)
-	}
+	l.order.handedOff(it)
 	l.pending = append(l.pending, it)
 }
 
@@ -570,12 +549,10 @@ func (l *loop) handleResult(ctx context.Context, it *item) error {
 	// and its future are garbage from here.
 	it.msg, it.fut = nil, nil
 	l.pending = append(l.pending, it)
-	if it.ordered && !l.stopping {
-		if next := l.order.next(it); next != nil {
-			// Its turn: the predecessor is stored. It was counted against
-			// the WAL reading (parked), not against in-flight room.
-			return l.publish(ctx, next)
-		}
+	if next := l.acked(it); next != nil {
+		// Its turn: the predecessor is stored. It was counted against the
+		// WAL reading (parked), not against in-flight room.
+		return l.publish(ctx, next)
 	}
 	return nil
 }
@@ -596,7 +573,13 @@ func (l *loop) settler(ctx context.Context) {
 	}
 }
 
-func (l *loop) handleSettled(res settleResult, confirms chan replication.LSN) {
+// handleSettled takes the settler's answer for a batch: settled rows count
+// off their transactions, rows not visible yet are retried.
+func (l *loop) handleSettled(res settleResult, confirms chan replication.LSN) error {
+	l.settling = false
+	if res.err != nil {
+		return res.err
+	}
 	now := time.Now()
 	heldOver := false
 	defer func() {
@@ -607,9 +590,7 @@ func (l *loop) handleSettled(res settleResult, confirms chan replication.LSN) {
 	for i, it := range res.batch {
 		if res.settled[i] {
 			l.cp.Settle(it.txn)
-			if it.holds {
-				l.order.settled(it, now)
-			}
+			l.order.settled(it, now)
 			heldOver = heldOver || it.settle.Outcome == store.Held
 			continue
 		}
@@ -626,9 +607,11 @@ func (l *loop) handleSettled(res settleResult, confirms chan replication.LSN) {
 		l.retry = append(l.retry, it)
 	}
 	l.advance(confirms)
+	l.armRetry()
+	return nil
 }
 
-func (l *loop) armRetry(t *time.Timer) {
+func (l *loop) armRetry() {
 	if len(l.retry) == 0 {
 		return
 	}
@@ -638,7 +621,7 @@ func (l *loop) armRetry(t *time.Timer) {
 			next = it.retryAt
 		}
 	}
-	t.Reset(time.Until(next))
+	l.retryTimer.Reset(time.Until(next))
 }
 
 func (l *loop) dueRetries() {

@@ -36,6 +36,104 @@ import (
 // published (acked), or still in this session's chain, behind which it
 // waits.
 
+// The CDC loop calls the rules at three points, and nowhere else decides
+// anything about order: admit, when a ready row arrives (publish it, park
+// it behind its aggregate's row in flight, or hand it to the poller as
+// held); acked, when the broker stored a row (the next row of its
+// aggregate, if one waits); refused, when a row goes to the poller
+// (the rows that waited behind it follow it there). Two notes keep the
+// held set's bookkeeping: handedOff and settled. Without --ordering
+// aggregate the loop's orderState is nil and every call does nothing.
+
+// turn is admit's answer for a row.
+type turn int
+
+const (
+	sendNow  turn = iota // publish it (as room allows)
+	waitTurn             // park it: its aggregate's row in flight is not acked yet
+	heldBack             // handed to the poller: its aggregate is held
+)
+
+// admit decides a new ready row's turn. A row of a held aggregate goes to
+// the poller (unless the poller has caught up with the aggregate); one
+// whose aggregate has a row in flight waits for that row's ack: publishing
+// now could store it first if the broker refuses that one. A row sent now
+// becomes its aggregate's row in flight.
+func (l *loop) admit(ctx context.Context, it *item) turn {
+	if !it.ordered {
+		return sendNow
+	}
+	o := l.order
+	if blocker, held := o.heldBy(it.agg); held && !l.caughtUp(ctx, it.agg) {
+		it.settle.Outcome = store.Held
+		it.settle.Error = "held: waiting for " + blocker + " (an earlier row of aggregate " + it.agg.String() + ")"
+		l.r.metrics.Handoffs.WithLabelValues("held").Inc()
+		l.handOff(it)
+		return heldBack
+	}
+	if o.busy(it.agg) {
+		return waitTurn
+	}
+	o.started(it)
+	return sendNow
+}
+
+// acked returns the row of it's aggregate whose turn came with it's ack,
+// now its aggregate's row in flight; nil if none waits (or the session is
+// stopping: the rest goes to the next session).
+func (l *loop) acked(it *item) *item {
+	if !it.ordered || l.stopping {
+		return nil
+	}
+	return l.order.next(it)
+}
+
+// refused hands the rows that waited for it's ack to the poller behind it:
+// it was rejected, and they wait behind it at the poller now.
+func (l *loop) refused(it *item) {
+	if !it.ordered {
+		return
+	}
+	for _, w := range l.order.finished(it) {
+		w.msg = nil
+		w.settle.Outcome = store.Held
+		w.settle.Error = "held: waiting for " + it.workID + " (an earlier row of aggregate " + w.agg.String() + ")"
+		l.r.metrics.Handoffs.WithLabelValues("held").Inc()
+		l.handOff(w)
+	}
+}
+
+// refreshed applies a read of the held aggregates from the refresher.
+func (l *loop) refreshed(res heldRefresh) {
+	if res.err != nil {
+		l.r.log.Warn().Err(res.err).Msg("could not read the held aggregates; they stay held until the next read")
+		return
+	}
+	l.order.refreshed(res)
+}
+
+// caughtUp asks the table, for a new row of held aggregate k, whether the
+// poller has caught up with k, and if so takes k back. A failed read keeps
+// k held: the row goes to the poller, which is always safe.
+func (l *loop) caughtUp(ctx context.Context, k store.AggregateKey) bool {
+	if !l.order.mayRelease(k) {
+		return false
+	}
+	qctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	with, err := l.r.store.WithPoller(qctx, k)
+	cancel()
+	if err != nil {
+		l.r.log.Warn().Err(err).Msg("could not read whether a held aggregate is caught up; its row goes to the poller")
+		return false
+	}
+	if with {
+		return false
+	}
+	l.order.release(k, time.Now())
+	l.r.log.Debug().Str("aggregate_type", k.Type).Str("aggregate_id", k.ID).Msg("the poller caught up with a held aggregate; the CDC path publishes it again")
+	return true
+}
+
 // orderState is the loop's per-aggregate state; it belongs to the loop's
 // goroutine, except active, which the refresher reads.
 type orderState struct {
@@ -89,6 +187,9 @@ func (o *orderState) heldBy(k store.AggregateKey) (string, bool) {
 // handedOff records that it (a row of k) goes to the poller: k is held
 // from now on, behind it unless an earlier row already holds it.
 func (o *orderState) handedOff(it *item) {
+	if !it.ordered {
+		return
+	}
 	h, ok := o.held[it.agg]
 	if !ok {
 		h = &hold{blocker: it.workID}
@@ -123,6 +224,9 @@ func (o *orderState) release(k store.AggregateKey, now time.Time) {
 
 // settled records that the settle of a handed-off row committed.
 func (o *orderState) settled(it *item, now time.Time) {
+	if !it.holds {
+		return
+	}
 	if h, ok := o.held[it.agg]; ok && it.holds {
 		h.unsettled--
 		h.settledAt = now
@@ -162,7 +266,8 @@ func (o *orderState) finished(it *item) []*item {
 	return c.queue
 }
 
-// next takes the next waiting row of it's aggregate after it was acked.
+// next takes the next waiting row of it's aggregate after it was acked; it
+// is the aggregate's row in flight from now on.
 func (o *orderState) next(it *item) *item {
 	c, ok := o.chains[it.agg]
 	if !ok {
@@ -176,6 +281,7 @@ func (o *orderState) next(it *item) *item {
 	n := c.queue[0]
 	c.queue = c.queue[1:]
 	o.parked--
+	c.inflight = n
 	return n
 }
 

@@ -161,6 +161,9 @@ type Relay struct {
 	// streamed and not yet confirmed, 0 when none: kept across sessions, so
 	// the lag keeps growing through an outage.
 	oldestOpen atomic.Int64
+	// gatePeak is the most events the CDC gate (--standby-slot) held at
+	// once, for tests of its bound (G15).
+	gatePeak atomic.Int64
 	// preflighted: Preflight passed (the daemon runs it before it starts
 	// the poller); Run does not repeat it.
 	preflighted atomic.Bool

@@ -2,6 +2,7 @@ package relay_test
 
 import (
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/replication"
 
 	"context"
 	"fmt"
@@ -140,5 +141,45 @@ func TestFastShutdownWhileGatedForStandby(t *testing.T) {
 		return err == nil, err
 	})
 	h.waitPublished(5, 30*time.Second)
+	h.assertExactlyOnce(ids)
+}
+
+// G15 with --standby-slot: a transaction larger than the in-flight limits,
+// held for a standby that is behind (a physical slot nobody advances),
+// waits in the stream, not in the relay's memory: the gate stops reading
+// at its bound (4 x --max-in-flight events, one stream batch more at
+// most) instead of holding the whole transaction. Once the slot moves
+// past it, the whole transaction is published, exactly once.
+func TestStandbyGateBoundsLargeTransaction(t *testing.T) {
+	h := newHarness(t, sharedSetup(t))
+	h.exec(`SELECT pg_create_physical_replication_slot('standby_c', true)`)
+	t.Cleanup(func() {
+		_, _ = h.pool.Exec(context.Background(), `SELECT pg_drop_replication_slot('standby_c')`)
+	})
+	h.opts.StandbySlots = []string{"standby_c"}
+	h.opts.MaxInFlight = 4
+	h.opts.MaxInFlightBytes = 4 << 10
+	h.start()
+	const rows = 3000
+	ids := h.insertRows("big", rows, rows)
+	bound := int64(4*h.opts.MaxInFlight + replication.MaxBatch)
+	peak := func() int64 {
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		return h.relay.GatePeak()
+	}
+	testenv.WaitFor(t, 30*time.Second, "the relay read the transaction's first events", func() (bool, error) {
+		return peak() > 0, nil
+	})
+	// A relay that reads without the bound holds all 3,000 rows within a
+	// fraction of this window.
+	for deadline := time.Now().Add(3 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		if p := peak(); p > bound {
+			t.Fatalf("the gate held %d events of a transaction waiting for the standby, want at most %d (G15)", p, bound)
+		}
+	}
+	h.heldFor(500*time.Millisecond, 0)
+	t.Logf("the gate held at most %d events of a %d-row transaction", peak(), rows)
+	h.releaseLatency("standby_c", rows)
 	h.assertExactlyOnce(ids)
 }

@@ -42,6 +42,7 @@ type Gate struct {
 	cached  replication.LSN // the lowest flushed position of the last read
 	gating  bool            // the last read found at least one named slot
 	read    bool            // a read has happened: before it, nothing is known to be flushed
+	server  replication.LSN // the server's flushed WAL position at the last read
 }
 
 // New returns a gate on slots; nil when slots is empty (nothing to wait for).
@@ -90,6 +91,7 @@ func (g *Gate) Read(ctx context.Context) (lowest replication.LSN, gating bool, e
 		g.missing[p.Slot] = false
 		g.m.StandbySlotMissing.WithLabelValues(p.Slot).Set(0)
 		g.m.StandbyLagBytes.WithLabelValues(p.Slot).Set(float64(p.Lag))
+		g.server = replication.LSN(int64(p.Flushed) + p.Lag)
 		if !gating || p.Flushed < lowest {
 			lowest = p.Flushed
 		}
@@ -97,6 +99,14 @@ func (g *Gate) Read(ctx context.Context) (lowest replication.LSN, gating bool, e
 	}
 	g.cached, g.gating, g.read = lowest, gating, true
 	return lowest, gating, nil
+}
+
+// ServerFlushed is the server's flushed WAL position found by the last
+// read (no query); zero before one, or when no named slot exists.
+func (g *Gate) ServerFlushed() replication.LSN {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.server
 }
 
 // Wait returns once every named standby that exists has flushed lsn, reading
