@@ -11,15 +11,15 @@ import (
 // G14): the CDC path holds the transaction at the head of its gate, the
 // poller a claimed batch.
 const (
-	HeldCDC    = "cdc"
-	HeldPoller = "poller"
+	GatedCDC    = "cdc"
+	GatedPoller = "poller"
 )
 
-var heldPaths = [...]string{HeldCDC, HeldPoller}
+var gatedPaths = [...]string{GatedCDC, GatedPoller}
 
-const standbyHeldHelp = "How long delivery has been held back, now, waiting for the standbys to flush it: per path (cdc: the transaction at the head of the CDC gate; poller: a claimed batch), the longest wait in progress; 0 when nothing of that path waits."
+const standbyGatedHelp = "How long delivery has been held back, now, waiting for the standbys to flush it: per path (cdc: the transaction at the head of the CDC gate; poller: a claimed batch), the longest wait in progress; 0 when nothing of that path waits."
 
-// StandbyHeld is outbox_relay_standby_held_seconds{path}: for each path, how
+// StandbyGated is outbox_relay_standby_held_seconds{path}: for each path, how
 // long its longest wait now in progress has held delivery back for the
 // standbys; 0 when nothing of that path waits. Every wait records its own
 // start and end, and the value is computed at each scrape. It used to be one
@@ -27,7 +27,7 @@ const standbyHeldHelp = "How long delivery has been held back, now, waiting for 
 // pipelined batches, wrote over one another, so a scrape read whichever
 // wrote last (a young poller wait hid a CDC transaction held for minutes,
 // and the first batch to finish zeroed one still waiting).
-type StandbyHeld struct {
+type StandbyGated struct {
 	desc *prometheus.Desc
 	now  func() time.Time
 
@@ -41,9 +41,9 @@ type heldWait struct {
 	since time.Time
 }
 
-func newStandbyHeld() *StandbyHeld {
-	return &StandbyHeld{
-		desc:  prometheus.NewDesc("outbox_relay_standby_held_seconds", standbyHeldHelp, []string{"path"}, nil),
+func newStandbyGated() *StandbyGated {
+	return &StandbyGated{
+		desc:  prometheus.NewDesc("outbox_relay_standby_held_seconds", standbyGatedHelp, []string{"path"}, nil),
 		now:   time.Now,
 		waits: map[uint64]heldWait{},
 	}
@@ -51,7 +51,7 @@ func newStandbyHeld() *StandbyHeld {
 
 // Begin records that a wait of path started at since; end records that it
 // is over (calling it again does nothing).
-func (h *StandbyHeld) Begin(path string, since time.Time) (end func()) {
+func (h *StandbyGated) Begin(path string, since time.Time) (end func()) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.next++
@@ -65,13 +65,13 @@ func (h *StandbyHeld) Begin(path string, since time.Time) (end func()) {
 }
 
 // Seconds is what a scrape now reports for path.
-func (h *StandbyHeld) Seconds(path string) float64 {
+func (h *StandbyGated) Seconds(path string) float64 {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return h.seconds(path, h.now())
 }
 
-func (h *StandbyHeld) seconds(path string, now time.Time) float64 {
+func (h *StandbyGated) seconds(path string, now time.Time) float64 {
 	longest := 0.0
 	for _, w := range h.waits {
 		if w.path == path {
@@ -82,19 +82,19 @@ func (h *StandbyHeld) seconds(path string, now time.Time) float64 {
 }
 
 // Describe implements prometheus.Collector.
-func (h *StandbyHeld) Describe(ch chan<- *prometheus.Desc) { ch <- h.desc }
+func (h *StandbyGated) Describe(ch chan<- *prometheus.Desc) { ch <- h.desc }
 
 // Collect implements prometheus.Collector: every path, 0 included, so that
 // a dashboard and an alert see the series before the first wait.
-func (h *StandbyHeld) Collect(ch chan<- prometheus.Metric) {
+func (h *StandbyGated) Collect(ch chan<- prometheus.Metric) {
 	h.mu.Lock()
 	now := h.now()
-	values := make([]float64, len(heldPaths))
-	for i, p := range heldPaths {
+	values := make([]float64, len(gatedPaths))
+	for i, p := range gatedPaths {
 		values[i] = h.seconds(p, now)
 	}
 	h.mu.Unlock()
-	for i, p := range heldPaths {
+	for i, p := range gatedPaths {
 		ch <- prometheus.MustNewConstMetric(h.desc, prometheus.GaugeValue, values[i], p)
 	}
 }

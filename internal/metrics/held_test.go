@@ -11,7 +11,7 @@ import (
 // one another.
 func TestStandbyHeldReportsEachPathsLongestWait(t *testing.T) {
 	m := New()
-	h := m.StandbyHeld
+	h := m.StandbyGated
 	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	now := t0
 	h.now = func() time.Time { return now }
@@ -26,7 +26,7 @@ func TestStandbyHeldReportsEachPathsLongestWait(t *testing.T) {
 			if f.GetName() != "outbox_relay_standby_held_seconds" {
 				continue
 			}
-			if f.GetType().String() != "GAUGE" || f.GetHelp() != standbyHeldHelp {
+			if f.GetType().String() != "GAUGE" || f.GetHelp() != standbyGatedHelp {
 				t.Errorf("type %s, help %q", f.GetType(), f.GetHelp())
 			}
 			for _, s := range f.GetMetric() {
@@ -40,11 +40,11 @@ func TestStandbyHeldReportsEachPathsLongestWait(t *testing.T) {
 		}
 	}
 	want(0, 0)
-	endCDC := h.Begin(HeldCDC, t0)
+	endCDC := h.Begin(GatedCDC, t0)
 	now = t0.Add(10 * time.Second)
-	endBatch1 := h.Begin(HeldPoller, now)
+	endBatch1 := h.Begin(GatedPoller, now)
 	now = t0.Add(12 * time.Second)
-	endBatch2 := h.Begin(HeldPoller, now)
+	endBatch2 := h.Begin(GatedPoller, now)
 	now = t0.Add(15 * time.Second)
 	want(15, 5)
 	// The older batch goes through; the younger one still waits.

@@ -42,7 +42,7 @@ type Metrics struct {
 
 	StandbyLagBytes    *prometheus.GaugeVec   // slot: WAL the standby has not flushed yet (G14)
 	StandbySlotMissing *prometheus.GaugeVec   // slot: 1 when --standby-slot names no slot here
-	StandbyHeld        *StandbyHeld           // path: how long delivery has waited for the standbys now (held.go)
+	StandbyGated       *StandbyGated          // path: how long delivery has waited for the standbys now (held.go)
 	FailoverPath       *prometheus.CounterVec // path: how a session found its slot after a promotion
 }
 
@@ -138,11 +138,11 @@ func New() *Metrics {
 	m.StandbySlotMissing = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "outbox_relay_standby_slot_missing", Help: "1 when a --standby-slot names no physical slot on the connected server (it then gates nothing).",
 	}, []string{"slot"})
-	m.StandbyHeld = newStandbyHeld()
+	m.StandbyGated = newStandbyGated()
 	m.FailoverPath = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "outbox_relay_failover_path_total", Help: "Sessions that found the slot a synced failover slot after a promotion (slot_survived); a slot re-created instead counts in outbox_relay_slots_created_total.",
 	}, []string{"path"})
-	for _, c := range []prometheus.Collector{m.FailoverPath, m.StandbyLagBytes, m.StandbySlotMissing, m.StandbyHeld, m.Expired, m.BlockedAggregates, m.SlotLagSeconds, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.ServerWALEnd,
+	for _, c := range []prometheus.Collector{m.FailoverPath, m.StandbyLagBytes, m.StandbySlotMissing, m.StandbyGated, m.Expired, m.BlockedAggregates, m.SlotLagSeconds, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.ServerWALEnd,
 		m.SlotLagBytes, m.InFlight, m.InFlightBytes, m.Handoffs, m.SettleRetries, m.Sessions, m.SlotOwner, m.Claims,
 		m.StaleCompletions, m.Failures, m.RowsByState, m.OldestEligible} {
 		f(c)

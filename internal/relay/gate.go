@@ -46,11 +46,11 @@ type gateState struct {
 	reads      chan gateRead
 	// peak is the most events the gate held at once (for tests: G15).
 	peak *atomic.Int64
-	// held records the head transaction's wait in
-	// outbox_relay_standby_held_seconds{path="cdc"}; endHeld ends it, nil
+	// waits records the head transaction's wait in
+	// outbox_relay_standby_held_seconds{path="cdc"}; endWait ends it, nil
 	// while nothing waits.
-	held    *metrics.StandbyHeld
-	endHeld func()
+	waits   *metrics.StandbyGated
+	endWait func()
 }
 
 // gateRead is one read of the standbys' positions: its number, the
@@ -61,8 +61,8 @@ type gateRead struct {
 	err    error
 }
 
-func newGateState(g *standby.Gate, held *metrics.StandbyHeld, peak *atomic.Int64) *gateState {
-	return &gateState{gate: g, reads: make(chan gateRead), held: held, peak: peak}
+func newGateState(g *standby.Gate, waits *metrics.StandbyGated, peak *atomic.Int64) *gateState {
+	return &gateState{gate: g, reads: make(chan gateRead), waits: waits, peak: peak}
 }
 
 // gateCap is the most events and row bytes the gate holds.
@@ -94,15 +94,15 @@ func (l *loop) gateRead(ctx context.Context, r gateRead, confirms chan replicati
 	if r.err == nil && g.boundFrom != 0 && !g.boundKnown && r.n >= g.boundFrom {
 		g.bound, g.boundKnown = r.server, true
 	}
-	return l.releaseGated(ctx, confirms)
+	return l.letThroughGated(ctx, confirms)
 }
 
 // stopWaiting ends the head transaction's wait in the metric: it went
 // through, or the session ended (the next session's gate starts afresh).
 func (g *gateState) stopWaiting() {
-	if g.endHeld != nil {
-		g.endHeld()
-		g.endHeld = nil
+	if g.endWait != nil {
+		g.endWait()
+		g.endWait = nil
 	}
 }
 
@@ -153,11 +153,11 @@ func (g *gateState) full(events, bytes int) bool {
 	return len(g.events) >= events || g.bytes >= bytes
 }
 
-// releasable returns how many events at the head may go through now: the
+// passable returns how many events at the head may go through now: the
 // first transaction's, once its commit is on the standbys; or, for a
 // transaction too large for the gate, all of it read so far once it is
 // known to be on the standbys.
-func (g *gateState) releasable(capEvents, capBytes int) int {
+func (g *gateState) passable(capEvents, capBytes int) int {
 	for i, ev := range g.events {
 		if ev.Type != replication.EventCommit {
 			continue
@@ -193,8 +193,8 @@ func (g *gateState) releasable(capEvents, capBytes int) int {
 
 // waiting marks the head transaction as waiting for the standbys.
 func (g *gateState) waiting() {
-	if g.endHeld == nil {
-		g.endHeld = g.held.Begin(metrics.HeldCDC, time.Now())
+	if g.endWait == nil {
+		g.endWait = g.waits.Begin(metrics.GatedCDC, time.Now())
 	}
 	g.want.Store(true)
 }
@@ -209,12 +209,12 @@ func (g *gateState) watch(ctx context.Context) {
 	}, g.reads)
 }
 
-// releaseGated feeds the releasable head of the gate through the loop, one
+// letThroughGated feeds the passable head of the gate through the loop, one
 // event at a time, as far as the read limit allows.
-func (l *loop) releaseGated(ctx context.Context, confirms chan replication.LSN) error {
+func (l *loop) letThroughGated(ctx context.Context, confirms chan replication.LSN) error {
 	g := l.gated
 	for l.mayRead() {
-		n := g.releasable(l.gateCap())
+		n := g.passable(l.gateCap())
 		if n == 0 {
 			break
 		}

@@ -55,9 +55,9 @@ type loop struct {
 	curCommitLSN  replication.LSN
 	curHeaders    map[string][]string // CDCHeaders of the open transaction, built on its first row
 
-	inflight      int
-	inflightBytes int
-	blocked       *item // a row waiting for in-flight capacity
+	inflight       int
+	inflightBytes  int
+	waitingForRoom *item // a row waiting for in-flight capacity
 
 	pending      []*item   // acked or handed off, waiting for the settler
 	pendingSince time.Time // when the oldest of pending arrived
@@ -67,8 +67,8 @@ type loop struct {
 	settleArmed  bool
 	retryTimer   *time.Timer // the next retry's retryAt
 
-	batch []replication.Event // the batch being handled; held is its unhandled rest
-	held  []replication.Event
+	batch []replication.Event // the batch being handled; rest is its unhandled rest
+	rest  []replication.Event
 
 	order    *orderState // nil without --ordering aggregate
 	gated    *gateState  // nil without --standby-slot
@@ -104,7 +104,7 @@ func newLoop(r *Relay, confirmed replication.LSN, held map[store.AggregateKey]st
 		l.order = newOrderState(held)
 	}
 	if r.cfg.Standby != nil {
-		l.gated = newGateState(r.cfg.Standby, r.metrics.StandbyHeld, &r.gatePeak)
+		l.gated = newGateState(r.cfg.Standby, r.metrics.StandbyGated, &r.gatePeak)
 	}
 	return l
 }
@@ -201,27 +201,27 @@ func (l *loop) startHelpers(sessCtx context.Context) {
 // batch being handled (or what the gate lets through). The next batch is
 // read only once this one is done.
 func (l *loop) takeEvents(ctx context.Context, confirms chan replication.LSN) error {
-	if l.blocked != nil && !l.stopping && l.hasRoom(l.blocked.size) {
-		b := l.blocked
-		l.blocked = nil
+	if l.waitingForRoom != nil && !l.stopping && l.hasRoom(l.waitingForRoom.size) {
+		b := l.waitingForRoom
+		l.waitingForRoom = nil
 		if err := l.publish(ctx, b); err != nil {
 			return err
 		}
 	}
 	if l.gated != nil {
 		if len(l.gated.events) > 0 {
-			return l.releaseGated(ctx, confirms)
+			return l.letThroughGated(ctx, confirms)
 		}
 		return nil
 	}
-	for len(l.held) > 0 && l.mayRead() {
-		ev := l.held[0]
-		l.held = l.held[1:]
+	for len(l.rest) > 0 && l.mayRead() {
+		ev := l.rest[0]
+		l.rest = l.rest[1:]
 		if err := l.handleEvent(ctx, ev, confirms); err != nil {
 			return err
 		}
 	}
-	if len(l.held) == 0 && l.batch != nil {
+	if len(l.rest) == 0 && l.batch != nil {
 		replication.ReleaseBatch(l.batch)
 		l.batch = nil
 	}
@@ -235,7 +235,7 @@ func (l *loop) takeEvents(ctx context.Context, confirms chan replication.LSN) er
 // marks slower than the broker acks, reading WAL waits, instead of the
 // queue (and memory) growing with the backlog (G15).
 func (l *loop) mayRead() bool {
-	return l.blocked == nil && !l.stopping && len(l.pending)+len(l.retry) < l.r.cfg.MaxUnsettled &&
+	return l.waitingForRoom == nil && !l.stopping && len(l.pending)+len(l.retry) < l.r.cfg.MaxUnsettled &&
 		(l.order == nil || l.order.parked < l.r.cfg.MaxInFlight)
 }
 
@@ -251,7 +251,7 @@ func (l *loop) readFrom(events <-chan []replication.Event) <-chan []replication.
 		if l.gated.full(l.gateCap()) {
 			return nil
 		}
-	} else if len(l.held) > 0 {
+	} else if len(l.rest) > 0 {
 		return nil
 	}
 	return events
@@ -260,7 +260,7 @@ func (l *loop) readFrom(events <-chan []replication.Event) <-chan []replication.
 // received takes a batch read from the stream.
 func (l *loop) received(ctx context.Context, batch []replication.Event, confirms chan replication.LSN) error {
 	if l.gated == nil {
-		l.batch, l.held = batch, batch
+		l.batch, l.rest = batch, batch
 		return nil
 	}
 	for _, ev := range batch {
@@ -268,7 +268,7 @@ func (l *loop) received(ctx context.Context, batch []replication.Event, confirms
 	}
 	l.gated.noteDepth()
 	replication.ReleaseBatch(batch)
-	return l.releaseGated(ctx, confirms)
+	return l.letThroughGated(ctx, confirms)
 }
 
 // settleDue sends the next settle once a batch is full or its oldest row
@@ -365,7 +365,7 @@ func (l *loop) handleEvent(ctx context.Context, ev replication.Event, confirms c
 
 func (l *loop) handleRow(ctx context.Context, row *replication.Row) error {
 	// A row inserted in another state belongs to the poller.
-	if row.State != "ready" {
+	if row.State != store.StateReady {
 		return nil
 	}
 	it := &item{txn: l.cur, workID: row.WorkID, commitTime: l.curCommitTime}
@@ -420,7 +420,7 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row) error {
 		return nil
 	}
 	if !l.hasRoom(it.size) {
-		l.blocked = it
+		l.waitingForRoom = it
 		return nil
 	}
 	return l.publish(ctx, it)

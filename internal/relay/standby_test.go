@@ -178,7 +178,7 @@ func TestStandbyGateBoundsLargeTransaction(t *testing.T) {
 			t.Fatalf("the gate held %d events of a transaction waiting for the standby, want at most %d (G15)", p, bound)
 		}
 	}
-	h.heldFor(500*time.Millisecond, 0)
+	h.gatedFor(500*time.Millisecond, 0)
 	t.Logf("the gate held at most %d events of a %d-row transaction", peak(), rows)
 	h.releaseLatency("standby_c", rows)
 	h.assertExactlyOnce(ids)

@@ -118,7 +118,7 @@ func (g *Gate) Wait(ctx context.Context, lsn replication.LSN) error {
 	}
 	// Only the poller waits here: the CDC path gates whole transactions
 	// without blocking (internal/relay/gate.go) and reports its own wait.
-	defer g.m.StandbyHeld.Begin(metrics.HeldPoller, time.Now())()
+	defer g.m.StandbyGated.Begin(metrics.GatedPoller, time.Now())()
 	for {
 		lowest, gating, err := g.Read(ctx)
 		if err == nil && (!gating || lowest >= lsn) {
