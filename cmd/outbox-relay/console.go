@@ -2,14 +2,8 @@ package main
 
 import (
 	"context"
-	"errors"
-	"fmt"
 	"io"
 	"net"
-	"net/http"
-	"time"
-
-	"golang.org/x/net/netutil"
 
 	"github.com/outbox-relay/outbox-relay/internal/app"
 	"github.com/outbox-relay/outbox-relay/internal/config"
@@ -63,34 +57,7 @@ must not touch the running relay; its role shows "console only".
 	if err != nil {
 		return err
 	}
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		return fmt.Errorf("listen on --http-addr %s: %w", addr, err)
-	}
-	mux := http.NewServeMux()
-	mux.Handle("/ui/", ui)
-	mux.Handle("/{$}", http.RedirectHandler("/ui/", http.StatusSeeOther))
-	// The same bounds as run's --http-addr server.
-	srv := &http.Server{
-		Handler:           mux,
-		ReadHeaderTimeout: app.DefaultHTTPReadHeaderTimeout,
-		ReadTimeout:       app.DefaultHTTPReadTimeout,
-		WriteTimeout:      app.DefaultHTTPWriteTimeout,
-		IdleTimeout:       app.DefaultHTTPIdleTimeout,
-		MaxHeaderBytes:    app.DefaultHTTPMaxHeaderBytes,
-	}
-	log.Info().Str("addr", ln.Addr().String()).Bool("read_only", !o.Writable()).Msg("serving the console under /ui/")
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(netutil.LimitListener(ln, app.DefaultHTTPMaxConns)) }()
-	select {
-	case err := <-done:
-		return fmt.Errorf("serve the console on %s: %w", addr, err)
-	case <-ctx.Done():
-	}
-	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	if err := srv.Shutdown(sctx); err != nil && !errors.Is(err, context.DeadlineExceeded) {
-		return fmt.Errorf("stop the console: %w", err)
-	}
-	return nil
+	return app.ServeConsole(ctx, addr, ui, func(a net.Addr) {
+		log.Info().Str("addr", a.String()).Bool("read_only", !o.Writable()).Msg("serving the console under /ui/")
+	})
 }

@@ -2,6 +2,7 @@ package app
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -125,12 +126,17 @@ func listenHTTP(addr string, lim HTTPLimits, m *metrics.Metrics, r *relay.Relay,
 		}
 		mux.Handle("/ui/", ui)
 	}
+	return listen(addr, mux, lim)
+}
+
+// listen opens addr for h with lim's bounds (lim already with defaults).
+func listen(addr string, h http.Handler, lim HTTPLimits) (*http.Server, net.Listener, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, nil, fmt.Errorf("listen on --http-addr %s: %w", addr, err)
 	}
 	srv := &http.Server{
-		Handler:           mux,
+		Handler:           h,
 		ReadHeaderTimeout: lim.ReadHeaderTimeout,
 		ReadTimeout:       lim.ReadTimeout,
 		WriteTimeout:      lim.WriteTimeout,
@@ -138,4 +144,34 @@ func listenHTTP(addr string, lim HTTPLimits, m *metrics.Metrics, r *relay.Relay,
 		MaxHeaderBytes:    lim.MaxHeaderBytes,
 	}
 	return srv, netutil.LimitListener(ln, lim.MaxConns), nil
+}
+
+// ServeConsole serves a console (console.New) alone under /ui/ on addr, with
+// the bounds of run's --http-addr server, until ctx ends; then it shuts the
+// server down. listening, when set, is told the address once it listens
+// (addr may end in :0).
+func ServeConsole(ctx context.Context, addr string, ui http.Handler, listening func(addr net.Addr)) error {
+	mux := http.NewServeMux()
+	mux.Handle("/ui/", ui)
+	mux.Handle("/{$}", http.RedirectHandler("/ui/", http.StatusSeeOther))
+	srv, ln, err := listen(addr, mux, HTTPLimits{}.withDefaults())
+	if err != nil {
+		return err
+	}
+	if listening != nil {
+		listening(ln.Addr())
+	}
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ln) }()
+	select {
+	case err := <-done:
+		return fmt.Errorf("serve the console on %s: %w", addr, err)
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(sctx); err != nil && !errors.Is(err, context.DeadlineExceeded) {
+		return fmt.Errorf("stop the console: %w", err)
+	}
+	return nil
 }

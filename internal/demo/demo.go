@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"sync"
 	"time"
 
@@ -25,7 +26,6 @@ import (
 	"github.com/outbox-relay/outbox-relay/inbox"
 	"github.com/outbox-relay/outbox-relay/internal/app"
 	"github.com/outbox-relay/outbox-relay/internal/devenv"
-	"github.com/outbox-relay/outbox-relay/internal/logbridge"
 	"github.com/outbox-relay/outbox-relay/internal/relay"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/wire"
@@ -483,7 +483,7 @@ func (d *run) consume(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetS
 		work_id text PRIMARY KEY, payload jsonb NOT NULL, applied_at timestamptz NOT NULL DEFAULT clock_timestamp())`); err != nil {
 		return fmt.Errorf("create demo_effects: %w", err)
 	}
-	in, err := inbox.New(pool, inbox.Config{Consumer: "demo", Table: "demo_inbox", Logger: logbridge.Slog(d.log)})
+	in, err := inbox.New(pool, inbox.Config{Consumer: "demo", Table: "demo_inbox", Logger: slog.New(zerolog.NewSlogHandler(d.log))})
 	if err != nil {
 		return fmt.Errorf("inbox: %w", err)
 	}

@@ -8,7 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"net/http"
 	"strings"
 	"time"
 
@@ -270,34 +269,9 @@ func (d *run) serveConsole(ctx context.Context, pool *pgxpool.Pool) error {
 	if err != nil {
 		return fmt.Errorf("console: %w", err)
 	}
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		return fmt.Errorf("console: listen on %s: %w", addr, err)
-	}
-	mux := http.NewServeMux()
-	mux.Handle("/ui/", ui)
-	mux.Handle("/{$}", http.RedirectHandler("/ui/", http.StatusSeeOther))
-	srv := &http.Server{
-		Handler:           mux,
-		ReadHeaderTimeout: app.DefaultHTTPReadHeaderTimeout,
-		ReadTimeout:       app.DefaultHTTPReadTimeout,
-		WriteTimeout:      app.DefaultHTTPWriteTimeout,
-		IdleTimeout:       app.DefaultHTTPIdleTimeout,
-		MaxHeaderBytes:    app.DefaultHTTPMaxHeaderBytes,
-	}
-	url := "http://" + ln.Addr().String() + "/ui/"
-	d.printf("\nconsole: %s\n  token for this session: %s\n  dead letters, their evidence, redrive and cancel, and the history (the demo's redrive is there).\n  Ctrl-C stops the console and removes the demo's servers.\n", url, token)
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ln) }()
-	select {
-	case err := <-done:
-		return fmt.Errorf("console: serve on %s: %w", addr, err)
-	case <-ctx.Done():
-	}
-	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	_ = srv.Shutdown(sctx)
-	return nil
+	return app.ServeConsole(ctx, addr, ui, func(a net.Addr) {
+		d.printf("\nconsole: %s\n  token for this session: %s\n  dead letters, their evidence, redrive and cancel, and the history (the demo's redrive is there).\n  Ctrl-C stops the console and removes the demo's servers.\n", "http://"+a.String()+"/ui/", token)
+	})
 }
 
 // clip shortens s for one line of the story.
