@@ -17,7 +17,7 @@ func TestAggregatesShownUnambiguously(t *testing.T) {
 	for _, a := range []struct{ id, typ, agg, age string }{
 		{"x", "a/b", "c", "2 hours"}, {"y", "a", "b/c", "1 hour"},
 	} {
-		if _, err := f.pool.Exec(context.Background(), `INSERT INTO `+f.tbl.String()+`
+		if _, err := f.Pool.Exec(context.Background(), `INSERT INTO `+f.Table.String()+`
 			(work_id, kind, payload, state, last_error, created_at, aggregate_type, aggregate_id, aggregate_seq) VALUES
 			($1 || '-1', 'k', '{}', 'failed', 'rejected: x', clock_timestamp() - $4::interval, $2, $3, 1),
 			($1 || '-2', 'k', '{}', 'scheduled', NULL, clock_timestamp() - $4::interval, $2, $3, 2)`, a.id, a.typ, a.agg, a.age); err != nil {

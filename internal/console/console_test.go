@@ -9,7 +9,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/cookiejar"
-	"net/http/httptest"
 	"net/url"
 	"regexp"
 	"slices"
@@ -17,98 +16,29 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"github.com/outbox-relay/outbox-relay/internal/console"
+	"github.com/outbox-relay/outbox-relay/internal/console/consoletest"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
 
 func TestMain(m *testing.M) { testenv.Main(m) }
 
-const token = "s3cret-console-token"
+const token = consoletest.Token
 
-type fixture struct {
-	pool *pgxpool.Pool
-	st   *store.Store
-	tbl  store.Table
-	srv  *httptest.Server
-}
+// fixture is the shared console fixture, with this package's clients.
+type fixture struct{ *consoletest.Fixture }
 
-// setup migrates a fresh database and serves a console on it.
+type row = consoletest.Row
+
 func setup(t *testing.T, o console.Options) *fixture {
-	t.Helper()
-	ctx := context.Background()
-	env := testenv.Shared(t)
-	dbURL := env.PG.CreateOutboxDatabase(t)
-	tbl := testenv.OutboxTable
-	pool, err := pgxpool.New(ctx, dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	st := store.New(pool, tbl, store.PolicyMark)
-	c, err := console.New(o, "127.0.0.1:0", console.Sources{Store: st, Catalog: pool, Slot: "outbox_relay"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := httptest.NewServer(c)
-	t.Cleanup(srv.Close)
-	return &fixture{pool: pool, st: st, tbl: tbl, srv: srv}
-}
-
-// row is a row to insert, in any state, with the evidence a console shows.
-type row struct {
-	id, kind, state, lastError, payload string
-	attempts                            int
-	age                                 time.Duration // created this long ago
-	expired                             bool          // its deadline passed
-	streamSeq                           int64
-}
-
-func (f *fixture) insert(t *testing.T, rows ...row) {
-	t.Helper()
-	for _, r := range rows {
-		if r.kind == "" {
-			r.kind = "order.created"
-		}
-		if r.payload == "" {
-			r.payload = `{"n":1}`
-		}
-		var lastErr, expires, seq, published any
-		if r.lastError != "" {
-			lastErr = r.lastError
-		}
-		if r.expired {
-			expires = time.Now().Add(-time.Minute)
-		}
-		if r.streamSeq != 0 {
-			seq, published = r.streamSeq, time.Now()
-		}
-		_, err := f.pool.Exec(context.Background(), `INSERT INTO `+f.tbl.String()+`
-			(work_id, kind, payload, state, attempts, last_error, created_at, available_at, expires_at, stream_seq, published_at)
-			VALUES ($1, $2, $3::jsonb, $4, $5, $6, clock_timestamp() - $7::bigint * interval '1 microsecond',
-				clock_timestamp() - $7::bigint * interval '1 microsecond', $8, $9, $10)`,
-			r.id, r.kind, r.payload, r.state, r.attempts, lastErr, r.age.Microseconds(), expires, seq, published)
-		if err != nil {
-			t.Fatalf("insert %q: %v", r.id, err)
-		}
-	}
-}
-
-func (f *fixture) state(t *testing.T, id string) string {
-	t.Helper()
-	var s string
-	if err := f.pool.QueryRow(context.Background(), `SELECT state FROM `+f.tbl.String()+` WHERE work_id = $1`, id).Scan(&s); err != nil {
-		t.Fatalf("state of %q: %v", id, err)
-	}
-	return s
+	return &fixture{consoletest.Setup(t, o)}
 }
 
 func (f *fixture) historyCount(t *testing.T) int {
 	t.Helper()
 	var n int
-	if err := f.pool.QueryRow(context.Background(), `SELECT count(*) FROM public.outbox_redrives`).Scan(&n); err != nil {
+	if err := f.Pool.QueryRow(context.Background(), `SELECT count(*) FROM public.outbox_redrives`).Scan(&n); err != nil {
 		t.Fatal(err)
 	}
 	return n
@@ -123,7 +53,7 @@ type client struct {
 
 func (f *fixture) client(t *testing.T, h http.Header) *client {
 	jar, _ := cookiejar.New(nil)
-	return &client{t: t, base: f.srv.URL, header: h, hc: &http.Client{
+	return &client{t: t, base: f.Server.URL, header: h, hc: &http.Client{
 		Jar: jar,
 		// Redirects are part of what is tested.
 		CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
@@ -186,7 +116,7 @@ func (c *client) csrf() string {
 	return m[1]
 }
 
-func enc(id string) string { return base64.RawURLEncoding.EncodeToString([]byte(id)) }
+var enc = consoletest.Enc
 
 var workIDRe = regexp.MustCompile(`href="/ui/row\?id=([A-Za-z0-9_-]+)" class="work-id"`)
 
@@ -214,7 +144,7 @@ func actionForm(csrf, action, reason string, ids ...string) url.Values {
 
 func TestAuthentication(t *testing.T) {
 	f := setup(t, console.Options{Token: token})
-	f.insert(t, row{id: "f1", state: "failed", lastError: "rejected: max_payload: too big", attempts: 3})
+	f.Insert(t, row{ID: "f1", State: "failed", LastError: "rejected: max_payload: too big", Attempts: 3})
 
 	anon := f.client(t, nil)
 	code, _, h := anon.do(http.MethodGet, "/ui/", nil, nil)
@@ -262,7 +192,7 @@ func TestAuthentication(t *testing.T) {
 	if code, body := b.post("/ui/preview", actionForm(csrf, "redrive", "r", "f1")); code != 200 {
 		t.Fatalf("bearer preview with CSRF token: %d %.300s", code, body)
 	}
-	if got := f.state(t, "f1"); got != "failed" {
+	if got := f.State(t, "f1"); got != "failed" {
 		t.Fatalf("a preview changed the row: %s", got)
 	}
 
@@ -292,7 +222,7 @@ func TestAuthentication(t *testing.T) {
 	if code, body := sess.post("/ui/apply", actionForm(scsrf, "redrive", "login test", "f1")); code != 200 {
 		t.Fatalf("session apply: %d %.300s", code, body)
 	}
-	if got := f.state(t, "f1"); got != "scheduled" {
+	if got := f.State(t, "f1"); got != "scheduled" {
 		t.Fatalf("after the session's redrive: %s, want scheduled", got)
 	}
 	// A forged cookie is nobody.
@@ -340,7 +270,7 @@ func TestSecurityHeaders(t *testing.T) {
 func TestReadOnly(t *testing.T) {
 	t.Run("flag", func(t *testing.T) {
 		f := setup(t, console.Options{Token: token, ReadOnly: true})
-		f.insert(t, row{id: "f1", state: "failed", lastError: "rejected: x"})
+		f.Insert(t, row{ID: "f1", State: "failed", LastError: "rejected: x"})
 		b := f.client(t, bearer())
 		code, body := b.get("/ui/rows")
 		if code != 200 || strings.Contains(body, `id="preview"`) || !strings.Contains(body, "read-only") {
@@ -355,13 +285,13 @@ func TestReadOnly(t *testing.T) {
 				t.Errorf("read-only POST %s: %d, want 403", path, code)
 			}
 		}
-		if got := f.state(t, "f1"); got != "failed" || f.historyCount(t) != 0 {
+		if got := f.State(t, "f1"); got != "failed" || f.historyCount(t) != 0 {
 			t.Errorf("read-only console changed the row: %s", got)
 		}
 	})
 	t.Run("no token", func(t *testing.T) {
 		f := setup(t, console.Options{})
-		f.insert(t, row{id: "f1", state: "failed", lastError: "rejected: x"})
+		f.Insert(t, row{ID: "f1", State: "failed", LastError: "rejected: x"})
 		anon := f.client(t, nil)
 		code, body := anon.get("/ui/rows")
 		if code != 200 || !strings.Contains(body, "no token") {
@@ -374,7 +304,7 @@ func TestReadOnly(t *testing.T) {
 				t.Errorf("POST %s without a token: %d %.200s, want 403 naming --console-token", path, code, body)
 			}
 		}
-		if got := f.state(t, "f1"); got != "failed" {
+		if got := f.State(t, "f1"); got != "failed" {
 			t.Errorf("row changed: %s", got)
 		}
 	})
@@ -429,10 +359,10 @@ const (
 
 func TestHostileValuesEscaped(t *testing.T) {
 	f := setup(t, console.Options{Token: token})
-	f.insert(t,
-		row{id: xssScript, kind: xssAttr, state: "failed", lastError: "rejected: bad: " + xssScript, payload: `{"html":"` + strings.ReplaceAll(xssAttr, `"`, `\"`) + `"}`},
-		row{id: xssAttr, state: "failed", lastError: "uncertain: timeout " + xssAttr, payload: `{"s":"</pre><script>alert(3)</script>"}`},
-		row{id: xssID, state: "failed", lastError: "rejected: x " + xssEsc, payload: `{"e":"` + "\u202e" + `"}`},
+	f.Insert(t,
+		row{ID: xssScript, Kind: xssAttr, State: "failed", LastError: "rejected: bad: " + xssScript, Payload: `{"html":"` + strings.ReplaceAll(xssAttr, `"`, `\"`) + `"}`},
+		row{ID: xssAttr, State: "failed", LastError: "uncertain: timeout " + xssAttr, Payload: `{"s":"</pre><script>alert(3)</script>"}`},
+		row{ID: xssID, State: "failed", LastError: "rejected: x " + xssEsc, Payload: `{"e":"` + "\u202e" + `"}`},
 	)
 	b := f.client(t, bearer())
 	csrf := b.csrf()
@@ -479,7 +409,7 @@ func TestHostileValuesEscaped(t *testing.T) {
 		}
 	}
 	// The history keeps the reason as given; who lost its control bytes.
-	hist, err := f.st.History(context.Background(), xssAttr)
+	hist, err := f.Store.History(context.Background(), xssAttr)
 	if err != nil || len(hist) != 1 {
 		t.Fatalf("history: %v %v", hist, err)
 	}
@@ -487,7 +417,7 @@ func TestHostileValuesEscaped(t *testing.T) {
 		t.Errorf("history row: reason %q by %q", hist[0].Reason, hist[0].By)
 	}
 	// The JSON API escapes markup too.
-	f.insert(t, row{id: "j1", state: "failed", lastError: "rejected: " + xssScript})
+	f.Insert(t, row{ID: "j1", State: "failed", LastError: "rejected: " + xssScript})
 	_, j := b.get("/ui/api/health")
 	if strings.Contains(j, "<script>") {
 		t.Error("health JSON holds raw markup")
@@ -513,12 +443,12 @@ func confirmIDs(t *testing.T, body string) []string {
 
 func TestPreviewThenApply(t *testing.T) {
 	f := setup(t, console.Options{Token: token})
-	f.insert(t,
-		row{id: "f1", state: "failed", lastError: "rejected: max_payload: 2MB", attempts: 5, age: 3 * time.Second},
-		row{id: "f2", state: "failed", lastError: "uncertain: timeout", attempts: 5, age: 2 * time.Second},
-		row{id: "fx", state: "failed", lastError: "rejected: x", attempts: 5, expired: true, age: time.Second},
-		row{id: "r1", state: "ready"},
-		row{id: "p1", state: "published", streamSeq: 42},
+	f.Insert(t,
+		row{ID: "f1", State: "failed", LastError: "rejected: max_payload: 2MB", Attempts: 5, Age: 3 * time.Second},
+		row{ID: "f2", State: "failed", LastError: "uncertain: timeout", Attempts: 5, Age: 2 * time.Second},
+		row{ID: "fx", State: "failed", LastError: "rejected: x", Attempts: 5, Expired: true, Age: time.Second},
+		row{ID: "r1", State: "ready"},
+		row{ID: "p1", State: "published", StreamSeq: 42},
 	)
 	b := f.client(t, bearer())
 	csrf := b.csrf()
@@ -541,7 +471,7 @@ func TestPreviewThenApply(t *testing.T) {
 	}
 	// The preview changed nothing.
 	for id, want := range map[string]string{"f1": "failed", "f2": "failed", "fx": "failed", "r1": "ready"} {
-		if got := f.state(t, id); got != want {
+		if got := f.State(t, id); got != want {
 			t.Errorf("after the preview %s is %s", id, got)
 		}
 	}
@@ -558,19 +488,19 @@ func TestPreviewThenApply(t *testing.T) {
 		t.Fatalf("apply: %d %.500s", code, body)
 	}
 	for id, want := range map[string]string{"f1": "scheduled", "f2": "scheduled", "fx": "failed", "r1": "ready", "p1": "published"} {
-		if got := f.state(t, id); got != want {
+		if got := f.State(t, id); got != want {
 			t.Errorf("after the redrive %s is %s, want %s", id, got, want)
 		}
 	}
 	var by, reason string
-	if err := f.pool.QueryRow(context.Background(), `SELECT redriven_by, redrive_reason FROM public.outbox WHERE work_id = 'f1'`).Scan(&by, &reason); err != nil {
+	if err := f.Pool.QueryRow(context.Background(), `SELECT redriven_by, redrive_reason FROM public.outbox WHERE work_id = 'f1'`).Scan(&by, &reason); err != nil {
 		t.Fatal(err)
 	}
 	if by != "alice (console bearer token from 127.0.0.1)" || reason != "INC-7: limit raised" {
 		t.Errorf("f1 redriven_by %q, reason %q", by, reason)
 	}
 	for _, id := range []string{"f1", "f2"} {
-		h, err := f.st.History(context.Background(), id)
+		h, err := f.Store.History(context.Background(), id)
 		if err != nil || len(h) != 1 || h[0].Action != store.ActionRedrive || h[0].By != by || h[0].Reason != reason || h[0].PreviousState != "failed" || h[0].PreviousAttempts != 5 {
 			t.Errorf("history of %s: %+v %v", id, h, err)
 		}
@@ -581,22 +511,22 @@ func TestPreviewThenApply(t *testing.T) {
 
 	// A row that moved between preview and confirmation is refused, not
 	// changed by surprise.
-	f.insert(t, row{id: "f3", state: "failed", lastError: "rejected: y"})
+	f.Insert(t, row{ID: "f3", State: "failed", LastError: "rejected: y"})
 	_, body = b.post("/ui/preview", actionForm(csrf, "cancel", "stop", "f3"))
 	if ids := confirmIDs(t, body); !slices.Equal(ids, []string{"f3"}) {
 		t.Fatalf("cancel preview carries %q", ids)
 	}
-	if _, err := f.pool.Exec(context.Background(), `UPDATE public.outbox SET state = 'scheduled' WHERE work_id = 'f3'`); err != nil {
+	if _, err := f.Pool.Exec(context.Background(), `UPDATE public.outbox SET state = 'scheduled' WHERE work_id = 'f3'`); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := f.pool.Exec(context.Background(), `UPDATE public.outbox SET state = 'running', claimed_by = 'w', lease_until = now() + interval '1 minute' WHERE work_id = 'f3'`); err != nil {
+	if _, err := f.Pool.Exec(context.Background(), `UPDATE public.outbox SET state = 'running', claimed_by = 'w', lease_until = now() + interval '1 minute' WHERE work_id = 'f3'`); err != nil {
 		t.Fatal(err)
 	}
 	_, body = b.post("/ui/apply", actionForm(csrf, "cancel", "stop", "f3"))
 	if !strings.Contains(body, `<strong id="refused-count">1</strong>`) || !strings.Contains(body, "running: a worker holds it") {
 		t.Errorf("apply on a row that moved: %.600s", body)
 	}
-	if got := f.state(t, "fx"); got != "failed" {
+	if got := f.State(t, "fx"); got != "failed" {
 		t.Fatal(got)
 	}
 
@@ -613,8 +543,8 @@ func TestPreviewThenApply(t *testing.T) {
 		t.Fatalf("redrive with no deadline: %.600s", body)
 	}
 	var expires *time.Time
-	if err := f.pool.QueryRow(context.Background(), `SELECT expires_at FROM public.outbox WHERE work_id = 'fx'`).Scan(&expires); err != nil || expires != nil || f.state(t, "fx") != "scheduled" {
-		t.Errorf("fx after redrive with no deadline: %s, expires %v, %v", f.state(t, "fx"), expires, err)
+	if err := f.Pool.QueryRow(context.Background(), `SELECT expires_at FROM public.outbox WHERE work_id = 'fx'`).Scan(&expires); err != nil || expires != nil || f.State(t, "fx") != "scheduled" {
+		t.Errorf("fx after redrive with no deadline: %s, expires %v, %v", f.State(t, "fx"), expires, err)
 	}
 
 	// A reason is required.
@@ -625,12 +555,12 @@ func TestPreviewThenApply(t *testing.T) {
 
 func TestFilterAction(t *testing.T) {
 	f := setup(t, console.Options{Token: token, MaxActionRows: 3})
-	f.insert(t,
-		row{id: "a1", kind: "a", state: "scheduled", age: 5 * time.Second},
-		row{id: "a2", kind: "a", state: "scheduled", age: 4 * time.Second},
-		row{id: "b1", kind: "b", state: "scheduled", age: 3 * time.Second},
-		row{id: "a3", kind: "a", state: "scheduled", age: 2 * time.Second},
-		row{id: "a4", kind: "a", state: "scheduled", age: time.Second},
+	f.Insert(t,
+		row{ID: "a1", Kind: "a", State: "scheduled", Age: 5 * time.Second},
+		row{ID: "a2", Kind: "a", State: "scheduled", Age: 4 * time.Second},
+		row{ID: "b1", Kind: "b", State: "scheduled", Age: 3 * time.Second},
+		row{ID: "a3", Kind: "a", State: "scheduled", Age: 2 * time.Second},
+		row{ID: "a4", Kind: "a", State: "scheduled", Age: time.Second},
 	)
 	b := f.client(t, bearer())
 	csrf := b.csrf()
@@ -649,7 +579,7 @@ func TestFilterAction(t *testing.T) {
 		t.Fatalf("apply: %.500s", body)
 	}
 	for id, want := range map[string]string{"a1": "cancelled", "a2": "cancelled", "a3": "cancelled", "a4": "scheduled", "b1": "scheduled"} {
-		if got := f.state(t, id); got != want {
+		if got := f.State(t, id); got != want {
 			t.Errorf("%s is %s, want %s", id, got, want)
 		}
 	}
@@ -660,19 +590,19 @@ func TestPagingAndFilters(t *testing.T) {
 	var all []string
 	for i := range 8 {
 		id := fmt.Sprintf("w%02d", i)
-		r := row{id: id, state: "failed", lastError: "rejected: max_payload: big", kind: "a", age: time.Duration(20-i) * time.Minute}
+		r := row{ID: id, State: "failed", LastError: "rejected: max_payload: big", Kind: "a", Age: time.Duration(20-i) * time.Minute}
 		if i%2 == 1 {
-			r.lastError, r.kind = "uncertain: timeout", "b"
+			r.LastError, r.Kind = "uncertain: timeout", "b"
 		}
 		if i >= 6 {
-			r.age = time.Duration(10-i) * time.Second
+			r.Age = time.Duration(10-i) * time.Second
 		}
 		all = append(all, id)
-		f.insert(t, r)
+		f.Insert(t, r)
 	}
-	f.insert(t, row{id: "s1", state: "scheduled"}, row{id: "p1", state: "published", streamSeq: 7, age: time.Hour})
+	f.Insert(t, row{ID: "s1", State: "scheduled"}, row{ID: "p1", State: "published", StreamSeq: 7, Age: time.Hour})
 	// Two rows with the same created_at: the keyset's work_id breaks the tie.
-	if _, err := f.pool.Exec(context.Background(), `UPDATE public.outbox SET created_at = (SELECT created_at FROM public.outbox WHERE work_id = 'w02') WHERE work_id = 'w03'`); err != nil {
+	if _, err := f.Pool.Exec(context.Background(), `UPDATE public.outbox SET created_at = (SELECT created_at FROM public.outbox WHERE work_id = 'w02') WHERE work_id = 'w03'`); err != nil {
 		t.Fatal(err)
 	}
 	b := f.client(t, bearer())
@@ -739,10 +669,10 @@ func TestPagingAndFilters(t *testing.T) {
 
 func TestOverview(t *testing.T) {
 	f := setup(t, console.Options{Token: token})
-	f.insert(t,
-		row{id: "f1", state: "failed", lastError: "rejected: max_payload: big"},
-		row{id: "f2", state: "failed", lastError: "rejected: max_payload: big", age: 3 * time.Hour},
-		row{id: "s1", state: "scheduled"},
+	f.Insert(t,
+		row{ID: "f1", State: "failed", LastError: "rejected: max_payload: big"},
+		row{ID: "f2", State: "failed", LastError: "rejected: max_payload: big", Age: 3 * time.Hour},
+		row{ID: "s1", State: "scheduled"},
 	)
 	b := f.client(t, bearer())
 	code, body := b.get("/ui/")
@@ -779,7 +709,7 @@ func TestOverviewWithDatabaseDown(t *testing.T) {
 	// cannot read is a problem line, not a failed page.
 	f := setup(t, console.Options{Token: token})
 	b := f.client(t, bearer())
-	f.pool.Close()
+	f.Pool.Close()
 	code, body := b.get("/ui/")
 	if code != 200 || !strings.Contains(body, "count rows: ") {
 		t.Fatalf("overview with the pool closed: %d %.300s", code, body)

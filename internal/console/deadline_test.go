@@ -27,7 +27,7 @@ func TestInfiniteTimesOnPages(t *testing.T) {
 			('dead',      'k', '{}', 'failed', clock_timestamp(), NULL, NULL, NULL, NULL)`,
 		`ALTER TABLE public.outbox ENABLE TRIGGER outbox_times_check`,
 	} {
-		if _, err := f.pool.Exec(ctx, q); err != nil {
+		if _, err := f.Pool.Exec(ctx, q); err != nil {
 			t.Fatalf("%s: %v", q, err)
 		}
 	}
@@ -51,11 +51,11 @@ func TestInfiniteTimesOnPages(t *testing.T) {
 	if _, body = b.post("/ui/apply", actionForm(csrf, "cancel", "never due", "never-due")); !strings.Contains(body, `<strong id="changed-count">1</strong>`) {
 		t.Fatalf("cancel never-due: %.600s", body)
 	}
-	if got := f.state(t, "never-due"); got != "cancelled" {
+	if got := f.State(t, "never-due"); got != "cancelled" {
 		t.Fatalf("never-due: %s, want cancelled", got)
 	}
 	var blocked int
-	if err := f.pool.QueryRow(ctx, `SELECT count(*) FROM public.outbox WHERE aggregate_id = '7' AND state IN ('scheduled', 'failed', 'running') AND aggregate_seq < 2`).Scan(&blocked); err != nil || blocked != 0 {
+	if err := f.Pool.QueryRow(ctx, `SELECT count(*) FROM public.outbox WHERE aggregate_id = '7' AND state IN ('scheduled', 'failed', 'running') AND aggregate_seq < 2`).Scan(&blocked); err != nil || blocked != 0 {
 		t.Fatalf("rows still ahead of behind: %d, %v", blocked, err)
 	}
 
@@ -67,7 +67,7 @@ func TestInfiniteTimesOnPages(t *testing.T) {
 			t.Errorf("%s redrive to a past deadline: want it refused with the reason: %.600s", path, body)
 		}
 	}
-	if got := f.state(t, "dead"); got != "failed" || f.historyCount(t) != 1 {
+	if got := f.State(t, "dead"); got != "failed" || f.historyCount(t) != 1 {
 		t.Errorf("dead after the refused redrive: %s, %d history rows; want failed, untouched", got, f.historyCount(t))
 	}
 }

@@ -43,10 +43,10 @@ func TestFilterConfirmByDigest(t *testing.T) {
 	var rows []row
 	for i := range 500 {
 		id := fmt.Sprintf("%04d-", i) + strings.Repeat("w", 995)
-		rows = append(rows, row{id: id, kind: "big", state: "failed", lastError: "rejected: x", age: time.Hour + time.Duration(500-i)*time.Millisecond})
+		rows = append(rows, row{ID: id, Kind: "big", State: "failed", LastError: "rejected: x", Age: time.Hour + time.Duration(500-i)*time.Millisecond})
 	}
-	f.insert(t, rows...)
-	f.insert(t, row{id: "other-kind", kind: "small", state: "failed", lastError: "rejected: x", age: 2 * time.Hour})
+	f.Insert(t, rows...)
+	f.Insert(t, row{ID: "other-kind", Kind: "small", State: "failed", LastError: "rejected: x", Age: 2 * time.Hour})
 	b := f.client(t, bearer())
 	csrf := b.csrf()
 	preview := url.Values{"csrf": {csrf}, "action": {"redrive"}, "reason": {"INC-9: all of kind big"}, "scope": {"filter"}, "state": {"failed"}, "kind": {"big"}}
@@ -64,28 +64,28 @@ func TestFilterConfirmByDigest(t *testing.T) {
 			len(confirm["id"]), confirm.Get("digest"), confirm.Get("scope"), confirm.Get("kind"), len(confirm.Encode()))
 	}
 	var scheduled int
-	if err := f.pool.QueryRow(context.Background(), `SELECT count(*) FROM public.outbox WHERE kind = 'big' AND state = 'scheduled' AND redrive_reason = 'INC-9: all of kind big'`).Scan(&scheduled); err != nil {
+	if err := f.Pool.QueryRow(context.Background(), `SELECT count(*) FROM public.outbox WHERE kind = 'big' AND state = 'scheduled' AND redrive_reason = 'INC-9: all of kind big'`).Scan(&scheduled); err != nil {
 		t.Fatal(err)
 	}
-	if scheduled != 500 || f.historyCount(t) != 500 || f.state(t, "other-kind") != "failed" {
-		t.Errorf("after the confirmation: %d of 500 scheduled, %d history rows, other-kind %s", scheduled, f.historyCount(t), f.state(t, "other-kind"))
+	if scheduled != 500 || f.historyCount(t) != 500 || f.State(t, "other-kind") != "failed" {
+		t.Errorf("after the confirmation: %d of 500 scheduled, %d history rows, other-kind %s", scheduled, f.historyCount(t), f.State(t, "other-kind"))
 	}
 
 	// The set changes between preview and confirmation: nothing changes.
-	f.insert(t, row{id: "c1", kind: "late", state: "failed", lastError: "rejected: x", age: 3 * time.Second},
-		row{id: "c2", kind: "late", state: "failed", lastError: "rejected: x", age: 2 * time.Second})
+	f.Insert(t, row{ID: "c1", Kind: "late", State: "failed", LastError: "rejected: x", Age: 3 * time.Second},
+		row{ID: "c2", Kind: "late", State: "failed", LastError: "rejected: x", Age: 2 * time.Second})
 	preview.Set("kind", "late")
 	preview.Set("action", "cancel")
 	_, body = b.post("/ui/preview", preview)
 	confirm = confirmForm(t, body)
-	f.insert(t, row{id: "c3", kind: "late", state: "failed", lastError: "rejected: x", age: time.Second})
+	f.Insert(t, row{ID: "c3", Kind: "late", State: "failed", LastError: "rejected: x", Age: time.Second})
 	before := f.historyCount(t)
 	code, body = b.post("/ui/apply", confirm)
 	if code != http.StatusConflict || !strings.Contains(body, "the set changed, preview again") {
 		t.Errorf("confirm after a row joined the set: %d %.400s, want 409 saying to preview again", code, body)
 	}
 	for _, id := range []string{"c1", "c2", "c3"} {
-		if got := f.state(t, id); got != "failed" {
+		if got := f.State(t, id); got != "failed" {
 			t.Errorf("%s is %s after a refused confirmation, want failed", id, got)
 		}
 	}
@@ -99,19 +99,19 @@ func TestFilterConfirmByDigest(t *testing.T) {
 		t.Errorf("confirmation edited from cancel to redrive: %d, want 409", code)
 	}
 	for _, id := range []string{"c1", "c2", "c3"} {
-		if got := f.state(t, id); got != "failed" {
+		if got := f.State(t, id); got != "failed" {
 			t.Errorf("%s is %s, want failed", id, got)
 		}
 	}
 	// The rows leave the filter altogether: the same refusal.
 	gone := confirmForm(t, body0(t, b, preview))
-	if _, err := f.pool.Exec(context.Background(), `UPDATE public.outbox SET kind = 'moved' WHERE kind = 'late'`); err != nil {
+	if _, err := f.Pool.Exec(context.Background(), `UPDATE public.outbox SET kind = 'moved' WHERE kind = 'late'`); err != nil {
 		t.Fatal(err)
 	}
 	if code, body := b.post("/ui/apply", gone); code != http.StatusConflict || !strings.Contains(body, "the set changed, preview again") {
 		t.Errorf("confirmation after every row left the filter: %d %.300s, want 409", code, body)
 	}
-	if _, err := f.pool.Exec(context.Background(), `UPDATE public.outbox SET kind = 'late' WHERE kind = 'moved'`); err != nil {
+	if _, err := f.Pool.Exec(context.Background(), `UPDATE public.outbox SET kind = 'late' WHERE kind = 'moved'`); err != nil {
 		t.Fatal(err)
 	}
 	// Previewed again, it goes through.
@@ -120,7 +120,7 @@ func TestFilterConfirmByDigest(t *testing.T) {
 		t.Fatalf("confirm after a new preview: %.300s", body)
 	}
 	for _, id := range []string{"c1", "c2", "c3"} {
-		if got := f.state(t, id); got != "cancelled" {
+		if got := f.State(t, id); got != "cancelled" {
 			t.Errorf("%s is %s, want cancelled", id, got)
 		}
 	}

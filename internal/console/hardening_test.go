@@ -23,12 +23,12 @@ import (
 // or address is answered.
 func TestNoTokenAnswersOnlyLoopbackHosts(t *testing.T) {
 	f := setup(t, console.Options{})
-	f.insert(t, row{id: "secret-1", state: "failed", lastError: "rejected: x", payload: `{"card":"4111-rebind"}`})
-	_, port, _ := strings.Cut(strings.TrimPrefix(f.srv.URL, "http://"), ":")
+	f.Insert(t, row{ID: "secret-1", State: "failed", LastError: "rejected: x", Payload: `{"card":"4111-rebind"}`})
+	_, port, _ := strings.Cut(strings.TrimPrefix(f.Server.URL, "http://"), ":")
 	anon := f.client(t, nil)
 	get := func(host, path string) (int, string) {
 		t.Helper()
-		req, err := http.NewRequest(http.MethodGet, f.srv.URL+path, nil)
+		req, err := http.NewRequest(http.MethodGet, f.Server.URL+path, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -61,9 +61,9 @@ func TestNoTokenAnswersOnlyLoopbackHosts(t *testing.T) {
 	// With a token any Host is answered, and only with the token: the
 	// rebinding page's origin has no credential to send.
 	tf := setup(t, console.Options{Token: token})
-	tf.insert(t, row{id: "secret-2", state: "failed", lastError: "rejected: x", payload: `{"card":"4111-token"}`})
+	tf.Insert(t, row{ID: "secret-2", State: "failed", LastError: "rejected: x", Payload: `{"card":"4111-token"}`})
 	for _, auth := range []bool{false, true} {
-		req, _ := http.NewRequest(http.MethodGet, tf.srv.URL+"/ui/row?id="+enc("secret-2"), nil)
+		req, _ := http.NewRequest(http.MethodGet, tf.Server.URL+"/ui/row?id="+enc("secret-2"), nil)
 		req.Host = "relay.internal.example:8080"
 		if auth {
 			req.Header.Set("Authorization", "Bearer "+token)
@@ -109,7 +109,7 @@ func login(t *testing.T, c *client, tok string) (string, string) {
 // it, and the action they carry changes nothing.
 func TestLogoutRevokesSession(t *testing.T) {
 	f := setup(t, console.Options{Token: token})
-	f.insert(t, row{id: "f1", state: "failed", lastError: "rejected: x", attempts: 3})
+	f.Insert(t, row{ID: "f1", State: "failed", LastError: "rejected: x", Attempts: 3})
 	sess := f.client(t, nil)
 	cookie, csrf := login(t, sess, token)
 	if code, _ := sess.post("/ui/logout", url.Values{"csrf": {csrf}}); code != http.StatusSeeOther {
@@ -126,7 +126,7 @@ func TestLogoutRevokesSession(t *testing.T) {
 	if code, body := thief.get("/ui/row?id=" + enc("f1")); code != http.StatusSeeOther || strings.Contains(body, "rejected: x") {
 		t.Errorf("row page with the logged-out cookie: %d, want 303 to the login", code)
 	}
-	if got, n := f.state(t, "f1"), f.historyCount(t); got != "failed" || n != 0 {
+	if got, n := f.State(t, "f1"), f.historyCount(t); got != "failed" || n != 0 {
 		t.Errorf("after the replay f1 is %s with %d history rows, want failed and none", got, n)
 	}
 
@@ -143,14 +143,14 @@ func TestLogoutRevokesSession(t *testing.T) {
 	if code, body := copyOf.post("/ui/apply", actionForm(oCSRF, "redrive", "live session", "f1")); code != 200 {
 		t.Fatalf("apply with a live session: %d %.300s", code, body)
 	}
-	if got := f.state(t, "f1"); got != "scheduled" {
+	if got := f.State(t, "f1"); got != "scheduled" {
 		t.Fatalf("after a live session's redrive f1 is %s, want scheduled", got)
 	}
 
 	// A token change is a restart with the new token: the new process
 	// refuses the old cookie and CSRF token.
-	f.insert(t, row{id: "f2", state: "failed", lastError: "rejected: y"})
-	c2, err := console.New(console.Options{Token: token + "-rotated"}, "127.0.0.1:0", console.Sources{Store: f.st, Catalog: f.pool, Slot: "outbox_relay"})
+	f.Insert(t, row{ID: "f2", State: "failed", LastError: "rejected: y"})
+	c2, err := console.New(console.Options{Token: token + "-rotated"}, "127.0.0.1:0", console.Sources{Store: f.Store, Catalog: f.Pool, Slot: "outbox_relay"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -160,7 +160,7 @@ func TestLogoutRevokesSession(t *testing.T) {
 	if code, _ := after.post("/ui/apply", actionForm(oCSRF, "redrive", "old token", "f2")); code != http.StatusUnauthorized {
 		t.Errorf("apply with a session of the old token: %d, want 401", code)
 	}
-	if got := f.state(t, "f2"); got != "failed" {
+	if got := f.State(t, "f2"); got != "failed" {
 		t.Errorf("f2 is %s after a replay under a new token, want failed", got)
 	}
 }
@@ -194,7 +194,7 @@ func TestTokenStrength(t *testing.T) {
 	var f *fixture
 	for _, configured := range []string{token, token + "\n"} {
 		f = setup(t, console.Options{Token: configured})
-		f.insert(t, row{id: "f1", state: "failed", lastError: "rejected: x", payload: `{"seen":"by-every-way"}`})
+		f.Insert(t, row{ID: "f1", State: "failed", LastError: "rejected: x", Payload: `{"seen":"by-every-way"}`})
 		for _, auth := range []string{"Bearer " + token, "Bearer  " + token + " ", "bearer " + token, "BEARER " + token,
 			basic("alice", token), basic("alice", " "+token+"\t"), "basic " + base64.StdEncoding.EncodeToString([]byte("alice:"+token))} {
 			c := f.client(t, http.Header{"Authorization": {auth}})
@@ -227,7 +227,7 @@ func TestTokenStrength(t *testing.T) {
 	if code, body := lower.post("/ui/apply", actionForm(lower.csrf(), "cancel", "scheme test", "f1")); code != 200 {
 		t.Fatalf("apply with a lower-case bearer: %d %.300s", code, body)
 	}
-	if got := f.state(t, "f1"); got != "cancelled" {
+	if got := f.State(t, "f1"); got != "cancelled" {
 		t.Errorf("f1 is %s, want cancelled", got)
 	}
 }

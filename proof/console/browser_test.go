@@ -41,12 +41,12 @@ func chromium(t *testing.T) string {
 func TestBrowserRedrive(t *testing.T) {
 	exe := chromium(t)
 	f := setup(t, console.Options{Token: token, Refresh: time.Second})
-	f.insert(t,
-		row{id: "order-1", state: "failed", lastError: "rejected: max_payload: 2.1 MB over 1 MB", attempts: 5, age: 3 * time.Minute,
-			payload: `{"order":1,"note":"<script>alert(1)</script>"}`},
-		row{id: "order-2", state: "failed", lastError: "uncertain: timeout: no ack in 5s", attempts: 5, age: 2 * time.Minute},
-		row{id: "order-3", state: "failed", lastError: "rejected: no_stream: no stream binds outbox.x", attempts: 1, age: time.Minute},
-		row{id: "order-4", state: "scheduled", age: 30 * time.Second},
+	f.Insert(t,
+		row{ID: "order-1", State: "failed", LastError: "rejected: max_payload: 2.1 MB over 1 MB", Attempts: 5, Age: 3 * time.Minute,
+			Payload: `{"order":1,"note":"<script>alert(1)</script>"}`},
+		row{ID: "order-2", State: "failed", LastError: "uncertain: timeout: no ack in 5s", Attempts: 5, Age: 2 * time.Minute},
+		row{ID: "order-3", State: "failed", LastError: "rejected: no_stream: no stream binds outbox.x", Attempts: 1, Age: time.Minute},
+		row{ID: "order-4", State: "scheduled", Age: 30 * time.Second},
 	)
 
 	opts := append(chromedp.DefaultExecAllocatorOptions[:0:0],
@@ -110,7 +110,7 @@ func TestBrowserRedrive(t *testing.T) {
 	}
 
 	// Unauthenticated: the login form.
-	do("open the console", chromedp.Navigate(f.srv.URL+"/ui/rows"), chromedp.WaitVisible(chromedp.CSS("#token")))
+	do("open the console", chromedp.Navigate(f.Server.URL+"/ui/rows"), chromedp.WaitVisible(chromedp.CSS("#token")))
 	if loc := location(); !strings.HasSuffix(loc, "/ui/login") {
 		t.Fatalf("unauthenticated, the browser is at %s, want the login page", loc)
 	}
@@ -126,7 +126,7 @@ func TestBrowserRedrive(t *testing.T) {
 	shot("overview")
 
 	// The dead letters; tick order-1 and order-2.
-	do("select rows", chromedp.Navigate(f.srv.URL+"/ui/rows?state=failed"), chromedp.WaitVisible(chromedp.CSS("#rows-table")),
+	do("select rows", chromedp.Navigate(f.Server.URL+"/ui/rows?state=failed"), chromedp.WaitVisible(chromedp.CSS("#rows-table")),
 		chromedp.Click(chromedp.CSS(`input.pick[value="`+enc("order-1")+`"]`)),
 		chromedp.Click(chromedp.CSS(`input.pick[value="`+enc("order-2")+`"]`)))
 	rowsText := text("#rows-table")
@@ -156,7 +156,7 @@ func TestBrowserRedrive(t *testing.T) {
 		t.Errorf("preview says %q rows would change, want 2", n)
 	}
 	for _, id := range []string{"order-1", "order-2"} {
-		if got := f.state(t, id); got != "failed" {
+		if got := f.State(t, id); got != "failed" {
 			t.Fatalf("the preview changed %s: %s", id, got)
 		}
 	}
@@ -169,22 +169,22 @@ func TestBrowserRedrive(t *testing.T) {
 	}
 	shot("result")
 	for id, want := range map[string]string{"order-1": "scheduled", "order-2": "scheduled", "order-3": "failed", "order-4": "scheduled"} {
-		if got := f.state(t, id); got != want {
+		if got := f.State(t, id); got != want {
 			t.Errorf("%s is %s, want %s", id, got, want)
 		}
 	}
-	h, err := f.st.History(context.Background(), "order-1")
+	h, err := f.Store.History(context.Background(), "order-1")
 	if err != nil || len(h) != 1 || h[0].Reason != "INC-42: max_payload raised to 8MB" || !strings.HasPrefix(h[0].By, "alice (console session from 127.0.0.1") {
 		t.Errorf("history of order-1: %+v %v", h, err)
 	}
 
 	// The dead letters now list only order-3; the history page shows the
 	// redrive.
-	do("dead letters after", chromedp.Navigate(f.srv.URL+"/ui/rows?state=failed"), chromedp.WaitVisible(chromedp.CSS("#rows-table")))
+	do("dead letters after", chromedp.Navigate(f.Server.URL+"/ui/rows?state=failed"), chromedp.WaitVisible(chromedp.CSS("#rows-table")))
 	if after := text("#rows-table tbody"); strings.Contains(after, "order-1") || strings.Contains(after, "order-2") || !strings.Contains(after, "order-3") {
 		t.Errorf("dead letters after the redrive: %q", after)
 	}
-	do("history", chromedp.Navigate(f.srv.URL+"/ui/history"), chromedp.WaitVisible(chromedp.CSS("#history")))
+	do("history", chromedp.Navigate(f.Server.URL+"/ui/history"), chromedp.WaitVisible(chromedp.CSS("#history")))
 	if hist := text("#history"); !strings.Contains(hist, "INC-42: max_payload raised to 8MB") || !strings.Contains(hist, "alice (console session") {
 		t.Errorf("history page: %q", hist)
 	}
@@ -193,9 +193,9 @@ func TestBrowserRedrive(t *testing.T) {
 	// The overview refreshes by itself (console.js swaps in a fresh
 	// rendering): a row dead-lettered after the page loaded appears
 	// without a reload.
-	f.insert(t, row{id: "order-5", state: "failed", lastError: "rejected: max_payload: late"})
-	do("overview", chromedp.Navigate(f.srv.URL+"/ui/"), chromedp.WaitVisible(chromedp.CSS("#role")))
-	f.insert(t, row{id: "order-6", state: "failed", lastError: "rejected: max_payload: later"})
+	f.Insert(t, row{ID: "order-5", State: "failed", LastError: "rejected: max_payload: late"})
+	do("overview", chromedp.Navigate(f.Server.URL+"/ui/"), chromedp.WaitVisible(chromedp.CSS("#role")))
+	f.Insert(t, row{ID: "order-6", State: "failed", LastError: "rejected: max_payload: later"})
 	deadline := time.Now().Add(15 * time.Second)
 	for text("#by-state tr:nth-child(5) td.num") != "3" {
 		if time.Now().After(deadline) {
@@ -207,7 +207,7 @@ func TestBrowserRedrive(t *testing.T) {
 
 	// Every dead letter by the filter: the confirmation carries the filter
 	// and the preview's digest, and changes exactly the previewed rows.
-	do("filter scope", chromedp.Navigate(f.srv.URL+"/ui/rows?state=failed"), chromedp.WaitVisible(chromedp.CSS("#rows-table")),
+	do("filter scope", chromedp.Navigate(f.Server.URL+"/ui/rows?state=failed"), chromedp.WaitVisible(chromedp.CSS("#rows-table")),
 		chromedp.Click(chromedp.CSS(`input[name="action"][value="cancel"]`)), chromedp.Click(chromedp.CSS("#scope-filter")),
 		chromedp.SendKeys(chromedp.CSS("#reason"), "INC-43: drop the rest"),
 		chromedp.Click(chromedp.CSS("#preview")), chromedp.WaitVisible(chromedp.CSS("#confirm")))
@@ -219,15 +219,15 @@ func TestBrowserRedrive(t *testing.T) {
 		t.Errorf("filter result says %q rows changed, want 3", n)
 	}
 	for _, id := range []string{"order-3", "order-5", "order-6"} {
-		if got := f.state(t, id); got != "cancelled" {
+		if got := f.State(t, id); got != "cancelled" {
 			t.Errorf("%s is %s after the filter's cancel, want cancelled", id, got)
 		}
 	}
 
 	// Logging out ends the session: the browser is back at the login form.
-	do("log out", chromedp.Navigate(f.srv.URL+"/ui/"), chromedp.WaitVisible(chromedp.CSS("#role")),
+	do("log out", chromedp.Navigate(f.Server.URL+"/ui/"), chromedp.WaitVisible(chromedp.CSS("#role")),
 		chromedp.Click(chromedp.CSS(`form[action="/ui/logout"] button`)), chromedp.WaitVisible(chromedp.CSS("#token")))
-	do("after logout", chromedp.Navigate(f.srv.URL+"/ui/rows"), chromedp.WaitVisible(chromedp.CSS("#token")))
+	do("after logout", chromedp.Navigate(f.Server.URL+"/ui/rows"), chromedp.WaitVisible(chromedp.CSS("#token")))
 
 	// Close the browser before the fixture's cleanup, so nothing outlives
 	// the test.
