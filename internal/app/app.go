@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"strconv"
 	"strings"
 	"time"
 
@@ -318,15 +319,10 @@ func DefaultWorkerID() string {
 // Connect opens the PostgreSQL pool and the NATS connection, failing fast
 // with messages that name the server (never the password).
 func Connect(ctx context.Context, o *Options, log zerolog.Logger) (*pgxpool.Pool, *nats.Conn, error) {
-	pcfg, err := pgxpool.ParseConfig(o.DatabaseURL)
+	pcfg, err := poolConfig(o)
 	if err != nil {
-		return nil, nil, fmt.Errorf("parse --database-url: %w", redactErr(err, o.DatabaseURL))
+		return nil, nil, err
 	}
-	app := o.AppName
-	if app == "" {
-		app = "outbox-relay"
-	}
-	pcfg.ConnConfig.RuntimeParams["application_name"] = app
 	pcfg.MaxConns = 8
 	target := fmt.Sprintf("%s:%d/%s", pcfg.ConnConfig.Host, pcfg.ConnConfig.Port, pcfg.ConnConfig.Database)
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
@@ -352,6 +348,46 @@ func Connect(ctx context.Context, o *Options, log zerolog.Logger) (*pgxpool.Pool
 	return pool, nc, nil
 }
 
+// Observer pool bounds: the console and the table metrics run on their own
+// few connections, each statement cut off after ObserverStatementTimeout, so
+// nothing a dashboard or an operator's preview does (a whole-table count, a
+// wait on a locked row, ten browser tabs) can take a connection the marks,
+// settles and claims need, or hold one for long (G16).
+const (
+	ObserverMaxConns         = 3
+	ObserverStatementTimeout = 10 * time.Second
+)
+
+// poolConfig is --database-url as a pool's configuration, named for
+// pg_stat_activity.
+func poolConfig(o *Options) (*pgxpool.Config, error) {
+	pcfg, err := pgxpool.ParseConfig(o.DatabaseURL)
+	if err != nil {
+		return nil, fmt.Errorf("parse --database-url: %w", redactErr(err, o.DatabaseURL))
+	}
+	app := o.AppName
+	if app == "" {
+		app = "outbox-relay"
+	}
+	pcfg.ConnConfig.RuntimeParams["application_name"] = app
+	return pcfg, nil
+}
+
+// observerPool opens the console's and the table metrics' pool.
+func observerPool(ctx context.Context, o *Options) (*pgxpool.Pool, error) {
+	pcfg, err := poolConfig(o)
+	if err != nil {
+		return nil, err
+	}
+	pcfg.ConnConfig.RuntimeParams["statement_timeout"] = strconv.FormatInt(ObserverStatementTimeout.Milliseconds(), 10)
+	pcfg.MaxConns = ObserverMaxConns
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		return nil, fmt.Errorf("open the console's and metrics' pool: %w", redactErr(err, o.DatabaseURL))
+	}
+	return pool, nil
+}
+
 // Run runs the daemon until ctx is cancelled.
 func Run(ctx context.Context, o Options, log zerolog.Logger) error {
 	// Whatever ends the run is printed by the caller: no NATS secret may
@@ -369,6 +405,11 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	}
 	defer pool.Close()
 	defer drainNATS(nc, 5*time.Second)
+	obs, err := observerPool(ctx, &o)
+	if err != nil {
+		return err
+	}
+	defer obs.Close()
 
 	m := metrics.New()
 	js, err := jetstream.New(nc)
@@ -449,7 +490,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 
 	g, gctx := errgroup.WithContext(ctx)
 	if o.HTTPAddr != "" {
-		srv, ln, err := listenHTTP(o.HTTPAddr, o.HTTP, m, r, pool, nc, &o)
+		srv, ln, err := listenHTTP(o.HTTPAddr, o.HTTP, m, r, pool, obs, nc, &o)
 		if err != nil {
 			return err
 		}
@@ -499,7 +540,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	})
 	if o.StatsInterval > 0 {
 		g.Go(func() error {
-			tableStats(gctx, st, m, o.StatsInterval, log)
+			tableStats(gctx, store.New(obs, o.Table, o.Policy), m, o.StatsInterval, log)
 			return nil
 		})
 	}

@@ -85,7 +85,7 @@ func (l HTTPLimits) withDefaults() HTTPLimits {
 // o.Console.Enabled the operator console under /ui/. The listener is
 // returned apart from the server so that the caller learns the address
 // before serving (":0" in tests).
-func listenHTTP(addr string, lim HTTPLimits, m *metrics.Metrics, r *relay.Relay, pool *pgxpool.Pool, nc *nats.Conn, o *Options) (*http.Server, net.Listener, error) {
+func listenHTTP(addr string, lim HTTPLimits, m *metrics.Metrics, r *relay.Relay, pool, obs *pgxpool.Pool, nc *nats.Conn, o *Options) (*http.Server, net.Listener, error) {
 	lim = lim.withDefaults()
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}))
@@ -117,7 +117,7 @@ func listenHTTP(addr string, lim HTTPLimits, m *metrics.Metrics, r *relay.Relay,
 		// Refused before listening: a console without a token on a
 		// reachable address must not serve for even a moment.
 		ui, err := console.New(o.Console, addr, console.Sources{
-			Store: store.New(pool, o.Table, o.Policy), Catalog: pool, Slot: o.Slot,
+			Store: store.New(obs, o.Table, o.Policy), Catalog: obs, Slot: o.Slot,
 			Role:     func() string { return r.Role().String() },
 			Standbys: console.StandbysFromRegistry(m.Registry),
 		})
