@@ -3,23 +3,90 @@ package store
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io/fs"
+	"regexp"
 	"sort"
 	"strconv"
 	"strings"
 	"text/template"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	outboxsql "github.com/outbox-relay/outbox-relay/sql"
 )
+
+// Writing a migration (sql/migrations/NNNN_name.sql). Producers insert into
+// the outbox table all the time, and migrate runs beside them, on tables of
+// any size (an install adopting a populated table runs every migration on
+// it). So no migration may hold a lock that blocks an INSERT for longer
+// than a catalog change takes:
+//
+//   - Every wait for a lock is bounded by lock_timeout (--lock-timeout,
+//     DefaultLockTimeout). A lock that conflicts with producers (ALTER TABLE
+//     takes ACCESS EXCLUSIVE) is queued behind whoever holds the table, and
+//     every INSERT queues behind it: after lock_timeout migrate gives up with
+//     the holders' pids and a retry resumes.
+//   - A migration runs in its own transaction by default, recorded in it.
+//     Such a migration may only change the catalog: new tables, ADD COLUMN
+//     without a volatile default, ADD CONSTRAINT ... NOT VALID, functions,
+//     triggers, storage parameters. Nothing that reads or rewrites the table
+//     (a validated constraint, an index on an existing table, a type change)
+//     may be in it, because it would run while holding the table's lock.
+//   - A migration whose first line is exactly
+//
+//     -- outbox-relay: no-transaction
+//
+//     runs its statements one at a time, each committed on its own, and is
+//     recorded only after the last one succeeded. A failure leaves the
+//     statements before it done and the migration unrecorded, and the next
+//     migrate runs the whole file again: every statement must be idempotent
+//     (IF NOT EXISTS, CREATE OR REPLACE, DROP CONSTRAINT IF EXISTS and ADD
+//     CONSTRAINT in one ALTER TABLE). This is where indexes and validations
+//     go:
+//   - An index on the outbox table or on a companion producers write
+//     (<table>_aggregates): CREATE [UNIQUE] INDEX CONCURRENTLY IF NOT EXISTS
+//     <name> ON ..., in a no-transaction migration. The build takes SHARE
+//     UPDATE EXCLUSIVE, which INSERTs do not conflict with, and runs without
+//     lock_timeout: its waits for older transactions block no one. An
+//     INVALID index of that name (a build that failed or was cancelled) is
+//     dropped and built again before the statement runs.
+//   - A CHECK on the outbox table: ADD CONSTRAINT ... NOT VALID (in either
+//     kind of migration), then, if rows already there must be checked,
+//     ALTER TABLE <table> VALIDATE CONSTRAINT <name> as a statement of its
+//     own in a no-transaction migration (SHARE UPDATE EXCLUSIVE, no
+//     lock_timeout). If rows violate it, migrate fails naming some of them
+//     and the constraint stays NOT VALID; beware that a NOT VALID CHECK still
+//     applies to every UPDATE of an old row (the relay's settle, a claim, a
+//     cancel), which is why 0008 refuses bad times with an INSERT trigger
+//     instead.
+//
+// TestMigrationsDoNotBlockProducers holds the embedded migrations to these
+// rules; converting a migration written as `CREATE INDEX IF NOT EXISTS x ON
+// {{.Table}} (...)` means putting the marker on its first line, writing
+// CONCURRENTLY after INDEX, and making its other statements idempotent (or
+// moving them to a migration of their own).
+
+// DefaultLockTimeout bounds each wait of migrate for a lock, and so how long
+// a producer's INSERT can queue behind one.
+const DefaultLockTimeout = 3 * time.Second
+
+// noTransactionMarker on a migration's first line runs its statements one by
+// one outside a transaction (CREATE INDEX CONCURRENTLY cannot run in one).
+const noTransactionMarker = "-- outbox-relay: no-transaction"
 
 // Migration is one numbered schema change from sql/migrations.
 type Migration struct {
 	Version int
 	Name    string
 	SQL     string
+	// NoTransaction: the file starts with noTransactionMarker; Statements
+	// are run one by one.
+	NoTransaction bool
+	Statements    []string
 }
 
 // Migrations renders the embedded migrations for table t.
@@ -49,10 +116,38 @@ func Migrations(t Table) ([]Migration, error) {
 		if err := tmpl.Execute(&buf, data); err != nil {
 			return nil, fmt.Errorf("render migration %s: %w", file, err)
 		}
-		out = append(out, Migration{Version: version, Name: rest, SQL: buf.String()})
+		m, err := newMigration(version, rest, buf.String())
+		if err != nil {
+			return nil, fmt.Errorf("migration %s: %w", file, err)
+		}
+		out = append(out, m)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Version < out[j].Version })
 	return out, nil
+}
+
+// newMigration reads a rendered migration's kind and, for a no-transaction
+// one, its statements, refusing an index build that a retry could not
+// repeat or that would block producers.
+func newMigration(version int, name, sql string) (Migration, error) {
+	m := Migration{Version: version, Name: name, SQL: sql}
+	first, _, _ := strings.Cut(sql, "\n")
+	if strings.TrimSpace(first) != noTransactionMarker {
+		return m, nil
+	}
+	m.NoTransaction = true
+	stmts, err := splitStatements(sql)
+	if err != nil {
+		return Migration{}, err
+	}
+	for _, s := range stmts {
+		head := stripLeadingComments(s)
+		if createIndex.MatchString(head) && !indexBuild.MatchString(head) {
+			return Migration{}, fmt.Errorf("in a no-transaction migration an index is built with CREATE [UNIQUE] INDEX CONCURRENTLY IF NOT EXISTS <name> ON <table>, so that a retry repeats it and producers keep inserting: %.80q", head)
+		}
+	}
+	m.Statements = stmts
+	return m, nil
 }
 
 // templateData is what migration templates see. Every method returns a
@@ -64,25 +159,63 @@ func (d templateData) Schema() string                 { return pgx.Identifier{d.
 func (d templateData) Name(suffix string) string      { return d.t.derived(suffix, false) }
 func (d templateData) Companion(suffix string) string { return d.t.derived(suffix, true) }
 
-// Migrate applies the migrations that table t has not had yet, in one
-// transaction under an advisory lock, so running it twice or from two
-// processes at once is safe. It returns the migrations it applied.
+// MigrateOptions tunes MigrateWith; the zero value is Migrate's.
+type MigrateOptions struct {
+	// LockTimeout bounds each wait for a lock that blocks producers while
+	// it is queued (0: DefaultLockTimeout).
+	LockTimeout time.Duration
+	// Progress, when set, is told about each step that can take long: an
+	// index build, a validation, waiting for another migrate.
+	Progress func(msg string)
+}
+
+// Migrate is MigrateWith with the default options.
 func Migrate(ctx context.Context, conn *pgx.Conn, t Table) ([]Migration, error) {
+	return MigrateWith(ctx, conn, t, MigrateOptions{})
+}
+
+// MigrateWith applies the migrations that table t has not had yet, each in
+// its own transaction (or statement by statement, for a no-transaction
+// one), under a session advisory lock, so running it twice or from two
+// processes at once is safe, and a run that failed resumes at the
+// migration it failed in. It returns the migrations it applied, also when
+// it fails after some. Every wait for a lock that blocks producers is
+// bounded by opts.LockTimeout (see the rules at the top of this file).
+func MigrateWith(ctx context.Context, conn *pgx.Conn, t Table, opts MigrateOptions) ([]Migration, error) {
 	migs, err := Migrations(t)
 	if err != nil {
 		return nil, err
 	}
-	tx, err := conn.Begin(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("migrate %s: begin: %w", t.Qualified(), err)
-	}
-	defer tx.Rollback(ctx) //nolint:errcheck // rollback after commit is a no-op
+	return applyMigrations(ctx, conn, t, opts, migs)
+}
 
-	// One lock per database: schema creation in two processes at once
-	// would otherwise race on catalog rows and fail with unique violations.
-	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('outbox-relay migrate', 0))`); err != nil {
-		return nil, fmt.Errorf("migrate %s: take advisory lock: %w", t.Qualified(), err)
+// migrateLockKey is one lock per database: schema creation in two processes
+// at once would otherwise race on catalog rows and fail with unique
+// violations. Earlier versions took it as a transaction lock; the two kinds
+// share one key space, so old and new migrates still exclude each other.
+const migrateLockKey = `hashtextextended('outbox-relay migrate', 0)`
+
+func applyMigrations(ctx context.Context, conn *pgx.Conn, t Table, opts MigrateOptions, migs []Migration) ([]Migration, error) {
+	r := &migrator{conn: conn, t: t, opts: opts}
+	if r.opts.LockTimeout <= 0 {
+		r.opts.LockTimeout = DefaultLockTimeout
 	}
+	if r.opts.Progress == nil {
+		r.opts.Progress = func(string) {}
+	}
+	if err := r.lock(ctx); err != nil {
+		return nil, err
+	}
+	defer r.unlock()
+	var prevTimeout string
+	if err := conn.QueryRow(ctx, `SELECT current_setting('lock_timeout')`).Scan(&prevTimeout); err != nil {
+		return nil, fmt.Errorf("migrate %s: read lock_timeout: %w", t.Qualified(), err)
+	}
+	if err := r.setLockTimeout(ctx, r.timeoutSetting()); err != nil {
+		return nil, err
+	}
+	defer func() { _ = r.setLockTimeout(context.Background(), prevTimeout) }()
+
 	ver := pgx.Identifier{t.Schema, "outbox_relay_migrations"}.Sanitize()
 	stmts := []string{
 		`CREATE SCHEMA IF NOT EXISTS ` + pgx.Identifier{t.Schema}.Sanitize(),
@@ -94,12 +227,11 @@ func Migrate(ctx context.Context, conn *pgx.Conn, t Table) ([]Migration, error) 
 			PRIMARY KEY (target, version))`,
 	}
 	for _, s := range stmts {
-		if _, err := tx.Exec(ctx, s); err != nil {
-			return nil, fmt.Errorf("migrate %s: create version table: %w", t.Qualified(), err)
+		if _, err := conn.Exec(ctx, s); err != nil {
+			return nil, r.explain(ctx, "create version table", err)
 		}
 	}
-	applied := map[int]bool{}
-	rows, err := tx.Query(ctx, `SELECT version FROM `+ver+` WHERE target = $1`, t.Qualified())
+	rows, err := conn.Query(ctx, `SELECT version FROM `+ver+` WHERE target = $1`, t.Qualified())
 	if err != nil {
 		return nil, fmt.Errorf("migrate %s: read applied versions: %w", t.Qualified(), err)
 	}
@@ -107,25 +239,384 @@ func Migrate(ctx context.Context, conn *pgx.Conn, t Table) ([]Migration, error) 
 	if err != nil {
 		return nil, fmt.Errorf("migrate %s: read applied versions: %w", t.Qualified(), err)
 	}
+	applied := map[int]bool{}
 	for _, v := range versions {
 		applied[int(v)] = true
 	}
+	record := `INSERT INTO ` + ver + ` (target, version, name) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING`
 	var done []Migration
 	for _, m := range migs {
 		if applied[m.Version] {
 			continue
 		}
-		if _, err := tx.Exec(ctx, m.SQL); err != nil {
-			return nil, fmt.Errorf("migrate %s: apply %04d_%s: %w", t.Qualified(), m.Version, m.Name, err)
-		}
-		if _, err := tx.Exec(ctx, `INSERT INTO `+ver+` (target, version, name) VALUES ($1, $2, $3)`,
-			t.Qualified(), m.Version, m.Name); err != nil {
-			return nil, fmt.Errorf("migrate %s: record %04d_%s: %w", t.Qualified(), m.Version, m.Name, err)
+		what := fmt.Sprintf("apply %04d_%s", m.Version, m.Name)
+		if m.NoTransaction {
+			for i, s := range m.Statements {
+				if err := r.statement(ctx, s); err != nil {
+					return done, r.explain(ctx, fmt.Sprintf("%s (statement %d of %d, run on its own; those before it are done and are run again, harmlessly, by the next migrate)", what, i+1, len(m.Statements)), err)
+				}
+			}
+			if _, err := conn.Exec(ctx, record, t.Qualified(), m.Version, m.Name); err != nil {
+				return done, fmt.Errorf("migrate %s: record %04d_%s: %w", t.Qualified(), m.Version, m.Name, err)
+			}
+		} else if err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, m.SQL); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, record, t.Qualified(), m.Version, m.Name)
+			return err
+		}); err != nil {
+			// Explained after the rollback: the aborted transaction could
+			// not look up who holds the lock.
+			return done, r.explain(ctx, what+" (rolled back: nothing of it is applied)", err)
 		}
 		done = append(done, m)
 	}
-	if err := tx.Commit(ctx); err != nil {
-		return nil, fmt.Errorf("migrate %s: commit: %w", t.Qualified(), err)
-	}
 	return done, nil
+}
+
+type migrator struct {
+	conn *pgx.Conn
+	t    Table
+	opts MigrateOptions
+}
+
+// lock takes the session advisory lock by polling rather than waiting in
+// pg_advisory_lock: a statement waiting there holds a snapshot, and the
+// other migrate's CREATE INDEX CONCURRENTLY would wait for that snapshot
+// while this one waits for its lock.
+func (r *migrator) lock(ctx context.Context) error {
+	told := false
+	for {
+		var ok bool
+		if err := r.conn.QueryRow(ctx, `SELECT pg_try_advisory_lock(`+migrateLockKey+`)`).Scan(&ok); err != nil {
+			return fmt.Errorf("migrate %s: take advisory lock: %w", r.t.Qualified(), err)
+		}
+		if ok {
+			return nil
+		}
+		if !told {
+			r.opts.Progress("waiting for another migrate of this database to finish")
+			told = true
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("migrate %s: wait for another migrate of this database: %w", r.t.Qualified(), ctx.Err())
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// unlock releases the advisory lock; a connection that broke has already
+// released it with its session.
+func (r *migrator) unlock() {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, _ = r.conn.Exec(ctx, `SELECT pg_advisory_unlock(`+migrateLockKey+`)`)
+}
+
+func (r *migrator) timeoutSetting() string {
+	ms := r.opts.LockTimeout.Milliseconds()
+	if ms < 1 {
+		ms = 1
+	}
+	return strconv.FormatInt(ms, 10) + "ms"
+}
+
+func (r *migrator) setLockTimeout(ctx context.Context, v string) error {
+	if _, err := r.conn.Exec(ctx, `SELECT set_config('lock_timeout', $1, false)`, v); err != nil {
+		return fmt.Errorf("migrate %s: set lock_timeout %s: %w", r.t.Qualified(), v, err)
+	}
+	return nil
+}
+
+var (
+	identRE = `(?:"(?:[^"]|"")+"|[A-Za-z_][A-Za-z0-9_$]*)`
+	// createIndex is any index build; indexBuild the one form a
+	// no-transaction migration may use (1: index name, 2: table).
+	createIndex = regexp.MustCompile(`(?is)^CREATE\s+(?:UNIQUE\s+)?INDEX\b`)
+	indexBuild  = regexp.MustCompile(`(?is)^CREATE\s+(?:UNIQUE\s+)?INDEX\s+CONCURRENTLY\s+IF\s+NOT\s+EXISTS\s+(` + identRE + `)\s+ON\s+(?:ONLY\s+)?(` + identRE + `(?:\.` + identRE + `)?)`)
+	// validate is a VALIDATE CONSTRAINT alone in its statement (1: table,
+	// 2: constraint): with another subcommand beside it, ALTER TABLE would
+	// take that one's lock for the whole scan.
+	validate = regexp.MustCompile(`(?is)^ALTER\s+TABLE\s+(?:ONLY\s+)?(` + identRE + `(?:\.` + identRE + `)?)\s+VALIDATE\s+CONSTRAINT\s+(` + identRE + `)\s*$`)
+	// dropIndexConcurrently takes what an index build takes.
+	dropIndexConcurrently = regexp.MustCompile(`(?is)^DROP\s+INDEX\s+CONCURRENTLY\b`)
+)
+
+// statement runs one statement of a no-transaction migration.
+func (r *migrator) statement(ctx context.Context, s string) error {
+	head := stripLeadingComments(s)
+	switch {
+	case indexBuild.MatchString(head):
+		sub := indexBuild.FindStringSubmatch(head)
+		name, table := unquoteIdent(sub[1]), sub[2]
+		if err := r.dropInvalidIndex(ctx, table, name); err != nil {
+			return err
+		}
+		r.opts.Progress(fmt.Sprintf("building index %s on %s concurrently (it waits for older transactions to end; producers keep inserting)", name, table))
+		return r.withoutLockTimeout(ctx, s)
+	case validate.MatchString(head):
+		sub := validate.FindStringSubmatch(head)
+		table, name := sub[1], unquoteIdent(sub[2])
+		r.opts.Progress(fmt.Sprintf("validating constraint %s on %s (reads the whole table; producers keep inserting)", name, table))
+		err := r.withoutLockTimeout(ctx, s)
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "23514" {
+			return r.violations(ctx, table, name, err)
+		}
+		return err
+	case dropIndexConcurrently.MatchString(head):
+		return r.withoutLockTimeout(ctx, s)
+	}
+	_, err := r.conn.Exec(ctx, s)
+	return err
+}
+
+// withoutLockTimeout runs a statement that takes only SHARE UPDATE
+// EXCLUSIVE, which no INSERT, UPDATE or DELETE conflicts with, so that
+// waiting for it blocks no producer; its waits for older transactions
+// (CREATE INDEX CONCURRENTLY waits for every older snapshot in the
+// database) would otherwise fail it behind any long report query.
+func (r *migrator) withoutLockTimeout(ctx context.Context, s string) error {
+	if err := r.setLockTimeout(ctx, "0"); err != nil {
+		return err
+	}
+	_, err := r.conn.Exec(ctx, s)
+	if rerr := r.setLockTimeout(context.Background(), r.timeoutSetting()); err == nil {
+		err = rerr
+	}
+	return err
+}
+
+// dropInvalidIndex drops the INVALID index a failed or cancelled CREATE
+// INDEX CONCURRENTLY left: IF NOT EXISTS would see it and build nothing.
+// The advisory lock means no other migrate is building it now.
+func (r *migrator) dropInvalidIndex(ctx context.Context, table, name string) error {
+	var schema string
+	var valid bool
+	err := r.conn.QueryRow(ctx, `SELECT n.nspname, i.indisvalid
+		FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+		WHERE i.indrelid = to_regclass($1) AND c.relname = $2`, table, name).Scan(&schema, &valid)
+	if errors.Is(err, pgx.ErrNoRows) || (err == nil && valid) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("look for an invalid index %s: %w", name, err)
+	}
+	r.opts.Progress(fmt.Sprintf("dropping the invalid index %s that an interrupted build left, to build it again", name))
+	if err := r.withoutLockTimeout(ctx, `DROP INDEX CONCURRENTLY IF EXISTS `+pgx.Identifier{schema, name}.Sanitize()); err != nil {
+		return fmt.Errorf("drop invalid index %s: %w", name, err)
+	}
+	return nil
+}
+
+// violations names some of the rows that failed a VALIDATE CONSTRAINT.
+func (r *migrator) violations(ctx context.Context, table, name string, cause error) error {
+	var expr string
+	if err := r.conn.QueryRow(ctx, `SELECT pg_get_expr(conbin, conrelid) FROM pg_constraint WHERE conrelid = to_regclass($1) AND conname = $2`,
+		table, name).Scan(&expr); err != nil {
+		return cause
+	}
+	find := fmt.Sprintf("SELECT * FROM %s WHERE (%s) IS FALSE", table, expr)
+	rowsNote := ""
+	if table == r.t.String() {
+		find = fmt.Sprintf("SELECT work_id FROM %s WHERE (%s) IS FALSE", table, expr)
+		if rows, err := r.conn.Query(ctx, find+" LIMIT 5"); err == nil {
+			if ids, err := pgx.CollectRows(rows, pgx.RowTo[string]); err == nil && len(ids) > 0 {
+				rowsNote = fmt.Sprintf(" (work_id %q, ...)", ids)
+			}
+		}
+	}
+	return fmt.Errorf("validate constraint %s: rows already in %s violate it%s. It stays NOT VALID: new rows are checked, and so is every update, so a settle, claim or cancel of one of these rows fails until it is fixed. Correct or delete them (%s), then run migrate again; it resumes at this migration: %w",
+		name, table, rowsNote, find, cause)
+}
+
+// explain wraps a failed step; a lock timeout says what was waited for, who
+// holds the table, and that a retry is safe.
+func (r *migrator) explain(ctx context.Context, what string, err error) error {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "55P03" {
+		return fmt.Errorf("migrate %s: %s: %w", r.t.Qualified(), what, err)
+	}
+	return fmt.Errorf("migrate %s: %s: gave up after waiting lock_timeout %s (--lock-timeout) for a lock on the table%s: while migrate waits for it every producer's INSERT waits behind it. Let that transaction end (or end it: pg_terminate_backend(pid)) and run migrate again; it resumes here, migrations before this one stay applied: %w",
+		r.t.Qualified(), what, r.opts.LockTimeout, r.lockHolders(ctx), err)
+}
+
+// lockHolders lists the sessions whose transactions began more than
+// lock_timeout ago and hold a lock on the table or its companions: the ones
+// migrate most likely waited for.
+func (r *migrator) lockHolders(ctx context.Context) string {
+	rows, err := r.conn.Query(ctx, `SELECT l.pid, l.mode, l.relation::regclass::text, coalesce(a.state, ''),
+			coalesce(to_char(a.xact_start AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'), ''), coalesce(a.usename::text, '')
+		FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+		WHERE l.granted AND l.locktype = 'relation' AND l.pid <> pg_backend_pid()
+		  AND a.xact_start < clock_timestamp() - $3::interval
+		  AND l.relation IN (SELECT c.oid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+		                     WHERE n.nspname = $1 AND c.relkind IN ('r', 'p')
+		                       AND (c.relname = $2 OR left(c.relname, length($2) + 1) = $2 || '_'))
+		ORDER BY a.xact_start LIMIT 5`, r.t.Schema, r.t.Name, r.timeoutSetting())
+	if err != nil {
+		return ""
+	}
+	type holder struct {
+		pid                          int32
+		mode, rel, state, since, who string
+	}
+	hs, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (holder, error) {
+		var h holder
+		err := row.Scan(&h.pid, &h.mode, &h.rel, &h.state, &h.since, &h.who)
+		return h, err
+	})
+	if err != nil || len(hs) == 0 {
+		return " (held by a transaction that has since ended, or by one that began less than lock_timeout ago; pg_locks shows current holders)"
+	}
+	parts := make([]string, len(hs))
+	for i, h := range hs {
+		parts[i] = fmt.Sprintf("pid %d holds %s on %s (role %s, %s, transaction started %s)", h.pid, h.mode, h.rel, h.who, h.state, h.since)
+	}
+	return ": " + strings.Join(parts, "; ")
+}
+
+// splitStatements cuts a migration into its statements at the semicolons
+// outside quotes, dollar quotes and comments.
+func splitStatements(sql string) ([]string, error) {
+	var out []string
+	start := 0
+	flush := func(end int) {
+		s := strings.TrimSpace(sql[start:end])
+		if stripLeadingComments(s) != "" {
+			out = append(out, s)
+		}
+		start = end + 1
+	}
+	identChar := func(c byte) bool {
+		return c == '_' || c == '$' || c >= '0' && c <= '9' || c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= 0x80
+	}
+	for i := 0; i < len(sql); {
+		c := sql[i]
+		switch {
+		case c == ';':
+			flush(i)
+			i++
+		case c == '-' && strings.HasPrefix(sql[i:], "--"):
+			j := strings.IndexByte(sql[i:], '\n')
+			if j < 0 {
+				i = len(sql)
+			} else {
+				i += j + 1
+			}
+		case c == '/' && strings.HasPrefix(sql[i:], "/*"):
+			end := blockCommentEnd(sql[i:])
+			if end < 0 {
+				return nil, fmt.Errorf("unterminated comment at byte %d", i)
+			}
+			i += end
+		case c == '\'':
+			escapes := i > 0 && (sql[i-1] == 'E' || sql[i-1] == 'e') && (i < 2 || !identChar(sql[i-2]))
+			j := i + 1
+			for ; j < len(sql); j++ {
+				if escapes && sql[j] == '\\' {
+					j++
+					continue
+				}
+				if sql[j] == '\'' {
+					if j+1 < len(sql) && sql[j+1] == '\'' {
+						j++
+						continue
+					}
+					break
+				}
+			}
+			if j >= len(sql) {
+				return nil, fmt.Errorf("unterminated string at byte %d", i)
+			}
+			i = j + 1
+		case c == '"':
+			j := i + 1
+			for ; j < len(sql); j++ {
+				if sql[j] == '"' {
+					if j+1 < len(sql) && sql[j+1] == '"' {
+						j++
+						continue
+					}
+					break
+				}
+			}
+			if j >= len(sql) {
+				return nil, fmt.Errorf("unterminated quoted identifier at byte %d", i)
+			}
+			i = j + 1
+		case c == '$' && (i == 0 || !identChar(sql[i-1])):
+			tag := dollarTag.FindString(sql[i:])
+			if tag == "" {
+				i++
+				continue
+			}
+			end := strings.Index(sql[i+len(tag):], tag)
+			if end < 0 {
+				return nil, fmt.Errorf("unterminated %s quote at byte %d", tag, i)
+			}
+			i += len(tag) + end + len(tag)
+		default:
+			i++
+		}
+	}
+	flush(len(sql))
+	return out, nil
+}
+
+var dollarTag = regexp.MustCompile(`^\$(?:[A-Za-z_][A-Za-z0-9_]*)?\$`)
+
+// stripLeadingComments drops the whitespace and comments before a
+// statement's first word.
+func stripLeadingComments(s string) string {
+	for {
+		s = strings.TrimSpace(s)
+		switch {
+		case strings.HasPrefix(s, "--"):
+			_, rest, ok := strings.Cut(s, "\n")
+			if !ok {
+				return ""
+			}
+			s = rest
+		case strings.HasPrefix(s, "/*"):
+			end := blockCommentEnd(s)
+			if end < 0 {
+				return ""
+			}
+			s = s[end:]
+		default:
+			return s
+		}
+	}
+}
+
+// blockCommentEnd is the length of the block comment s starts with
+// (PostgreSQL's nest), or -1 if it does not end.
+func blockCommentEnd(s string) int {
+	depth := 0
+	for j := 0; j+1 < len(s); j++ {
+		switch s[j : j+2] {
+		case "/*":
+			depth++
+			j++
+		case "*/":
+			depth--
+			j++
+			if depth == 0 {
+				return j + 1
+			}
+		}
+	}
+	return -1
+}
+
+// unquoteIdent turns an identifier as written in SQL into the name the
+// catalog holds.
+func unquoteIdent(s string) string {
+	if strings.HasPrefix(s, `"`) {
+		return strings.ReplaceAll(s[1:len(s)-1], `""`, `"`)
+	}
+	return strings.ToLower(s)
 }

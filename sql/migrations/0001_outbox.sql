@@ -1,3 +1,9 @@
+-- outbox-relay: no-transaction
+-- (Each statement on its own, so that the index below is built
+-- CONCURRENTLY: on a table that already exists and holds rows, a plain
+-- CREATE INDEX would block every INSERT while it builds. Both statements
+-- are idempotent; internal/store/migrate.go has the rules.)
+--
 -- The outbox table. Applications insert rows in the same transaction as the
 -- business change; the relay streams the committed INSERTs from a logical
 -- replication slot and falls back to a leased-claim poller for retries.
@@ -35,4 +41,4 @@ CREATE TABLE IF NOT EXISTS {{.Table}} (
 );
 
 -- Serves exactly the poller's claim: scheduled or running rows by due time.
-CREATE INDEX IF NOT EXISTS {{.Name "poll_idx"}} ON {{.Table}} (poll_at) WHERE poll_at IS NOT NULL;
+CREATE INDEX CONCURRENTLY IF NOT EXISTS {{.Name "poll_idx"}} ON {{.Table}} (poll_at) WHERE poll_at IS NOT NULL;

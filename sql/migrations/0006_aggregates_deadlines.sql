@@ -1,4 +1,11 @@
+-- outbox-relay: no-transaction
 -- Order of work per aggregate (G12) and business deadlines (G13).
+--
+-- Statement by statement, each idempotent (internal/store/migrate.go has the
+-- rules): on a populated table the index is built CONCURRENTLY and the
+-- state check validated on its own, and neither blocks producers. (Applied
+-- before issue 21 as one transaction that held the table's lock through
+-- both; installs that have it keep it, and the result is the same.)
 --
 -- aggregate_type, aggregate_id: the business object a row's work belongs to;
 -- aggregate_seq: the row's position in that object's sequence (1, 2, 3, ...),
@@ -12,6 +19,7 @@ ALTER TABLE {{.Table}}
     -- The row is never published after this (decided on the database clock);
     -- it ends 'expired' instead.
     ADD COLUMN IF NOT EXISTS expires_at     timestamptz,
+    DROP CONSTRAINT IF EXISTS {{.Name "aggregate_check"}},
     ADD CONSTRAINT {{.Name "aggregate_check"}} CHECK (
         (aggregate_type IS NULL) = (aggregate_id IS NULL)
         AND (aggregate_type IS NULL) = (aggregate_seq IS NULL)
@@ -23,14 +31,21 @@ ALTER TABLE {{.Table}}
     ) NOT VALID;
 
 -- 'expired': a terminal state for rows whose deadline passed before they
--- were published.
-ALTER TABLE {{.Table}} DROP CONSTRAINT IF EXISTS {{.Name "state_check"}};
-ALTER TABLE {{.Table}} ADD CONSTRAINT {{.Name "state_check"}}
-    CHECK (state IN ('ready', 'scheduled', 'running', 'published', 'failed', 'cancelled', 'expired'));
+-- were published. Swapped in one statement, so the table is never without
+-- the check, and NOT VALID, so the swap is a catalog change; the validation
+-- then reads the table under a lock producers do not wait for. Rows already
+-- there passed the narrower check this replaces, so it finds none on a
+-- table migrate created; on a table made by hand it may, and then migrate
+-- fails naming them (the constraint stays NOT VALID).
+ALTER TABLE {{.Table}}
+    DROP CONSTRAINT IF EXISTS {{.Name "state_check"}},
+    ADD CONSTRAINT {{.Name "state_check"}}
+        CHECK (state IN ('ready', 'scheduled', 'running', 'published', 'failed', 'cancelled', 'expired')) NOT VALID;
+ALTER TABLE {{.Table}} VALIDATE CONSTRAINT {{.Name "state_check"}};
 
 -- One row per position of an aggregate. Partial: unordered rows do not pay
 -- for it, and the CDC path's marks change none of its columns (HOT).
-CREATE UNIQUE INDEX IF NOT EXISTS {{.Name "aggregate_idx"}} ON {{.Table}} (aggregate_type, aggregate_id, aggregate_seq)
+CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS {{.Name "aggregate_idx"}} ON {{.Table}} (aggregate_type, aggregate_id, aggregate_seq)
     WHERE aggregate_type IS NOT NULL;
 
 -- The counter behind the sequence: one row per aggregate. Producers of one
