@@ -21,13 +21,15 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	var inboxTable string
 	var printGrants bool
 	var roles store.Roles
-	fs := newFlagSet("migrate", "Creates or upgrades the outbox table and its indexes (versioned, idempotent, safe to run concurrently) and the insert-only publication.\n"+
+	fs := newFlagSet("migrate", "Creates or upgrades the outbox table and its indexes (versioned, idempotent, safe to run concurrently and beside producers: indexes are built concurrently, and no lock their INSERTs queue behind is waited for longer than --lock-timeout) and the insert-only publication.\n"+
 		"With --inbox, creates a consumer's inbox tables (package inbox) instead, usually in the consumer's own database.", stderr)
 	var recordSettings bool
 	var ordering string
+	var lockTimeout time.Duration
 	c.register(fs, flagDatabaseURL, flagTable, flagPublication, flagOnPublish)
 	fs.BoolVar(&recordSettings, "record-settings", false, "record --ordering and --on-publish as the table's settings, which every `run` of it must use (stop every instance first: docs/operations.md, \"Changing --ordering or --on-publish\"); without it, migrate prints the recorded ones")
 	fs.StringVar(&ordering, "ordering", app.OrderingNone, "with --record-settings: the table's --ordering, none or aggregate")
+	fs.DurationVar(&lockTimeout, "lock-timeout", store.DefaultLockTimeout, "longest wait for a lock that producers' INSERTs queue behind (PostgreSQL lock_timeout); past it migrate gives up, names the session holding the table, and a rerun resumes (docs/operations.md, \"Migrating a large table\")")
 	fs.StringVar(&inboxTable, "inbox", "", "create the inbox table with this name (name or schema.name) and its <name>_fences table for consumers using package inbox, instead of the outbox table and publication")
 	fs.BoolVar(&printGrants, "print-grants", false, "print the least-privilege roles and grants (sql/roles.sql) for --table and exit; run the output as the table's owner")
 	fs.StringVar(&roles.Relay, "relay-role", "outbox_relay", "with --print-grants: the relay's role (LOGIN REPLICATION)")
@@ -35,6 +37,9 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	fs.StringVar(&roles.Operator, "operator-role", "outbox_operator", "with --print-grants: the role that runs status, redrive, cancel and prune")
 	if err := parse(fs, args); err != nil {
 		return err
+	}
+	if lockTimeout <= 0 {
+		return fmt.Errorf("--lock-timeout %s: want more than 0 (0 would let producers queue behind migrate for as long as another session holds the table)", lockTimeout)
 	}
 	if printGrants {
 		if inboxTable != "" {
@@ -66,12 +71,17 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return fmt.Errorf("connect to PostgreSQL: %w", err)
 	}
 	defer conn.Close(context.Background())
-	applied, err := store.Migrate(ctx, conn, t)
-	if err != nil {
-		return err
-	}
+	applied, err := store.MigrateWith(ctx, conn, t, store.MigrateOptions{
+		LockTimeout: lockTimeout,
+		Progress:    func(msg string) { fmt.Fprintf(stdout, "%s: %s\n", t.Qualified(), msg) },
+	})
+	// Each migration is committed on its own: say which ones are in even
+	// when a later one failed, so that the rerun's output makes sense.
 	for _, m := range applied {
 		fmt.Fprintf(stdout, "applied %04d_%s to %s\n", m.Version, m.Name, t.Qualified())
+	}
+	if err != nil {
+		return err
 	}
 	if len(applied) == 0 {
 		fmt.Fprintf(stdout, "%s is up to date\n", t.Qualified())

@@ -103,3 +103,54 @@ func TestMigrateRecordSettings(t *testing.T) {
 		t.Fatalf("run with --on-publish mark: exit %d, stderr %q; want 1, naming --on-publish only", code, errOut)
 	}
 }
+
+// --lock-timeout reaches the migration: with a session holding the table,
+// a pending migration that needs its lock gives up after the flag's time
+// with the reason and the holder, exit 1; the applied ones are listed as
+// they go; a rerun once the holder is gone applies it. 0 is refused.
+func TestMigrateLockTimeoutFlag(t *testing.T) {
+	url := testenv.Shared(t).PG.CreateDatabase(t)
+	ctx := context.Background()
+	if code, _, errOut := run(t, "migrate", "--database-url", url, "--lock-timeout", "0s"); code == 0 || !strings.Contains(errOut, "--lock-timeout 0s: want more than 0") {
+		t.Fatalf("--lock-timeout 0s: exit %d, %q; want refused", code, errOut)
+	}
+	code, out, _ := run(t, "migrate", "--database-url", url)
+	if code != 0 || !strings.Contains(out, "public.outbox: building index outbox_aggregate_idx on \"public\".\"outbox\" concurrently") ||
+		!strings.Contains(out, "applied 0010_stream_name to public.outbox") {
+		t.Fatalf("first migrate: exit %d, output %q; want the concurrent builds and the applied migrations", code, out)
+	}
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	// As if 0010 were new: its ADD COLUMN needs the table's ACCESS EXCLUSIVE lock.
+	if _, err := pool.Exec(ctx, `ALTER TABLE outbox DROP COLUMN stream_name; DELETE FROM outbox_relay_migrations WHERE version = 10`); err != nil {
+		t.Fatal(err)
+	}
+	holder, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Rollback(ctx) //nolint:errcheck
+	if _, err := holder.Exec(ctx, `SELECT count(*) FROM outbox`); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(400 * time.Millisecond)
+	start := time.Now()
+	code, _, errOut := run(t, "migrate", "--database-url", url, "--lock-timeout", "300ms")
+	took := time.Since(start)
+	if code == 0 || !strings.Contains(errOut, "apply 0010_stream_name (rolled back: nothing of it is applied): gave up after waiting lock_timeout 300ms (--lock-timeout)") ||
+		!strings.Contains(errOut, "holds AccessShareLock on outbox") {
+		t.Fatalf("migrate beside a holder: exit %d, stderr %q; want the lock timeout and the holder", code, errOut)
+	}
+	if took > 5*time.Second {
+		t.Errorf("migrate took %s to give up with --lock-timeout 300ms", took)
+	}
+	if err := holder.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if code, out, _ := run(t, "migrate", "--database-url", url, "--lock-timeout", "300ms"); code != 0 || !strings.Contains(out, "applied 0010_stream_name to public.outbox") {
+		t.Fatalf("rerun: exit %d, output %q; want 0010 applied", code, out)
+	}
+}
