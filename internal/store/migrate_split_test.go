@@ -1,7 +1,9 @@
 package store
 
 import (
+	"fmt"
 	"reflect"
+	"regexp"
 	"strings"
 	"testing"
 )
@@ -79,5 +81,66 @@ func TestNoTransactionMigrations(t *testing.T) {
 	}
 	if m, err := newMigration(99, "x", "CREATE INDEX IF NOT EXISTS x ON t (a);"); err != nil || m.NoTransaction {
 		t.Errorf("a migration without the marker: %+v, %v; want one transaction", m, err)
+	}
+}
+
+// The embedded migrations follow the rules at the top of migrate.go, so
+// that none holds a lock producers queue behind while it reads or rewrites
+// a table: an index on an existing table is built CONCURRENTLY in a
+// no-transaction migration, a constraint is added NOT VALID and validated
+// on its own, and nothing rewrites the table. A migration written with a
+// plain CREATE INDEX on the outbox table fails here with what to do.
+func TestMigrationsDoNotBlockProducers(t *testing.T) {
+	migs, err := Migrations(Table{Schema: "public", Name: "outbox"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	qident := identRE + `(?:\.` + identRE + `)?`
+	createTable := regexp.MustCompile(`(?is)^CREATE\s+TABLE\s+(?:IF\s+NOT\s+EXISTS\s+)?(` + qident + `)`)
+	indexOn := regexp.MustCompile(`(?is)^CREATE\s+(?:UNIQUE\s+)?INDEX\b.*?\bON\s+(?:ONLY\s+)?(` + qident + `)`)
+	alter := regexp.MustCompile(`(?is)^ALTER\s+TABLE\s+(?:IF\s+EXISTS\s+)?(?:ONLY\s+)?(` + qident + `)`)
+	rewrites := regexp.MustCompile(`(?is)\bSET\s+NOT\s+NULL\b|\bALTER\s+COLUMN\s+\S+\s+(?:SET\s+DATA\s+)?TYPE\b|\bSTORED\b|\bSET\s+(?:UN)?LOGGED\b|\bSET\s+TABLESPACE\b`)
+	forbidden := regexp.MustCompile(`(?is)^(?:VACUUM\s+FULL|CLUSTER|LOCK\s+TABLE|REINDEX)\b`)
+	const outbox = `"public"."outbox"`
+	for _, m := range migs {
+		stmts := m.Statements
+		if !m.NoTransaction {
+			if stmts, err = splitStatements(m.SQL); err != nil {
+				t.Fatalf("%04d_%s: %v", m.Version, m.Name, err)
+			}
+		}
+		created := map[string]bool{}
+		for _, s := range stmts {
+			head := stripLeadingComments(s)
+			if sub := createTable.FindStringSubmatch(head); sub != nil && sub[1] != outbox {
+				created[sub[1]] = true
+			}
+		}
+		where := fmt.Sprintf("%04d_%s", m.Version, m.Name)
+		for _, s := range stmts {
+			head := stripLeadingComments(s)
+			short := head
+			if len(short) > 100 {
+				short = short[:100] + "..."
+			}
+			if sub := indexOn.FindStringSubmatch(head); sub != nil && !created[sub[1]] && !m.NoTransaction {
+				t.Errorf("%s: %q builds an index on %s, an existing table, inside the migration's transaction, which blocks every INSERT while it builds: put %q on the migration's first line and write CREATE INDEX CONCURRENTLY IF NOT EXISTS (internal/store/migrate.go)",
+					where, short, sub[1], noTransactionMarker)
+			}
+			if sub := alter.FindStringSubmatch(head); sub != nil && !created[sub[1]] {
+				if adds, notValid := len(regexp.MustCompile(`(?i)\bADD\s+CONSTRAINT\b`).FindAllString(head, -1)), len(regexp.MustCompile(`(?i)\bNOT\s+VALID\b`).FindAllString(head, -1)); adds > notValid {
+					t.Errorf("%s: %q adds a constraint to %s that is not NOT VALID: it would read the whole table under ACCESS EXCLUSIVE; add it NOT VALID and validate it in a statement of its own", where, short, sub[1])
+				}
+				if rewrites.MatchString(head) {
+					t.Errorf("%s: %q reads or rewrites all of %s under ACCESS EXCLUSIVE", where, short, sub[1])
+				}
+				if strings.Contains(strings.ToUpper(head), "VALIDATE CONSTRAINT") && (!m.NoTransaction || !validate.MatchString(head)) {
+					t.Errorf("%s: %q: a validation runs alone in its statement, in a no-transaction migration (else it holds the lock of what runs beside it)", where, short)
+				}
+			}
+			if forbidden.MatchString(head) && !regexp.MustCompile(`(?i)\bCONCURRENTLY\b`).MatchString(head) {
+				t.Errorf("%s: %q takes a lock that blocks producers for as long as it runs", where, short)
+			}
+		}
 	}
 }
