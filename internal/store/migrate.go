@@ -439,7 +439,7 @@ func (r *migrator) explain(ctx context.Context, what string, err error) error {
 	if !errors.As(err, &pgErr) || pgErr.Code != "55P03" {
 		return fmt.Errorf("migrate %s: %s: %w", r.t.Qualified(), what, err)
 	}
-	return fmt.Errorf("migrate %s: %s: gave up after waiting lock_timeout %s (--lock-timeout) for a lock on the table%s: while migrate waits for it every producer's INSERT waits behind it. Let that transaction end (or end it: pg_terminate_backend(pid)) and run migrate again; it resumes here, migrations before this one stay applied: %w",
+	return fmt.Errorf("migrate %s: %s: gave up after waiting lock_timeout %s (--lock-timeout) for a lock%s: while migrate waits for the table's lock every producer's INSERT queues behind it. Let that transaction end (or end it: pg_terminate_backend(pid)) and run migrate again; it resumes here, migrations before this one stay applied: %w",
 		r.t.Qualified(), what, r.opts.LockTimeout, r.lockHolders(ctx), err)
 }
 
