@@ -25,11 +25,11 @@ import (
 // it). So no migration may hold a lock that blocks an INSERT for longer
 // than a catalog change takes:
 //
-//   - Every wait for a lock is bounded by lock_timeout (--lock-timeout,
-//     DefaultLockTimeout). A lock that conflicts with producers (ALTER TABLE
-//     takes ACCESS EXCLUSIVE) is queued behind whoever holds the table, and
-//     every INSERT queues behind it: after lock_timeout migrate gives up with
-//     the holders' pids and a retry resumes.
+//   - Every wait for a lock that conflicts with producers is bounded by
+//     lock_timeout (--lock-timeout, DefaultLockTimeout). Such a request
+//     (ALTER TABLE takes ACCESS EXCLUSIVE) is queued behind whoever holds
+//     the table, and every INSERT queues behind it: after lock_timeout
+//     migrate gives up with the holders' pids, and a retry resumes.
 //   - A migration runs in its own transaction by default, recorded in it.
 //     Such a migration may only change the catalog: new tables, ADD COLUMN
 //     without a volatile default, ADD CONSTRAINT ... NOT VALID, functions,
