@@ -87,7 +87,7 @@ func TestOrderStatementsAtScale(t *testing.T) {
 	exec(`INSERT INTO outbox (work_id, kind, payload, state, created_at, published_at, stream_seq)
 		SELECT 'u' || g, 'k', '{"n": 1}', `+published+` FROM generate_series(1, $1::int) g`, unordered)
 	exec(`INSERT INTO outbox (work_id, kind, payload, state, created_at, published_at, stream_seq, aggregate_type, aggregate_id, aggregate_seq)
-		SELECT 'a' || g, 'k', '{"n": 1}', `+published+`, 'order', 'o' || (g - 1) / 10, (g - 1) % 10 + 1
+		SELECT 'a' || g, 'k', '{"n": 1}', ` + published + `, 'order', 'o' || (g - 1) / 10, (g - 1) % 10 + 1
 		FROM generate_series(1, 150000) g`)
 	exec(`INSERT INTO outbox (work_id, kind, payload, state, created_at, published_at, stream_seq, aggregate_type, aggregate_id, aggregate_seq)
 		SELECT 'l' || g, 'k', '{"n": 1}', `+published+`, 'order', 'long', g
