@@ -51,14 +51,14 @@ func (s *Store) DeadLettersTable() string { return s.table.derived("dead_letters
 // path's mark changes, so marks stay HOT updates (TestCDCMarksStayHOT).
 
 // heldRowsSQL selects (aggregate_type, aggregate_id, aggregate_seq,
-// work_id, state, created_at) of every row of an aggregate that is with the
-// poller or dead-lettered.
+// work_id) of every row of an aggregate that is with the poller (read from
+// aggregate_held_idx alone) or dead-lettered.
 func (s *Store) heldRowsSQL() string {
 	tbl := s.table.String()
-	return `SELECT p.aggregate_type, p.aggregate_id, p.aggregate_seq, p.work_id, p.state, p.created_at FROM ` + tbl + ` AS p
+	return `SELECT p.aggregate_type, p.aggregate_id, p.aggregate_seq, p.work_id FROM ` + tbl + ` AS p
 		WHERE p.poll_at IS NOT NULL AND p.aggregate_type IS NOT NULL
 		UNION ALL
-		SELECT f.aggregate_type, f.aggregate_id, f.aggregate_seq, f.work_id, f.state, f.created_at
+		SELECT f.aggregate_type, f.aggregate_id, f.aggregate_seq, f.work_id
 		FROM ` + s.DeadLettersTable() + ` AS d JOIN ` + tbl + ` AS f ON f.work_id = d.work_id
 		WHERE d.aggregate_type IS NOT NULL AND f.state = '` + StateFailed + `' AND f.aggregate_type IS NOT NULL`
 }
@@ -133,14 +133,14 @@ func (s *Store) WithPoller(ctx context.Context, agg AggregateKey) (bool, error) 
 func (s *Store) blockedAggregatesSQL() string {
 	tbl := s.table.String()
 	return `WITH held AS (
-			SELECT DISTINCT ON (aggregate_type, aggregate_id) aggregate_type, aggregate_id, work_id, aggregate_seq, state, created_at
+			SELECT DISTINCT ON (aggregate_type, aggregate_id) aggregate_type, aggregate_id, work_id, aggregate_seq
 			FROM (` + s.heldRowsSQL() + `) AS h
 			ORDER BY aggregate_type, aggregate_id, aggregate_seq),
 		blocked AS (
-			SELECT f.*, (SELECT count(*) FROM ` + tbl + ` w
+			SELECT f.*, o.state, o.created_at, (SELECT count(*) FROM ` + tbl + ` w
 				WHERE w.aggregate_type = f.aggregate_type AND w.aggregate_id = f.aggregate_id
 				  AND w.aggregate_seq > f.aggregate_seq AND w.state IN ` + blockingStatesSQL + `) AS waiting
-			FROM held f
+			FROM held f JOIN ` + tbl + ` o ON o.work_id = f.work_id
 			WHERE coalesce((SELECT b.state FROM ` + tbl + ` b
 				WHERE b.aggregate_type = f.aggregate_type AND b.aggregate_id = f.aggregate_id AND b.aggregate_seq < f.aggregate_seq
 				ORDER BY b.aggregate_seq DESC LIMIT 1), '') <> '` + StateReady + `')

@@ -19,6 +19,11 @@ import (
 // scaleRows is the size of the table the order statements run on (G16).
 const scaleRows = 1_000_000
 
+// Rows with the poller that are not due yet (delayed delivery), half of
+// them with a deadline: the claim and the deadline sweep used to read them
+// all whenever they ran.
+const delayed = 50_000
+
 // The history of one aggregate in the table: its top row is with the
 // poller, so the ordered claim's probe for it, and WithPoller for it, used
 // to read down through every published row below.
@@ -36,11 +41,12 @@ const maxBuffers = 1000
 // rows of its batch (G16): no sequential scan of the outbox table in its
 // plan, at most maxBuffers pages read, and no sequential scan counted in
 // pg_stat_user_tables while the store's methods ran. The table: 800,000
-// unordered rows and 200,000 in aggregates (15,000 aggregates of 10 rows
-// and one of 50,000), all published, except a dead letter holding one
-// aggregate (its seq 5 failed, 6 to 10 waiting behind it), the top row of
-// the long aggregate with the poller, and one unordered row with the poller
-// past its deadline. Each statement's latency (EXPLAIN ANALYZE) is logged
+// unordered rows (50,000 of them delayed, with the poller and due in an
+// hour, half with a deadline) and 200,000 in aggregates (15,000 aggregates
+// of 10 rows and one of 50,000), all published, except a dead letter
+// holding one aggregate (its seq 5 failed, 6 to 10 waiting behind it), the
+// top row of the long aggregate with the poller, and one unordered row with
+// the poller past its deadline. Each statement's latency (EXPLAIN ANALYZE) is logged
 // (-v) for docs/benchmarks.md.
 func TestOrderStatementsAtScale(t *testing.T) {
 	if testing.Short() {
@@ -83,9 +89,13 @@ func TestOrderStatementsAtScale(t *testing.T) {
 	exec(`ALTER TABLE outbox SET (autovacuum_enabled = false)`)
 	exec(`ALTER TABLE outbox SET UNLOGGED`)
 	const published = `'published', clock_timestamp() - interval '1 day', clock_timestamp() - interval '1 day', g`
-	unordered := scaleRows - 150_000 - longHistory
+	unordered := scaleRows - 150_000 - longHistory - delayed
 	exec(`INSERT INTO outbox (work_id, kind, payload, state, created_at, published_at, stream_seq)
 		SELECT 'u' || g, 'k', '{"n": 1}', `+published+` FROM generate_series(1, $1::int) g`, unordered)
+	exec(`INSERT INTO outbox (work_id, kind, payload, state, available_at, expires_at)
+		SELECT 'd' || g, 'k', '{"n": 1}', 'scheduled', clock_timestamp() + interval '1 hour',
+			CASE WHEN g % 2 = 0 THEN clock_timestamp() + interval '2 hours' END
+		FROM generate_series(1, $1::int) g`, delayed)
 	exec(`INSERT INTO outbox (work_id, kind, payload, state, created_at, published_at, stream_seq, aggregate_type, aggregate_id, aggregate_seq)
 		SELECT 'a' || g, 'k', '{"n": 1}', ` + published + `, 'order', 'o' || (g - 1) / 10, (g - 1) % 10 + 1
 		FROM generate_series(1, 150000) g`)

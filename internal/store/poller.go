@@ -290,6 +290,12 @@ func (s *Store) Fail(ctx context.Context, workID, workerID string, gen int64, la
 // of an aggregate is claimable only while no lower sequence of it blocks
 // (see BlockingStates; the partial aggregate index serves that probe).
 //
+// The walk ends at the first row not due yet: poll_at is compared, beside
+// the test of a due row, with one reading of the clock (an InitPlan), a
+// bound the index scan stops at. clock_timestamp() itself, volatile, is
+// never an index condition, and the walk read every delayed row of the
+// backlog whenever the batch was not filled.
+//
 // Which rows are due is one opaque expression (coalesce) beside the index's
 // own predicate: the planner cannot estimate it, so it never expects fewer
 // due rows than the batch. Estimated from statistics that lag behind a
@@ -305,7 +311,7 @@ func (s *Store) claimSQL(ordered bool) string {
 	tbl := s.table.String()
 	return `WITH c AS (
 		SELECT work_id, state AS prev_state FROM ` + tbl + ` AS q
-		WHERE poll_at IS NOT NULL AND coalesce(` + dueSQL("q") + `, false)
+		WHERE poll_at IS NOT NULL AND poll_at <= (SELECT clock_timestamp()) AND coalesce(` + dueSQL("q") + `, false)
 		ORDER BY poll_at
 		LIMIT $1
 		FOR UPDATE SKIP LOCKED)
@@ -373,7 +379,7 @@ func (s *Store) orderedClaimSQL() string {
 	}
 	return `WITH h AS (
 		SELECT work_id, state AS prev_state, poll_at, aggregate_type, aggregate_id, aggregate_seq FROM ` + tbl + ` AS q
-		WHERE poll_at IS NOT NULL AND coalesce(` + dueSQL("q") + `
+		WHERE poll_at IS NOT NULL AND poll_at <= (SELECT clock_timestamp()) AND coalesce(` + dueSQL("q") + `
 		  AND (q.aggregate_type IS NULL OR (
 			coalesce((SELECT p.state FROM ` + tbl + ` AS p
 				WHERE ` + same("p", "q") + ` AND p.aggregate_seq < q.aggregate_seq
