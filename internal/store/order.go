@@ -123,13 +123,13 @@ func (s *Store) WithPoller(ctx context.Context, agg AggregateKey) (bool, error) 
 // blockedAggregatesSQL is BlockedAggregates' statement: $1 the number of
 // aggregates to return.
 //
-// firsts: each held aggregate's lowest held row, unless the row right below
-// it is 'ready' (the CDC path's: the aggregate waits for that row, not for
-// the poller). Only that immediate predecessor is read, not the history
-// below it: a 'ready' row further down, under published ones, would take
-// an aggregate whose later rows were published before an earlier one
-// (explicit sequences committed out of order), and is not seen. waiting
-// reads the aggregate's rows above its first held row.
+// held: each held aggregate's lowest row with the poller or dead-lettered.
+// The aggregate is blocked by it unless the row right below it is 'ready'
+// (then it waits for the CDC path's row, not for the poller). Only that
+// immediate predecessor is read, not the history below it: a 'ready' row
+// further down, under published ones, is there only when explicit
+// sequences committed out of order, and is not seen. waiting reads the
+// aggregate's rows above its first held row.
 func (s *Store) blockedAggregatesSQL() string {
 	tbl := s.table.String()
 	return `WITH held AS (
