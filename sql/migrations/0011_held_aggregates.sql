@@ -93,7 +93,9 @@ CREATE OR REPLACE TRIGGER {{.Name "dead_letters_trunc"}}
     FOR EACH STATEMENT
     EXECUTE FUNCTION {{.Companion "track_dead_letters"}}();
 
--- The dead letters from before this migration, read once. After the
+-- The dead letters from before this migration, read once: a scan of the
+-- whole table, which may run in a transaction of its own after the one that
+-- creates the triggers (it needs no lock beyond a read's). After the
 -- triggers, so a row that fails meanwhile is listed by its trigger (a
 -- conflict here leaves that entry); one that leaves 'failed' meanwhile may
 -- be listed from this read's snapshot, and readers ignore it.
