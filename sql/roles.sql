@@ -24,6 +24,9 @@ GRANT SELECT, INSERT, UPDATE ON {{.Companion "slots"}} TO {{.Relay}};
 -- later one reads them. Changing them is the owner's (migrate
 -- --record-settings), so no UPDATE.
 GRANT SELECT, INSERT ON {{.Companion "settings"}} TO {{.Relay}};
+-- The dead letters (migration 0011), kept by triggers; the relay reads them
+-- for order per aggregate (G12).
+GRANT SELECT ON {{.Companion "dead_letters"}} TO {{.Relay}};
 
 -- The producer: the application role that writes the outbox row in its own
 -- transaction. INSERT only on the columns a producer means to set; every
@@ -66,3 +69,4 @@ GRANT USAGE ON SCHEMA {{.Schema}} TO {{.Operator}};
 GRANT SELECT, UPDATE, DELETE ON {{.Table}} TO {{.Operator}};
 GRANT SELECT, INSERT ON {{.Companion "redrives"}} TO {{.Operator}};
 GRANT SELECT ON {{.Companion "slots"}} TO {{.Operator}};
+GRANT SELECT ON {{.Companion "dead_letters"}} TO {{.Operator}};

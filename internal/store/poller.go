@@ -290,6 +290,12 @@ func (s *Store) Fail(ctx context.Context, workID, workerID string, gen int64, la
 // of an aggregate is claimable only while no lower sequence of it blocks
 // (see BlockingStates; the partial aggregate index serves that probe).
 //
+// The walk ends at the first row not due yet: poll_at is compared, beside
+// the test of a due row, with one reading of the clock (an InitPlan), a
+// bound the index scan stops at. clock_timestamp() itself, volatile, is
+// never an index condition, and the walk read every delayed row of the
+// backlog whenever the batch was not filled.
+//
 // Which rows are due is one opaque expression (coalesce) beside the index's
 // own predicate: the planner cannot estimate it, so it never expects fewer
 // due rows than the batch. Estimated from statistics that lag behind a
@@ -305,7 +311,7 @@ func (s *Store) claimSQL(ordered bool) string {
 	tbl := s.table.String()
 	return `WITH c AS (
 		SELECT work_id, state AS prev_state FROM ` + tbl + ` AS q
-		WHERE poll_at IS NOT NULL AND coalesce(` + dueSQL("q") + `, false)
+		WHERE poll_at IS NOT NULL AND poll_at <= (SELECT clock_timestamp()) AND coalesce(` + dueSQL("q") + `, false)
 		ORDER BY poll_at
 		LIMIT $1
 		FOR UPDATE SKIP LOCKED)
@@ -340,10 +346,15 @@ func (s *Store) claimUpdateSQL() string {
 //     claim does, where no lower sequence of the aggregate blocks. One
 //     aggregate has at most one head: any other row of it has the head
 //     below it, and a head is locked (SKIP LOCKED) before it is taken, so
-//     two claims never take the same aggregate's head. The probe reads the
-//     aggregate index downwards from the row: a row that is not a head
-//     finds the row below it blocking at once, and only a head reads down
-//     through the aggregate's published rows.
+//     two claims never take the same aggregate's head. "No lower sequence
+//     blocks" is read without the aggregate's published history (G16),
+//     in three index probes of the candidate's own aggregate: the row right
+//     below it (aggregate_idx, one entry) is not blocking, no row below it
+//     is with the poller (aggregate_held_idx, the aggregate's held rows
+//     only) and none is a dead letter (<table>_dead_letters). A 'ready' row
+//     further down, under published ones, is not seen: the CDC path
+//     publishes an aggregate in order, so only explicit sequences
+//     committed out of order leave one there.
 //   - r, the runs: for each head of an aggregate, the aggregate's next
 //     blocking rows in sequence order, up to the first one that is not
 //     claimable (ready, failed, delayed, held by a live lease, near its
@@ -368,11 +379,16 @@ func (s *Store) orderedClaimSQL() string {
 	}
 	return `WITH h AS (
 		SELECT work_id, state AS prev_state, poll_at, aggregate_type, aggregate_id, aggregate_seq FROM ` + tbl + ` AS q
-		WHERE poll_at IS NOT NULL AND coalesce(` + dueSQL("q") + `
+		WHERE poll_at IS NOT NULL AND poll_at <= (SELECT clock_timestamp()) AND coalesce(` + dueSQL("q") + `
 		  AND (q.aggregate_type IS NULL OR (
-			SELECT 1 FROM ` + tbl + ` AS b
-			WHERE ` + same("b", "q") + ` AND b.aggregate_seq < q.aggregate_seq AND b.state IN ` + blockingStatesSQL + `
-			ORDER BY b.aggregate_seq DESC LIMIT 1) IS NULL), false)
+			coalesce((SELECT p.state FROM ` + tbl + ` AS p
+				WHERE ` + same("p", "q") + ` AND p.aggregate_seq < q.aggregate_seq
+				ORDER BY p.aggregate_seq DESC LIMIT 1) NOT IN ` + blockingStatesSQL + `, true)
+			AND NOT EXISTS (SELECT 1 FROM ` + tbl + ` AS b
+				WHERE ` + same("b", "q") + ` AND b.aggregate_seq < q.aggregate_seq
+				  AND b.poll_at IS NOT NULL AND b.aggregate_type IS NOT NULL)
+			AND NOT EXISTS (SELECT 1 FROM ` + s.DeadLettersTable() + ` AS d JOIN ` + tbl + ` AS f ON f.work_id = d.work_id
+				WHERE ` + same("d", "q") + ` AND d.aggregate_seq < q.aggregate_seq AND f.state = '` + StateFailed + `'))), false)
 		ORDER BY poll_at
 		LIMIT $1
 		FOR UPDATE SKIP LOCKED),
