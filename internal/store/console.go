@@ -96,9 +96,23 @@ func scanListed(row pgx.CollectableRow) (ListedRow, error) {
 
 // where builds the filter's WHERE clause from fixed fragments, adding every
 // value as a parameter.
-func (f ListFilter) where(p *args) (string, error) {
+func (f ListFilter) where(p *args, tbl string) (string, error) {
 	w := `true`
-	if f.State != "" {
+	switch f.State {
+	case "":
+	case StateScheduled, StateRunning:
+		// Through poll_idx, whose rows these are: the page costs the
+		// poller's rows, not the table.
+		w += ` AND poll_at IS NOT NULL AND state = ` + p.add(f.State) + `::text`
+	case StateFailed, StateCancelled, StateExpired:
+		// parked_idx, in the page's order: the page costs its rows.
+		w += ` AND parked = ` + p.add(f.State) + `::text AND state = parked`
+	case StateReady:
+		// No index finds ready rows (migration 0012): they are looked for
+		// among the newest RecentRows rows, where the CDC path leaves them.
+		w += ` AND state = 'ready' AND created_at >= coalesce((SELECT created_at FROM ` + tbl + `
+			ORDER BY created_at DESC, work_id DESC OFFSET ` + p.add(int64(RecentRows-1)) + `::bigint LIMIT 1), '-infinity')`
+	default:
 		w += ` AND state = ` + p.add(f.State) + `::text`
 	}
 	if f.Kind != "" {
@@ -141,7 +155,7 @@ func (s *Store) ListRows(ctx context.Context, f ListFilter) ([]ListedRow, error)
 		return nil, fmt.Errorf("%w: a limit is required", ErrBadFilter)
 	}
 	var p args
-	w, err := f.where(&p)
+	w, err := f.where(&p, s.table.String())
 	if err != nil {
 		return nil, err
 	}
@@ -172,7 +186,7 @@ func (s *Store) ListWorkIDs(ctx context.Context, f ListFilter, limit int) (ids [
 		return nil, false, fmt.Errorf("%w: a limit is required", ErrBadFilter)
 	}
 	var p args
-	w, err := f.where(&p)
+	w, err := f.where(&p, s.table.String())
 	if err != nil {
 		return nil, false, err
 	}
@@ -213,11 +227,12 @@ func (s *Store) Row(ctx context.Context, workID string) (ListedRow, bool, error)
 // all of them. The table records no time of failure: a failed row's
 // available_at (when its last attempt became due; the attempt, and so the
 // failure, came at or after it) stands in, which can only leave out a row
-// whose last attempt waited longer than window for a worker.
+// whose last attempt waited longer than window for a worker. It reads the
+// dead letters only (parked_idx).
 func (s *Store) RecentFailures(ctx context.Context, window time.Duration) (map[string]int64, error) {
 	rows, err := s.pool.Query(ctx, `SELECT coalesce(substring(last_error FROM '^([a-z]+: [a-z_]+)'), 'unknown'), count(*)
 		FROM `+s.table.String()+`
-		WHERE state = 'failed' AND available_at >= clock_timestamp() - $1::bigint * interval '1 microsecond'
+		WHERE parked = 'failed' AND available_at >= clock_timestamp() - $1::bigint * interval '1 microsecond'
 		GROUP BY 1`, micros(window))
 	if err != nil {
 		return nil, fmt.Errorf("recent failures in %s: %w", s.table.Qualified(), err)

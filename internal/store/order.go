@@ -84,18 +84,24 @@ func (s *Store) WithPoller(ctx context.Context, agg AggregateKey) (bool, error) 
 
 // BlockedAggregates counts the aggregates whose rows wait behind a lower
 // unpublished row that is with the poller or dead-lettered, and returns the
-// oldest few of them with their blocking rows.
+// oldest few of them with their blocking rows. The candidates are the rows
+// with the poller (poll_idx) and the dead letters (parked_idx), and each
+// one's waiting rows are counted in aggregate_idx above it: the cost is
+// those rows, not the table nor an aggregate's published history (G16). A
+// lower row of the aggregate still 'ready' (explicit sequences committed out
+// of order) is not looked for: it is on its way through the CDC path, and
+// finding it would walk the aggregate's history.
 func (s *Store) BlockedAggregates(ctx context.Context, limit int) (total int64, oldest []Blocked, err error) {
 	rows, err := s.pool.Query(ctx, `WITH firsts AS (
 			SELECT DISTINCT ON (aggregate_type, aggregate_id) aggregate_type, aggregate_id, work_id, aggregate_seq, state, created_at
 			FROM `+s.table.String()+`
-			WHERE aggregate_type IS NOT NULL AND state IN `+blockingStatesSQL+`
+			WHERE aggregate_type IS NOT NULL AND (poll_at IS NOT NULL OR parked = 'failed')
 			ORDER BY aggregate_type, aggregate_id, aggregate_seq),
 		blocked AS (
 			SELECT f.*, (SELECT count(*) FROM `+s.table.String()+` w
 				WHERE w.aggregate_type = f.aggregate_type AND w.aggregate_id = f.aggregate_id
 				  AND w.aggregate_seq > f.aggregate_seq AND w.state IN `+blockingStatesSQL+`) AS waiting
-			FROM firsts f WHERE f.state <> 'ready')
+			FROM firsts f)
 		SELECT aggregate_type, aggregate_id, work_id, aggregate_seq, state, created_at, waiting, count(*) OVER ()
 		FROM blocked WHERE waiting > 0 ORDER BY created_at LIMIT $1`, limit)
 	if err != nil {
