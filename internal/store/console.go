@@ -94,24 +94,24 @@ func scanListed(row pgx.CollectableRow) (ListedRow, error) {
 	return r, err
 }
 
-// where builds the filter's WHERE clause from fixed fragments, adding every
-// value as a parameter.
-func (f ListFilter) where(p *args, tbl string) (string, error) {
-	w := `true`
+// where builds the filter's FROM and WHERE clauses from fixed fragments,
+// adding every value as a parameter. Each state is read through the index
+// that holds its rows, so a page costs its rows, not the table (G16).
+func (f ListFilter) where(p *args, tbl string) (from, w string, err error) {
+	from, w = tbl, `true`
 	switch f.State {
 	case "":
 	case StateScheduled, StateRunning:
-		// Through poll_idx, whose rows these are: the page costs the
-		// poller's rows, not the table.
+		// poll_idx holds exactly these rows.
 		w += ` AND poll_at IS NOT NULL AND state = ` + p.add(f.State) + `::text`
 	case StateFailed, StateCancelled, StateExpired:
-		// parked_idx, in the page's order: the page costs its rows.
+		// parked_idx, in the page's order.
 		w += ` AND parked = ` + p.add(f.State) + `::text AND state = parked`
 	case StateReady:
 		// No index finds ready rows (migration 0012): they are looked for
 		// among the newest RecentRows rows, where the CDC path leaves them.
-		w += ` AND state = 'ready' AND created_at >= coalesce((SELECT created_at FROM ` + tbl + `
-			ORDER BY created_at DESC, work_id DESC OFFSET ` + p.add(int64(RecentRows-1)) + `::bigint LIMIT 1), '-infinity')`
+		from = `(SELECT * FROM ` + tbl + ` ORDER BY created_at DESC, work_id DESC LIMIT ` + p.add(int64(RecentRows)) + `::bigint) AS recent`
+		w += ` AND state = 'ready'`
 	default:
 		w += ` AND state = ` + p.add(f.State) + `::text`
 	}
@@ -128,24 +128,26 @@ func (f ListFilter) where(p *args, tbl string) (string, error) {
 			known = known || c == f.ErrorClass
 		}
 		if !known {
-			return "", fmt.Errorf("%w: error class %q: want one of %v or %s", ErrBadFilter, f.ErrorClass, ErrorClasses, ErrorClassNone)
+			return "", "", fmt.Errorf("%w: error class %q: want one of %v or %s", ErrBadFilter, f.ErrorClass, ErrorClasses, ErrorClassNone)
 		}
 		// starts_with, not LIKE: no value is ever read as a pattern.
 		w += ` AND starts_with(last_error, ` + p.add(f.ErrorClass+":") + `::text)`
 	}
 	if f.MinAge < 0 || f.MaxAge < 0 {
-		return "", fmt.Errorf("%w: negative age", ErrBadFilter)
+		return "", "", fmt.Errorf("%w: negative age", ErrBadFilter)
 	}
 	if f.MinAge > 0 {
-		w += ` AND created_at <= clock_timestamp() - ` + p.add(micros(f.MinAge)) + `::bigint * interval '1 microsecond'`
+		// A sub-select, run once: clock_timestamp() itself is volatile, and
+		// a volatile bound cannot start or stop an index scan.
+		w += ` AND created_at <= (SELECT clock_timestamp() - ` + p.add(micros(f.MinAge)) + `::bigint * interval '1 microsecond')`
 	}
 	if f.MaxAge > 0 {
-		w += ` AND created_at >= clock_timestamp() - ` + p.add(micros(f.MaxAge)) + `::bigint * interval '1 microsecond'`
+		w += ` AND created_at >= (SELECT clock_timestamp() - ` + p.add(micros(f.MaxAge)) + `::bigint * interval '1 microsecond')`
 	}
 	if f.After != nil {
 		w += ` AND (created_at, work_id) > (` + p.add(f.After.CreatedAt) + `::timestamptz, ` + p.add(f.After.WorkID) + `::text)`
 	}
-	return w, nil
+	return from, w, nil
 }
 
 // ListRows returns up to f.Limit rows matching f in (created_at, work_id)
@@ -155,7 +157,7 @@ func (s *Store) ListRows(ctx context.Context, f ListFilter) ([]ListedRow, error)
 		return nil, fmt.Errorf("%w: a limit is required", ErrBadFilter)
 	}
 	var p args
-	w, err := f.where(&p, s.table.String())
+	from, w, err := f.where(&p, s.table.String())
 	if err != nil {
 		return nil, err
 	}
@@ -164,7 +166,7 @@ func (s *Store) ListRows(ctx context.Context, f ListFilter) ([]ListedRow, error)
 		payload = `left(payload::text, ` + p.add(int64(f.PayloadChars)) + `::int)`
 	}
 	q := `SELECT ` + listColumns + `, ` + payload + `, length(payload::text), coalesce(headers::text, '')
-		FROM ` + s.table.String() + ` WHERE ` + w + `
+		FROM ` + from + ` WHERE ` + w + `
 		ORDER BY created_at, work_id LIMIT ` + p.add(int64(f.Limit)) + `::bigint`
 	rows, err := s.pool.Query(ctx, q, p...)
 	if err != nil {
@@ -186,11 +188,11 @@ func (s *Store) ListWorkIDs(ctx context.Context, f ListFilter, limit int) (ids [
 		return nil, false, fmt.Errorf("%w: a limit is required", ErrBadFilter)
 	}
 	var p args
-	w, err := f.where(&p, s.table.String())
+	from, w, err := f.where(&p, s.table.String())
 	if err != nil {
 		return nil, false, err
 	}
-	rows, err := s.pool.Query(ctx, `SELECT work_id FROM `+s.table.String()+` WHERE `+w+`
+	rows, err := s.pool.Query(ctx, `SELECT work_id FROM `+from+` WHERE `+w+`
 		ORDER BY created_at, work_id LIMIT `+p.add(int64(limit)+1)+`::bigint`, p...)
 	if err != nil {
 		return nil, false, fmt.Errorf("select work IDs of %s: %w", s.table.Qualified(), err)
