@@ -27,8 +27,8 @@ func TestObserverIndexesKeepMarksHOT(t *testing.T) {
 	const rows, batch = 2000, 100
 	hotWithout := int64(-1)
 	for _, c := range []struct {
-		name   string
-		alter  []string
+		name     string
+		alter    []string
 		asBefore bool
 	}{
 		{name: "without 0012's objects", asBefore: true, alter: []string{
