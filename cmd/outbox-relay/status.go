@@ -9,7 +9,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
@@ -118,19 +117,14 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if err := app.ValidateStream(c.stream); err != nil {
 		return err
 	}
-	t, err := store.ParseTable(c.table)
+	// The observer pool: status is run by hand and by scripts against the
+	// server the relay uses, so it gets the console's bounds (G16).
+	st, closeDB, err := openObserverStore(ctx, &c, "outbox-relay status")
 	if err != nil {
 		return err
 	}
-	pool, err := pgxpool.New(ctx, c.databaseURL)
-	if err != nil {
-		return fmt.Errorf("connect to PostgreSQL: %w", err)
-	}
-	defer pool.Close()
-	st := store.New(pool, t, store.PolicyMark)
-	if err := st.Check(ctx); err != nil {
-		return err
-	}
+	defer closeDB()
+	pool, t := st.Pool(), st.Table()
 	ev, err := replay.Read(ctx, pool, st, c.slot)
 	if err != nil {
 		return err
