@@ -638,6 +638,9 @@ func tableStats(ctx context.Context, st *store.Store, m *metrics.Metrics, every 
 		default:
 			failing = false
 			for state, n := range c.ByState {
+				if n < 0 {
+					continue // published on a large table not yet analyzed: no estimate
+				}
 				m.RowsByState.WithLabelValues(state).Set(float64(n))
 			}
 			m.OldestEligible.Set(c.OldestEligibleSeconds)

@@ -58,9 +58,12 @@ type planNode struct {
 }
 
 type explained struct {
-	Plan      planNode `json:"Plan"`
-	Planning  float64  `json:"Planning Time"`
-	Execution float64  `json:"Execution Time"`
+	Plan planNode `json:"Plan"`
+	JIT  *struct {
+		Functions int `json:"Functions"`
+	} `json:"JIT"`
+	Planning  float64 `json:"Planning Time"`
+	Execution float64 `json:"Execution Time"`
 }
 
 // walk calls f on n and every node below it.
@@ -236,7 +239,11 @@ func TestObserverStatementsAtScale(t *testing.T) {
 			if blocks > maxBlocks {
 				t.Errorf("%s: statement %d touched %d pages, more than %d (a twentieth of the table):\n%s", name, i, blocks, maxBlocks, s.sql)
 			}
-			t.Logf("%-28s stmt %d: %7.2f ms (planning %.2f ms), %5d pages, indexes %v", name, i, e[0].Execution, e[0].Planning, blocks, used)
+			jit := ""
+			if e[0].JIT != nil {
+				jit = fmt.Sprintf(", JIT (%d functions)", e[0].JIT.Functions)
+			}
+			t.Logf("%-28s stmt %d: %7.2f ms (planning %.2f ms), %5d pages, indexes %v%s", name, i, e[0].Execution, e[0].Planning, blocks, used, jit)
 		}
 	}
 

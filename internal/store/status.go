@@ -113,7 +113,7 @@ func (s *Store) Counts(ctx context.Context) (Counts, error) {
 	// not running.
 	var scheduledDue *float64
 	err = s.pool.QueryRow(ctx, `SELECT extract(epoch FROM clock_timestamp() - `+clamped("poll_at")+`)::float8 FROM `+tbl+`
-		WHERE poll_at IS NOT NULL AND poll_at <= (SELECT clock_timestamp()) AND state = 'scheduled'
+		WHERE poll_at IS NOT NULL AND poll_at <= clock_timestamp() AND state = 'scheduled'
 		ORDER BY poll_at LIMIT 1`).Scan(&scheduledDue)
 	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 		return c, fmt.Errorf("oldest due row in %s: %w", s.table.Qualified(), err)
