@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 
@@ -198,7 +199,18 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	}
 	fmt.Fprintf(stdout, "rows       ")
 	for _, s := range store.States {
-		fmt.Fprintf(stdout, "%s=%d ", s, rep.ByState[s])
+		// How exact each figure is: docs/operations.md, "How exact the
+		// counts are". ~ an estimate, + at least this many.
+		n, mark := strconv.FormatInt(rep.ByState[s], 10), ""
+		switch {
+		case s == store.StatePublished && rep.PublishedEstimated && rep.ByState[s] < 0:
+			n = "?"
+		case s == store.StatePublished && rep.PublishedEstimated:
+			mark = "~"
+		case s == store.StateReady && rep.ReadyAtLeast:
+			n += "+"
+		}
+		fmt.Fprintf(stdout, "%s=%s%s ", s, mark, n)
 	}
 	fmt.Fprintf(stdout, "\noldest eligible row: %.1fs\n", rep.OldestEligibleSeconds)
 	if rep.Slot.Exists {

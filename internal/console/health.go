@@ -24,6 +24,10 @@ import (
 type Count struct {
 	Name string `json:"name"`
 	N    int64  `json:"n"`
+	// Bound says how exact N is where it is not: "estimate" (published on
+	// a large table) or "at least" (ready beyond the rows looked at); see
+	// store.Counts.
+	Bound string `json:"bound,omitempty"`
 }
 
 // Sample is one point of the lag chart.
@@ -133,7 +137,14 @@ func (c *Console) readHealth(ctx context.Context) Health {
 	} else {
 		h.OldestEligibleSeconds = counts.OldestEligibleSeconds
 		for _, s := range store.States {
-			h.ByState = append(h.ByState, Count{s, counts.ByState[s]})
+			c := Count{Name: s, N: counts.ByState[s]}
+			switch {
+			case s == store.StatePublished && counts.PublishedEstimated:
+				c.Bound = "estimate"
+			case s == store.StateReady && counts.ReadyAtLeast:
+				c.Bound = "at least"
+			}
+			h.ByState = append(h.ByState, c)
 		}
 		h.FailedByReason = sortedCounts(counts.FailedByReason)
 	}
@@ -219,7 +230,7 @@ func chart(samples []Sample, w, h int) (string, int64) {
 func sortedCounts(m map[string]int64) []Count {
 	out := make([]Count, 0, len(m))
 	for k, v := range m {
-		out = append(out, Count{k, v})
+		out = append(out, Count{Name: k, N: v})
 	}
 	sort.Slice(out, func(i, j int) bool {
 		if out[i].N != out[j].N {
