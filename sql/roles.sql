@@ -26,7 +26,6 @@ GRANT SELECT, INSERT, UPDATE ON {{.Companion "slots"}} TO {{.Relay}};
 GRANT SELECT, INSERT ON {{.Companion "settings"}} TO {{.Relay}};
 -- The dead letters (migration 0011), kept by triggers; the relay reads them
 -- for order per aggregate (G12).
-GRANT SELECT ON {{.Companion "dead_letters"}} TO {{.Relay}};
 
 -- The producer: the application role that writes the outbox row in its own
 -- transaction. INSERT only on the columns a producer means to set; every
@@ -69,4 +68,3 @@ GRANT USAGE ON SCHEMA {{.Schema}} TO {{.Operator}};
 GRANT SELECT, UPDATE, DELETE ON {{.Table}} TO {{.Operator}};
 GRANT SELECT, INSERT ON {{.Companion "redrives"}} TO {{.Operator}};
 GRANT SELECT ON {{.Companion "slots"}} TO {{.Operator}};
-GRANT SELECT ON {{.Companion "dead_letters"}} TO {{.Operator}};

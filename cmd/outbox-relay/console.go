@@ -44,7 +44,7 @@ must not touch the running relay; its role shows "console only".
 	if err := console.CheckAddr(addr, o.Token); err != nil {
 		return err
 	}
-	st, closeDB, err := openStore(ctx, &c)
+	st, closeDB, err := openObserverStore(ctx, &c, "outbox-relay console")
 	if err != nil {
 		return err
 	}

@@ -138,13 +138,31 @@ func defaultBy() string {
 // openStore connects and checks the table, as every operator command does
 // first.
 func openStore(ctx context.Context, c *common) (*store.Store, func(), error) {
+	return openStoreOn(ctx, c, func(ctx context.Context) (*pgxpool.Pool, error) {
+		pool, err := pgxpool.New(ctx, c.databaseURL)
+		if err != nil {
+			return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
+		}
+		return pool, nil
+	})
+}
+
+// openObserverStore is openStore on a pool with the observer bounds
+// (app.OpenObserverPool), for the commands that only look.
+func openObserverStore(ctx context.Context, c *common, appName string) (*store.Store, func(), error) {
+	return openStoreOn(ctx, c, func(ctx context.Context) (*pgxpool.Pool, error) {
+		return app.OpenObserverPool(ctx, c.databaseURL, appName)
+	})
+}
+
+func openStoreOn(ctx context.Context, c *common, open func(context.Context) (*pgxpool.Pool, error)) (*store.Store, func(), error) {
 	t, err := store.ParseTable(c.table)
 	if err != nil {
 		return nil, nil, err
 	}
-	pool, err := pgxpool.New(ctx, c.databaseURL)
+	pool, err := open(ctx)
 	if err != nil {
-		return nil, nil, fmt.Errorf("connect to PostgreSQL: %w", err)
+		return nil, nil, err
 	}
 	st := store.New(pool, t, store.PolicyMark)
 	if err := st.Check(ctx); err != nil {

@@ -6,10 +6,10 @@ import (
 	"fmt"
 	"io"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
@@ -118,19 +118,14 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if err := app.ValidateStream(c.stream); err != nil {
 		return err
 	}
-	t, err := store.ParseTable(c.table)
+	// The observer pool: status is run by hand and by scripts against the
+	// server the relay uses, so it gets the console's bounds (G16).
+	st, closeDB, err := openObserverStore(ctx, &c, "outbox-relay status")
 	if err != nil {
 		return err
 	}
-	pool, err := pgxpool.New(ctx, c.databaseURL)
-	if err != nil {
-		return fmt.Errorf("connect to PostgreSQL: %w", err)
-	}
-	defer pool.Close()
-	st := store.New(pool, t, store.PolicyMark)
-	if err := st.Check(ctx); err != nil {
-		return err
-	}
+	defer closeDB()
+	pool, t := st.Pool(), st.Table()
 	ev, err := replay.Read(ctx, pool, st, c.slot)
 	if err != nil {
 		return err
@@ -204,7 +199,18 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	}
 	fmt.Fprintf(stdout, "rows       ")
 	for _, s := range store.States {
-		fmt.Fprintf(stdout, "%s=%d ", s, rep.ByState[s])
+		// How exact each figure is: docs/operations.md, "How exact the
+		// counts are". ~ an estimate, + at least this many.
+		n, mark := strconv.FormatInt(rep.ByState[s], 10), ""
+		switch {
+		case s == store.StatePublished && rep.PublishedEstimated && rep.ByState[s] < 0:
+			n = "?"
+		case s == store.StatePublished && rep.PublishedEstimated:
+			mark = "~"
+		case s == store.StateReady && rep.ReadyAtLeast:
+			n += "+"
+		}
+		fmt.Fprintf(stdout, "%s=%s%s ", s, mark, n)
 	}
 	fmt.Fprintf(stdout, "\noldest eligible row: %.1fs\n", rep.OldestEligibleSeconds)
 	if rep.Slot.Exists {

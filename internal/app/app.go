@@ -373,6 +373,14 @@ func poolConfig(o *Options) (*pgxpool.Config, error) {
 	return pcfg, nil
 }
 
+// OpenObserverPool opens a pool with the observer bounds for the commands
+// that only look (status, console): they run on a server the relay uses too,
+// and nothing they ask may run longer than ObserverStatementTimeout or on
+// more than ObserverMaxConns connections.
+func OpenObserverPool(ctx context.Context, databaseURL, appName string) (*pgxpool.Pool, error) {
+	return observerPool(ctx, &Options{DatabaseURL: databaseURL, AppName: appName})
+}
+
 // observerPool opens the console's and the table metrics' pool.
 func observerPool(ctx context.Context, o *Options) (*pgxpool.Pool, error) {
 	pcfg, err := poolConfig(o)
@@ -630,6 +638,9 @@ func tableStats(ctx context.Context, st *store.Store, m *metrics.Metrics, every 
 		default:
 			failing = false
 			for state, n := range c.ByState {
+				if n < 0 {
+					continue // published on a large table not yet analyzed: no estimate
+				}
 				m.RowsByState.WithLabelValues(state).Set(float64(n))
 			}
 			m.OldestEligible.Set(c.OldestEligibleSeconds)

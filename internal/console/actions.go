@@ -155,6 +155,10 @@ func (c *Console) request(r *http.Request, a actionForm, dry bool) (store.OpRequ
 }
 
 func (c *Console) run(r *http.Request, a actionForm, req store.OpRequest) (store.OpResult, error) {
+	if !req.DryRun {
+		// The operator's next look at the overview shows what they did.
+		defer c.forgetHealth()
+	}
 	if a.Action == store.ActionRedrive {
 		return c.src.Store.Redrive(r.Context(), req)
 	}

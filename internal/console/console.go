@@ -29,6 +29,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/internal/store"
@@ -227,6 +228,14 @@ type Console struct {
 
 	mu      sync.Mutex
 	samples []Sample
+
+	// The overview, read once per refresh interval whoever asks
+	// (cachedHealth): hmu guards it.
+	hmu      sync.Mutex
+	health   Health
+	healthAt time.Time     // when health was read; zero: never, or forgotten
+	reading  chan struct{} // closed when the read under way ends; nil when none is
+	reads    atomic.Int64  // reads of the overview from the database, for tests
 }
 
 // New builds the console. addr is where it will listen, checked by

@@ -13,6 +13,7 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -701,6 +702,60 @@ func TestOverview(t *testing.T) {
 	}
 	if len(h.Samples) == 0 || h.ChartPoints == "" {
 		t.Errorf("no lag sample: %+v", h.Samples)
+	}
+}
+
+// Every tab and browser polls the overview each refresh interval, and each
+// read runs the table's counts: requests within one interval share one read,
+// those that come while it runs wait for it, and an action makes the next
+// look read afresh (G16).
+func TestOverviewReadOncePerInterval(t *testing.T) {
+	f := setup(t, console.Options{Token: token, Refresh: time.Minute})
+	f.Insert(t, row{ID: "f1", State: "failed", LastError: "rejected: max_payload: big"})
+	b := f.client(t, bearer())
+	var wg sync.WaitGroup
+	for i := range 24 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			path := "/ui/api/health"
+			if i%2 == 0 {
+				path = "/ui/"
+			}
+			req, err := http.NewRequest(http.MethodGet, f.Server.URL+path, nil)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			req.Header.Set("Authorization", "Bearer "+token)
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			resp.Body.Close()
+			if resp.StatusCode != 200 {
+				t.Errorf("GET %s: %d", path, resp.StatusCode)
+			}
+		}()
+	}
+	wg.Wait()
+	if n := console.OverviewReads(f.Console); n != 1 {
+		t.Fatalf("24 overview requests within one interval read the overview %d times, want 1", n)
+	}
+	var h console.Health
+	if _, j := b.get("/ui/api/health"); json.Unmarshal([]byte(j), &h) != nil || h.ByState[4].N != 1 {
+		t.Fatalf("cached overview: %+v", h)
+	}
+	code, _ := b.post("/ui/apply", actionForm(b.csrf(), "cancel", "test", "f1"))
+	if code != http.StatusOK {
+		t.Fatalf("cancel: %d", code)
+	}
+	if _, j := b.get("/ui/api/health"); json.Unmarshal([]byte(j), &h) != nil || h.ByState[4].N != 0 || h.ByState[5].N != 1 {
+		t.Fatalf("overview after a cancel: %+v", h.ByState)
+	}
+	if n := console.OverviewReads(f.Console); n != 2 {
+		t.Fatalf("after an action the overview was read %d times in all, want 2", n)
 	}
 }
 

@@ -24,6 +24,10 @@ import (
 type Count struct {
 	Name string `json:"name"`
 	N    int64  `json:"n"`
+	// Bound says how exact N is where it is not: "estimate" (published on
+	// a large table) or "at least" (ready beyond the rows looked at); see
+	// store.Counts.
+	Bound string `json:"bound,omitempty"`
 }
 
 // Sample is one point of the lag chart.
@@ -59,10 +63,56 @@ type Health struct {
 	Problems              []string        `json:"problems"`
 }
 
+// cachedHealth is the overview as read at most one refresh interval ago.
+// Every open tab and browser polls it every interval, and each read runs
+// the table's counts: reading once per interval, and making requests that
+// arrive while a read is under way wait for it, keeps the console's load on
+// the database one overview per interval however many are watching (G16).
+func (c *Console) cachedHealth(ctx context.Context) Health {
+	c.hmu.Lock()
+	for {
+		if !c.healthAt.IsZero() && time.Since(c.healthAt) < c.o.Refresh {
+			h := c.health
+			c.hmu.Unlock()
+			return h
+		}
+		if c.reading == nil {
+			break
+		}
+		wait := c.reading
+		c.hmu.Unlock()
+		select {
+		case <-wait:
+		case <-ctx.Done():
+			return Health{Role: RoleConsoleOnly, Slot: c.src.Slot, ReadAt: time.Now().UTC(), Problems: []string{"read the overview: " + safeError(ctx.Err())}}
+		}
+		c.hmu.Lock()
+	}
+	done := make(chan struct{})
+	c.reading = done
+	c.hmu.Unlock()
+	// Not the asker's context: others wait for this read, and a tab closed
+	// mid-read must not fail it for them. readHealth bounds it.
+	h := c.readHealth(context.WithoutCancel(ctx))
+	c.hmu.Lock()
+	c.health, c.healthAt, c.reading = h, time.Now(), nil
+	c.hmu.Unlock()
+	close(done)
+	return h
+}
+
+// forgetHealth makes the next look at the overview read it afresh.
+func (c *Console) forgetHealth() {
+	c.hmu.Lock()
+	c.healthAt = time.Time{}
+	c.hmu.Unlock()
+}
+
 // readHealth gathers the overview. A part that cannot be read becomes a
 // problem line rather than a failed page: the console is most needed when
 // something is broken.
 func (c *Console) readHealth(ctx context.Context) Health {
+	c.reads.Add(1)
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	h := Health{Role: RoleConsoleOnly, Slot: c.src.Slot, ReadAt: time.Now().UTC()}
@@ -87,7 +137,14 @@ func (c *Console) readHealth(ctx context.Context) Health {
 	} else {
 		h.OldestEligibleSeconds = counts.OldestEligibleSeconds
 		for _, s := range store.States {
-			h.ByState = append(h.ByState, Count{s, counts.ByState[s]})
+			c := Count{Name: s, N: counts.ByState[s]}
+			switch {
+			case s == store.StatePublished && counts.PublishedEstimated:
+				c.Bound = "estimate"
+			case s == store.StateReady && counts.ReadyAtLeast:
+				c.Bound = "at least"
+			}
+			h.ByState = append(h.ByState, c)
 		}
 		h.FailedByReason = sortedCounts(counts.FailedByReason)
 	}
@@ -173,7 +230,7 @@ func chart(samples []Sample, w, h int) (string, int64) {
 func sortedCounts(m map[string]int64) []Count {
 	out := make([]Count, 0, len(m))
 	for k, v := range m {
-		out = append(out, Count{k, v})
+		out = append(out, Count{Name: k, N: v})
 	}
 	sort.Slice(out, func(i, j int) bool {
 		if out[i].N != out[j].N {
@@ -205,7 +262,7 @@ func safeError(err error) string {
 }
 
 func (c *Console) healthJSON(w http.ResponseWriter, r *http.Request) {
-	h := c.readHealth(r.Context())
+	h := c.cachedHealth(r.Context())
 	w.Header().Set("Content-Type", "application/json")
 	enc := json.NewEncoder(w)
 	// The default escapes <, > and & as \u003c...: JSON that holds a

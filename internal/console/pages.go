@@ -132,7 +132,7 @@ func (c *Console) fail(w http.ResponseWriter, r *http.Request, status int, msg s
 }
 
 func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
-	c.render(w, r, "overview", c.readHealth(r.Context()), http.StatusOK)
+	c.render(w, r, "overview", c.cachedHealth(r.Context()), http.StatusOK)
 }
 
 // parseAge reads an age: a Go duration or whole days ("7d").

@@ -94,11 +94,25 @@ func scanListed(row pgx.CollectableRow) (ListedRow, error) {
 	return r, err
 }
 
-// where builds the filter's WHERE clause from fixed fragments, adding every
-// value as a parameter.
-func (f ListFilter) where(p *args) (string, error) {
-	w := `true`
-	if f.State != "" {
+// where builds the filter's FROM and WHERE clauses from fixed fragments,
+// adding every value as a parameter. Each state is read through the index
+// that holds its rows, so a page costs its rows, not the table (G16).
+func (f ListFilter) where(p *args, tbl string) (from, w string, err error) {
+	from, w = tbl, `true`
+	switch f.State {
+	case "":
+	case StateScheduled, StateRunning:
+		// poll_idx holds exactly these rows.
+		w += ` AND poll_at IS NOT NULL AND state = ` + p.add(f.State) + `::text`
+	case StateFailed, StateCancelled, StateExpired:
+		// parked_idx, in the page's order.
+		w += ` AND parked = ` + p.add(f.State) + `::text AND state = parked`
+	case StateReady:
+		// No index finds ready rows (migration 0012): they are looked for
+		// among the newest RecentRows rows, where the CDC path leaves them.
+		from = `(SELECT * FROM ` + tbl + ` ORDER BY created_at DESC, work_id DESC LIMIT ` + p.add(int64(RecentRows)) + `::bigint) AS recent`
+		w += ` AND state = 'ready'`
+	default:
 		w += ` AND state = ` + p.add(f.State) + `::text`
 	}
 	if f.Kind != "" {
@@ -114,24 +128,26 @@ func (f ListFilter) where(p *args) (string, error) {
 			known = known || c == f.ErrorClass
 		}
 		if !known {
-			return "", fmt.Errorf("%w: error class %q: want one of %v or %s", ErrBadFilter, f.ErrorClass, ErrorClasses, ErrorClassNone)
+			return "", "", fmt.Errorf("%w: error class %q: want one of %v or %s", ErrBadFilter, f.ErrorClass, ErrorClasses, ErrorClassNone)
 		}
 		// starts_with, not LIKE: no value is ever read as a pattern.
 		w += ` AND starts_with(last_error, ` + p.add(f.ErrorClass+":") + `::text)`
 	}
 	if f.MinAge < 0 || f.MaxAge < 0 {
-		return "", fmt.Errorf("%w: negative age", ErrBadFilter)
+		return "", "", fmt.Errorf("%w: negative age", ErrBadFilter)
 	}
 	if f.MinAge > 0 {
-		w += ` AND created_at <= clock_timestamp() - ` + p.add(micros(f.MinAge)) + `::bigint * interval '1 microsecond'`
+		// A sub-select, run once: clock_timestamp() itself is volatile, and
+		// a volatile bound cannot start or stop an index scan.
+		w += ` AND created_at <= (SELECT clock_timestamp() - ` + p.add(micros(f.MinAge)) + `::bigint * interval '1 microsecond')`
 	}
 	if f.MaxAge > 0 {
-		w += ` AND created_at >= clock_timestamp() - ` + p.add(micros(f.MaxAge)) + `::bigint * interval '1 microsecond'`
+		w += ` AND created_at >= (SELECT clock_timestamp() - ` + p.add(micros(f.MaxAge)) + `::bigint * interval '1 microsecond')`
 	}
 	if f.After != nil {
 		w += ` AND (created_at, work_id) > (` + p.add(f.After.CreatedAt) + `::timestamptz, ` + p.add(f.After.WorkID) + `::text)`
 	}
-	return w, nil
+	return from, w, nil
 }
 
 // ListRows returns up to f.Limit rows matching f in (created_at, work_id)
@@ -141,7 +157,7 @@ func (s *Store) ListRows(ctx context.Context, f ListFilter) ([]ListedRow, error)
 		return nil, fmt.Errorf("%w: a limit is required", ErrBadFilter)
 	}
 	var p args
-	w, err := f.where(&p)
+	from, w, err := f.where(&p, s.table.String())
 	if err != nil {
 		return nil, err
 	}
@@ -150,7 +166,7 @@ func (s *Store) ListRows(ctx context.Context, f ListFilter) ([]ListedRow, error)
 		payload = `left(payload::text, ` + p.add(int64(f.PayloadChars)) + `::int)`
 	}
 	q := `SELECT ` + listColumns + `, ` + payload + `, length(payload::text), coalesce(headers::text, '')
-		FROM ` + s.table.String() + ` WHERE ` + w + `
+		FROM ` + from + ` WHERE ` + w + `
 		ORDER BY created_at, work_id LIMIT ` + p.add(int64(f.Limit)) + `::bigint`
 	rows, err := s.pool.Query(ctx, q, p...)
 	if err != nil {
@@ -172,11 +188,11 @@ func (s *Store) ListWorkIDs(ctx context.Context, f ListFilter, limit int) (ids [
 		return nil, false, fmt.Errorf("%w: a limit is required", ErrBadFilter)
 	}
 	var p args
-	w, err := f.where(&p)
+	from, w, err := f.where(&p, s.table.String())
 	if err != nil {
 		return nil, false, err
 	}
-	rows, err := s.pool.Query(ctx, `SELECT work_id FROM `+s.table.String()+` WHERE `+w+`
+	rows, err := s.pool.Query(ctx, `SELECT work_id FROM `+from+` WHERE `+w+`
 		ORDER BY created_at, work_id LIMIT `+p.add(int64(limit)+1)+`::bigint`, p...)
 	if err != nil {
 		return nil, false, fmt.Errorf("select work IDs of %s: %w", s.table.Qualified(), err)
@@ -213,11 +229,12 @@ func (s *Store) Row(ctx context.Context, workID string) (ListedRow, bool, error)
 // all of them. The table records no time of failure: a failed row's
 // available_at (when its last attempt became due; the attempt, and so the
 // failure, came at or after it) stands in, which can only leave out a row
-// whose last attempt waited longer than window for a worker.
+// whose last attempt waited longer than window for a worker. It reads the
+// dead letters only (parked_idx).
 func (s *Store) RecentFailures(ctx context.Context, window time.Duration) (map[string]int64, error) {
 	rows, err := s.pool.Query(ctx, `SELECT coalesce(substring(last_error FROM '^([a-z]+: [a-z_]+)'), 'unknown'), count(*)
 		FROM `+s.table.String()+`
-		WHERE state = 'failed' AND available_at >= clock_timestamp() - $1::bigint * interval '1 microsecond'
+		WHERE parked = 'failed' AND available_at >= clock_timestamp() - $1::bigint * interval '1 microsecond'
 		GROUP BY 1`, micros(window))
 	if err != nil {
 		return nil, fmt.Errorf("recent failures in %s: %w", s.table.Qualified(), err)

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/outbox-relay/outbox-relay/internal/wire"
 )
@@ -592,48 +593,131 @@ func (s *Store) Prune(ctx context.Context, r PruneRequest) (PruneResult, error) 
 		Scan(&res.Cutoff); err != nil {
 		return res, fmt.Errorf("prune %s: read the database clock: %w", s.table.Qualified(), err)
 	}
-	tbl := s.table.String()
-	old := `(state = 'published' AND published_at < $1) OR ($2 AND state = 'cancelled' AND coalesce(redriven_at, created_at) < $1)
-		OR ($2 AND state = 'expired' AND expires_at < $1)`
 	if r.DryRun {
-		err := s.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE state = 'published'), count(*) FILTER (WHERE state = 'cancelled'),
-				count(*) FILTER (WHERE state = 'expired')
-			FROM `+tbl+` WHERE `+old, res.Cutoff, r.IncludeCancelled).Scan(&res.Published, &res.Cancelled, &res.Expired)
-		if err != nil {
-			return res, fmt.Errorf("prune %s: count rows older than %s: %w", s.table.Qualified(), res.Cutoff.Format(time.RFC3339), err)
-		}
-		return res, nil
+		return s.pruneCount(ctx, r, res)
 	}
-	// The batch is a MATERIALIZED CTE so that its LIMIT ... FOR UPDATE runs
-	// exactly once; a sub-select could be rescanned by the join and lock
-	// more than one batch.
-	q := `WITH b AS MATERIALIZED (
-			SELECT work_id FROM ` + tbl + ` WHERE ` + old + `
-			LIMIT $3 FOR UPDATE SKIP LOCKED),
-		d AS (
-			DELETE FROM ` + tbl + ` AS t USING b
-			WHERE t.work_id = b.work_id AND (t.state = 'published' OR ($2 AND t.state IN ('cancelled', 'expired')))
-			RETURNING t.state)
-		SELECT count(*) FILTER (WHERE state = 'published'), count(*) FILTER (WHERE state = 'cancelled'),
-			count(*) FILTER (WHERE state = 'expired') FROM d`
+	// Published rows in (created_at, work_id) order through created_idx,
+	// one batch of that order after another: each statement reads the next
+	// Batch index entries and deletes those of them that are old enough, so
+	// the rows it skips (not published, or published later) are read once
+	// per prune, never the table per batch (G16). A published row's
+	// created_at is before its published_at, so created_at < cutoff bounds
+	// the walk; a row a producer inserted with a created_at later than its
+	// publication is left for a later prune.
+	var after *cursor
 	for {
 		if err := ctx.Err(); err != nil {
 			return res, fmt.Errorf("prune %s: stopped after %d rows: %w", s.table.Qualified(), res.Published+res.Cancelled+res.Expired, err)
 		}
-		var pub, canc, exp int64
-		if err := s.pool.QueryRow(ctx, q, res.Cutoff, r.IncludeCancelled, int64(r.Batch)).Scan(&pub, &canc, &exp); err != nil {
-			return res, fmt.Errorf("prune %d rows from %s (after %d): %w", r.Batch, s.table.Qualified(), res.Published+res.Cancelled, err)
+		pub, next, err := s.pruneBatch(ctx, res.Cutoff, r.Batch, after)
+		if err != nil {
+			return res, fmt.Errorf("prune %d rows from %s (after %d): %w", r.Batch, s.table.Qualified(), res.Published+res.Cancelled+res.Expired, err)
 		}
 		res.Batches++
 		res.Published += pub
+		if next == nil {
+			break
+		}
+		after = next
+	}
+	if !r.IncludeCancelled {
+		return res, nil
+	}
+	// Cancelled and expired rows through parked_idx: only those rows.
+	q := `WITH b AS MATERIALIZED (
+			SELECT work_id FROM ` + s.table.String() + ` WHERE parked IN ('cancelled', 'expired') AND ` + prunableParked + `
+			LIMIT $2 FOR UPDATE SKIP LOCKED),
+		d AS (
+			DELETE FROM ` + s.table.String() + ` AS t USING b
+			WHERE t.work_id = b.work_id AND t.state IN ('cancelled', 'expired')
+			RETURNING t.state)
+		SELECT count(*) FILTER (WHERE state = 'cancelled'), count(*) FILTER (WHERE state = 'expired') FROM d`
+	for {
+		if err := ctx.Err(); err != nil {
+			return res, fmt.Errorf("prune %s: stopped after %d rows: %w", s.table.Qualified(), res.Published+res.Cancelled+res.Expired, err)
+		}
+		var canc, exp int64
+		if err := s.pool.QueryRow(ctx, q, res.Cutoff, int64(r.Batch)).Scan(&canc, &exp); err != nil {
+			return res, fmt.Errorf("prune %d cancelled and expired rows from %s (after %d): %w", r.Batch, s.table.Qualified(), res.Cancelled+res.Expired, err)
+		}
+		res.Batches++
 		res.Cancelled += canc
 		res.Expired += exp
 		// Fewer than a batch: nothing older is left but rows other sessions
 		// hold locked right now; the next prune gets them.
-		if pub+canc+exp < int64(r.Batch) {
+		if canc+exp < int64(r.Batch) {
 			return res, nil
 		}
 	}
+}
+
+// prunableParked selects, among parked rows, the cancelled ones cancelled
+// before the cutoff $1 (redriven_at, or created_at for a row inserted
+// cancelled) and the expired ones whose deadline is before it.
+const prunableParked = `((state = 'cancelled' AND coalesce(redriven_at, created_at) < $1) OR (state = 'expired' AND expires_at < $1))`
+
+// cursor is a position in (created_at, work_id) order. pgtype keeps the
+// infinities an old row may hold (migration 0008).
+type cursor struct {
+	createdAt pgtype.Timestamptz
+	workID    string
+}
+
+// pruneBatch deletes the published rows older than cutoff among the next
+// batch rows after after (from the start when nil) in (created_at, work_id)
+// order, and returns where the next batch starts: nil when this one read
+// the last row created before the cutoff.
+func (s *Store) pruneBatch(ctx context.Context, cutoff time.Time, batch int, after *cursor) (int64, *cursor, error) {
+	tbl := s.table.String()
+	args := []any{cutoff, int64(batch)}
+	from := ``
+	if after != nil {
+		from = ` AND (created_at, work_id) > ($3::timestamptz, $4::text)`
+		args = append(args, after.createdAt, after.workID)
+	}
+	// The scan is a MATERIALIZED CTE so that its LIMIT runs exactly once,
+	// and the lock is taken on the joined row, so that FOR UPDATE SKIP
+	// LOCKED locks only rows that are deleted.
+	q := `WITH scan AS MATERIALIZED (
+			SELECT work_id, created_at FROM ` + tbl + ` WHERE created_at < $1` + from + `
+			ORDER BY created_at, work_id LIMIT $2),
+		b AS MATERIALIZED (
+			SELECT t.work_id FROM ` + tbl + ` AS t JOIN scan USING (work_id)
+			WHERE t.state = 'published' AND t.published_at < $1
+			FOR UPDATE OF t SKIP LOCKED),
+		d AS (
+			DELETE FROM ` + tbl + ` AS t USING b
+			WHERE t.work_id = b.work_id AND t.state = 'published'
+			RETURNING 1),
+		last AS (SELECT created_at, work_id FROM scan ORDER BY created_at DESC, work_id DESC LIMIT 1)
+		SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM scan), (SELECT created_at FROM last), (SELECT work_id FROM last)`
+	var deleted, scanned int64
+	var next cursor
+	var lastID *string
+	if err := s.pool.QueryRow(ctx, q, args...).Scan(&deleted, &scanned, &next.createdAt, &lastID); err != nil {
+		return 0, nil, err
+	}
+	if scanned < int64(batch) || lastID == nil {
+		return deleted, nil, nil
+	}
+	next.workID = *lastID
+	return deleted, &next, nil
+}
+
+// pruneCount counts what a prune would delete: published rows through
+// created_idx, as the prune walks them, and parked rows through parked_idx.
+func (s *Store) pruneCount(ctx context.Context, r PruneRequest, res PruneResult) (PruneResult, error) {
+	tbl := s.table.String()
+	err := s.pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl+` WHERE created_at < $1 AND state = 'published' AND published_at < $1`,
+		res.Cutoff).Scan(&res.Published)
+	if err == nil && r.IncludeCancelled {
+		err = s.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE state = 'cancelled'), count(*) FILTER (WHERE state = 'expired')
+			FROM `+tbl+` WHERE parked IN ('cancelled', 'expired') AND `+prunableParked, res.Cutoff).Scan(&res.Cancelled, &res.Expired)
+	}
+	if err != nil {
+		return res, fmt.Errorf("prune %s: count rows older than %s: %w", s.table.Qualified(), res.Cutoff.Format(time.RFC3339), err)
+	}
+	return res, nil
 }
 
 // History is one row of the redrive history table.
@@ -682,11 +766,13 @@ func (s *Store) history(ctx context.Context, tail string, args ...any) ([]Histor
 // committed before the slot existed (the backfill's to hand over), such a
 // row's transaction is not settled, so the slot's confirmed position is at
 // or before it: a relay that restarts now replays at least that far back.
+// It looks at the newest RecentRows rows only (see Counts.ReadyAtLeast): a
+// lower bound when the ready rows reach further back, which the callers use
+// as one (replay.Estimate takes the largest of its lower bounds).
 func (s *Store) OldestReadySeconds(ctx context.Context) (float64, error) {
 	var age float64
-	err := s.pool.QueryRow(ctx, `SELECT coalesce(extract(epoch FROM clock_timestamp() -
-			min(least(greatest(created_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59+00'))), 0)::float8
-		FROM `+s.table.String()+` WHERE state = 'ready'`).Scan(&age)
+	err := s.pool.QueryRow(ctx, `SELECT coalesce(extract(epoch FROM clock_timestamp() - min(`+clamped("created_at")+`)), 0)::float8
+		FROM (`+s.recentSQL("state, created_at")+`) r WHERE state = 'ready'`, int64(RecentRows)).Scan(&age)
 	if err != nil {
 		return 0, fmt.Errorf("oldest ready row in %s: %w", s.table.Qualified(), err)
 	}

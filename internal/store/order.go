@@ -39,15 +39,11 @@ type Blocked struct {
 	Waiting   int64        `json:"waiting"` // rows of the aggregate behind it
 }
 
-// DeadLettersTable is the quoted name of <table>_dead_letters: the outbox
-// rows in state 'failed', kept by triggers (migration 0011).
-func (s *Store) DeadLettersTable() string { return s.table.derived("dead_letters", true) }
-
 // The held set (G12) is read without reading the table (G16). A row with the
 // poller ('scheduled', 'running') is exactly a row with poll_at set, and
-// aggregate_held_idx holds those of aggregates; a dead letter is listed in
-// <table>_dead_letters and confirmed by its row's state (an entry the row
-// no longer confirms is ignored). Neither index reads a column the CDC
+// aggregate_held_idx holds those of aggregates; a dead letter is a row whose
+// parked column (kept by triggers, migration 0012) is 'failed', and
+// dead_letter_idx holds those of aggregates (its state is checked too). Neither index reads a column the CDC
 // path's mark changes, so marks stay HOT updates (TestCDCMarksStayHOT).
 
 // heldRowsSQL selects (aggregate_type, aggregate_id, aggregate_seq,
@@ -58,9 +54,8 @@ func (s *Store) heldRowsSQL() string {
 	return `SELECT p.aggregate_type, p.aggregate_id, p.aggregate_seq, p.work_id FROM ` + tbl + ` AS p
 		WHERE p.poll_at IS NOT NULL AND p.aggregate_type IS NOT NULL
 		UNION ALL
-		SELECT f.aggregate_type, f.aggregate_id, f.aggregate_seq, f.work_id
-		FROM ` + s.DeadLettersTable() + ` AS d JOIN ` + tbl + ` AS f ON f.work_id = d.work_id
-		WHERE d.aggregate_type IS NOT NULL AND f.state = '` + StateFailed + `' AND f.aggregate_type IS NOT NULL`
+		SELECT f.aggregate_type, f.aggregate_id, f.aggregate_seq, f.work_id FROM ` + tbl + ` AS f
+		WHERE f.parked = '` + StateFailed + `' AND f.aggregate_type IS NOT NULL AND f.state = '` + StateFailed + `'`
 }
 
 // heldAggregatesSQL is HeldAggregates' statement: each held aggregate's
@@ -97,8 +92,8 @@ func (s *Store) HeldAggregates(ctx context.Context) (map[AggregateKey]string, er
 func (s *Store) withPollerSQL() string {
 	return `SELECT EXISTS (SELECT 1 FROM ` + s.table.String() + ` AS p
 			WHERE p.aggregate_type = $1 AND p.aggregate_id = $2 AND p.poll_at IS NOT NULL AND p.aggregate_type IS NOT NULL)
-		OR EXISTS (SELECT 1 FROM ` + s.DeadLettersTable() + ` AS d JOIN ` + s.table.String() + ` AS f ON f.work_id = d.work_id
-			WHERE d.aggregate_type = $1 AND d.aggregate_id = $2 AND f.state = '` + StateFailed + `')`
+		OR EXISTS (SELECT 1 FROM ` + s.table.String() + ` AS f
+			WHERE f.aggregate_type = $1 AND f.aggregate_id = $2 AND f.parked = '` + StateFailed + `' AND f.state = '` + StateFailed + `')`
 }
 
 // WithPoller reports whether any row of agg is with the poller or

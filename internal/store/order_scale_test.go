@@ -16,8 +16,8 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
 
-// scaleRows is the size of the table the order statements run on (G16).
-const scaleRows = 1_000_000
+// orderScaleRows is the size of the table the order statements run on (G16).
+const orderScaleRows = 1_000_000
 
 // Rows with the poller that are not due yet (delayed delivery), half of
 // them with a deadline: the claim and the deadline sweep used to read them
@@ -89,7 +89,7 @@ func TestOrderStatementsAtScale(t *testing.T) {
 	exec(`ALTER TABLE outbox SET (autovacuum_enabled = false)`)
 	exec(`ALTER TABLE outbox SET UNLOGGED`)
 	const published = `'published', clock_timestamp() - interval '1 day', clock_timestamp() - interval '1 day', g`
-	unordered := scaleRows - 150_000 - longHistory - delayed
+	unordered := orderScaleRows - 150_000 - longHistory - delayed
 	exec(`INSERT INTO outbox (work_id, kind, payload, state, created_at, published_at, stream_seq)
 		SELECT 'u' || g, 'k', '{"n": 1}', `+published+` FROM generate_series(1, $1::int) g`, unordered)
 	exec(`INSERT INTO outbox (work_id, kind, payload, state, available_at, expires_at)
@@ -119,8 +119,8 @@ func TestOrderStatementsAtScale(t *testing.T) {
 	if err := pool.QueryRow(ctx, `SELECT count(*), pg_relation_size('outbox') / 8192 FROM outbox`).Scan(&n, &pages); err != nil {
 		t.Fatal(err)
 	}
-	if n < scaleRows {
-		t.Fatalf("table has %d rows, want %d", n, scaleRows)
+	if n < orderScaleRows {
+		t.Fatalf("table has %d rows, want %d", n, orderScaleRows)
 	}
 	t.Logf("loaded %d rows (%d heap pages) in %s", n, pages, time.Since(start).Round(time.Millisecond))
 
@@ -214,27 +214,27 @@ func seqScans(ctx context.Context, t *testing.T, pool *pgxpool.Pool) int64 {
 
 // analyzed is one statement's EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON).
 type analyzed struct {
-	root           planNode
+	root           orderPlanNode
 	execMs, planMs float64
 	buffers        int64 // shared buffers hit or read by the whole statement
 	text           string
 }
 
-type planNode struct {
+type orderPlanNode struct {
 	NodeType string     `json:"Node Type"`
 	Relation string     `json:"Relation Name"`
 	Alias    string     `json:"Alias"`
 	Index    string     `json:"Index Name"`
 	Hit      int64      `json:"Shared Hit Blocks"`
 	Read     int64      `json:"Shared Read Blocks"`
-	Plans    []planNode `json:"Plans"`
+	Plans    []orderPlanNode `json:"Plans"`
 }
 
 // seqScans lists the nodes that read relation sequentially.
 func (a analyzed) seqScans(relation string) []string {
 	var out []string
-	var walk func(n planNode)
-	walk = func(n planNode) {
+	var walk func(n orderPlanNode)
+	walk = func(n orderPlanNode) {
 		if n.NodeType == "Seq Scan" && n.Relation == relation {
 			out = append(out, "Seq Scan on "+n.Relation+" "+n.Alias)
 		}
@@ -259,7 +259,7 @@ func explainAnalyze(ctx context.Context, t *testing.T, pool *pgxpool.Pool, sql s
 		}
 	})
 	var out []struct {
-		Plan     planNode `json:"Plan"`
+		Plan     orderPlanNode `json:"Plan"`
 		Exec     float64  `json:"Execution Time"`
 		Planning float64  `json:"Planning Time"`
 	}

@@ -351,7 +351,7 @@ func (s *Store) claimUpdateSQL() string {
 //     in three index probes of the candidate's own aggregate: the row right
 //     below it (aggregate_idx, one entry) is not blocking, no row below it
 //     is with the poller (aggregate_held_idx, the aggregate's held rows
-//     only) and none is a dead letter (<table>_dead_letters). A 'ready' row
+//     only) and none is a dead letter (dead_letter_idx, on the parked column). A 'ready' row
 //     further down, under published ones, is not seen: the CDC path
 //     publishes an aggregate in order, so only explicit sequences
 //     committed out of order leave one there.
@@ -387,8 +387,9 @@ func (s *Store) orderedClaimSQL() string {
 			AND NOT EXISTS (SELECT 1 FROM ` + tbl + ` AS b
 				WHERE ` + same("b", "q") + ` AND b.aggregate_seq < q.aggregate_seq
 				  AND b.poll_at IS NOT NULL AND b.aggregate_type IS NOT NULL)
-			AND NOT EXISTS (SELECT 1 FROM ` + s.DeadLettersTable() + ` AS d JOIN ` + tbl + ` AS f ON f.work_id = d.work_id
-				WHERE ` + same("d", "q") + ` AND d.aggregate_seq < q.aggregate_seq AND f.state = '` + StateFailed + `'))), false)
+			AND NOT EXISTS (SELECT 1 FROM ` + tbl + ` AS d
+				WHERE ` + same("d", "q") + ` AND d.aggregate_seq < q.aggregate_seq
+				  AND d.parked = '` + StateFailed + `' AND d.state = '` + StateFailed + `'))), false)
 		ORDER BY poll_at
 		LIMIT $1
 		FOR UPDATE SKIP LOCKED),

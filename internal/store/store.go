@@ -116,14 +116,6 @@ func (s *Store) Check(ctx context.Context) error {
 		return fmt.Errorf("%w: %s (the relay's record of its slots, added in migration 0003): run `outbox-relay migrate` with the same --database-url and --table",
 			ErrTableMissing, s.SlotsTable())
 	}
-	var deadLetters bool
-	if err := s.pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, s.DeadLettersTable()).Scan(&deadLetters); err != nil {
-		return fmt.Errorf("check dead letters table of %s: %w", s.table.Qualified(), err)
-	}
-	if !deadLetters {
-		return fmt.Errorf("%w: %s (the list of dead letters that order per aggregate reads, added in migration 0011): run `outbox-relay migrate` with the same --database-url and --table",
-			ErrTableMissing, s.DeadLettersTable())
-	}
 	var canUpdate, canDelete bool
 	var role string
 	err = s.pool.QueryRow(ctx,

@@ -22,10 +22,11 @@ const Token = "s3cret-console-token"
 
 // Fixture is a console served on a fresh outbox database.
 type Fixture struct {
-	Pool   *pgxpool.Pool
-	Store  *store.Store
-	Table  store.Table
-	Server *httptest.Server
+	Console *console.Console
+	Pool    *pgxpool.Pool
+	Store   *store.Store
+	Table   store.Table
+	Server  *httptest.Server
 }
 
 // Setup migrates a fresh database and serves a console with o on it.
@@ -47,7 +48,7 @@ func Setup(t *testing.T, o console.Options) *Fixture {
 	}
 	srv := httptest.NewServer(c)
 	t.Cleanup(srv.Close)
-	return &Fixture{Pool: pool, Store: st, Table: tbl, Server: srv}
+	return &Fixture{Console: c, Pool: pool, Store: st, Table: tbl, Server: srv}
 }
 
 // Row is a row to insert, in any state, with the evidence a console shows.

@@ -1,0 +1,383 @@
+package store_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
+)
+
+// scaleRows is the size of the table TestObserverStatementsAtScale loads.
+const scaleRows = 1_000_000
+
+// recorder keeps the statements a pool runs, with their arguments.
+type recorder struct {
+	mu    sync.Mutex
+	stmts []recorded
+}
+
+type recorded struct {
+	sql  string
+	args []any
+}
+
+func (r *recorder) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	r.mu.Lock()
+	r.stmts = append(r.stmts, recorded{d.SQL, d.Args})
+	r.mu.Unlock()
+	return ctx
+}
+
+func (r *recorder) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+func (r *recorder) take() []recorded {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := r.stmts
+	r.stmts = nil
+	return out
+}
+
+// planNode is a node of EXPLAIN (FORMAT JSON).
+type planNode struct {
+	NodeType  string     `json:"Node Type"`
+	Relation  string     `json:"Relation Name"`
+	Index     string     `json:"Index Name"`
+	HitBlocks int64      `json:"Shared Hit Blocks"`
+	ReadBlock int64      `json:"Shared Read Blocks"`
+	Plans     []planNode `json:"Plans"`
+}
+
+type explained struct {
+	Plan planNode `json:"Plan"`
+	JIT  *struct {
+		Functions int `json:"Functions"`
+	} `json:"JIT"`
+	Planning  float64 `json:"Planning Time"`
+	Execution float64 `json:"Execution Time"`
+}
+
+// walk calls f on n and every node below it.
+func (n planNode) walk(f func(planNode)) {
+	f(n)
+	for _, c := range n.Plans {
+		c.walk(f)
+	}
+}
+
+// G16: every statement the table metrics, the console, status and prune run
+// on a table of a million rows (mostly published, a fifth of them in
+// aggregates, a few hundred ready, scheduled, running, failed, cancelled and
+// expired, one dead letter holding an aggregate) reads it through an index:
+// the outbox table's seq_scan does not move while the statement runs, no
+// plan (EXPLAIN ANALYZE of the very statement with its arguments) has a Seq
+// Scan of it, and none reads more than a small part of the table's pages.
+// The latencies it logs are in docs/benchmarks.md.
+func TestObserverStatementsAtScale(t *testing.T) {
+	if testing.Short() {
+		t.Skip("loads a million rows")
+	}
+	ctx := context.Background()
+	url := testenv.Shared(t).PG.CreateOutboxDatabase(t)
+	tbl := testenv.OutboxTable
+
+	// The store's statements run on one connection, so that the statistics
+	// it reports are flushed by one pg_stat_force_next_flush() on it.
+	rec := &recorder{}
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 1
+	cfg.ConnConfig.Tracer = rec
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	st := store.New(pool, tbl, store.PolicyMark)
+	ex := connect(t, url)
+
+	start := time.Now()
+	// The migrations' indexes (other than the primary key) are built after
+	// the load, from their own definitions: faster than a million inserts
+	// into each.
+	rows, err := ex.Query(ctx, `SELECT indexrelid::regclass::text, pg_get_indexdef(indexrelid) FROM pg_index
+		WHERE indrelid = 'outbox'::regclass AND NOT indisprimary`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var drop, build []string
+	var name, def string
+	if _, err := pgx.ForEachRow(rows, []any{&name, &def}, func() error {
+		drop, build = append(drop, `DROP INDEX `+name), append(build, def)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if len(build) < 4 {
+		t.Fatalf("indexes of the outbox table: %v", build)
+	}
+	load := append(drop, []string{
+		// created 30 days ago, one row a millisecond, each published a
+		// second after it was created; every fifth row is in one of 1,000
+		// aggregates.
+		`INSERT INTO outbox (work_id, kind, payload, state, created_at, available_at, published_at, stream_seq, stream_name,
+			aggregate_type, aggregate_id, aggregate_seq)
+		SELECT 'w-' || g, 'k' || (g % 7), '{"n":1}', 'published', b.t + g * interval '1 ms', b.t + g * interval '1 ms',
+			b.t + g * interval '1 ms' + interval '1 s', g, 'OUTBOX',
+			CASE WHEN g % 5 = 0 THEN 'order' END, CASE WHEN g % 5 = 0 THEN ((g / 5) % 1000)::text END, CASE WHEN g % 5 = 0 THEN (g / 5) / 1000 + 1 END
+		FROM generate_series(1, ` + fmt.Sprint(scaleRows) + `) g, (SELECT clock_timestamp() - interval '30 days' AS t) b`,
+		`INSERT INTO outbox (work_id, kind, payload, state) SELECT 'ready-' || g, 'k1', '{}', 'ready' FROM generate_series(1, 200) g`,
+		`INSERT INTO outbox (work_id, kind, payload, state, created_at, available_at)
+		SELECT 'sched-' || g, 'k2', '{}', 'scheduled', clock_timestamp() - interval '2 days', clock_timestamp() - g * interval '1 s'
+		FROM generate_series(1, 100) g`,
+		`INSERT INTO outbox (work_id, kind, payload, state, claimed_by, lease_until)
+		SELECT 'run-' || g, 'k2', '{}', 'running', 'worker', clock_timestamp() + interval '1 minute' FROM generate_series(1, 20) g`,
+		`INSERT INTO outbox (work_id, kind, payload, state, last_error, attempts, created_at, available_at)
+		SELECT 'failed-' || g, 'k3', '{}', 'failed', 'rejected: max_payload: too big', 5,
+			clock_timestamp() - g * interval '1 hour', clock_timestamp() - g * interval '1 minute'
+		FROM generate_series(1, 50) g`,
+		`INSERT INTO outbox (work_id, kind, payload, state, created_at, redriven_at, redriven_by, redrive_reason)
+		SELECT 'canc-' || g, 'k4', '{}', 'cancelled', clock_timestamp() - interval '40 days', clock_timestamp() - interval '40 days', 'op', 'test'
+		FROM generate_series(1, 30) g`,
+		`INSERT INTO outbox (work_id, kind, payload, state, created_at, expires_at, last_error)
+		SELECT 'exp-' || g, 'k4', '{}', 'expired', clock_timestamp() - interval '40 days', clock_timestamp() - interval '39 days', 'expired: deadline passed; never attempted'
+		FROM generate_series(1, 30) g`,
+		// One dead letter holding its aggregate: 5 rows wait behind it.
+		`INSERT INTO outbox (work_id, kind, payload, state, last_error, aggregate_type, aggregate_id, aggregate_seq)
+		VALUES ('held-1', 'k5', '{}', 'failed', 'rejected: max_payload: too big', 'order', 'held', 1)`,
+		`INSERT INTO outbox (work_id, kind, payload, state, last_error, aggregate_type, aggregate_id, aggregate_seq)
+		SELECT 'held-' || g, 'k5', '{}', 'scheduled', 'held: waiting for held-1', 'order', 'held', g FROM generate_series(2, 6) g`,
+		`SET maintenance_work_mem = '128MB'`,
+	}...)
+	load = append(load, build...)
+	load = append(load, `VACUUM (ANALYZE) outbox`)
+	for _, q := range load {
+		if _, err := ex.Exec(ctx, q); err != nil {
+			t.Fatalf("load: %v\n%s", err, q)
+		}
+	}
+	var pages int64
+	if err := ex.QueryRow(ctx, `SELECT pg_relation_size('outbox') / current_setting('block_size')::bigint`).Scan(&pages); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("loaded %d rows (%d pages) in %s", scaleRows+436, pages, time.Since(start).Round(time.Millisecond))
+
+	seqScans := func() int64 {
+		t.Helper()
+		// Flush what the store's connection and this one counted.
+		if _, err := pool.Exec(ctx, `SELECT pg_stat_force_next_flush()`); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ex.Exec(ctx, `SELECT pg_stat_force_next_flush()`); err != nil {
+			t.Fatal(err)
+		}
+		var n int64
+		if err := ex.QueryRow(ctx, `SELECT seq_scan FROM pg_stat_user_tables WHERE relid = 'outbox'::regclass`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	// maxBlocks bounds the pages one statement may touch (buffer accesses,
+	// EXPLAIN's BUFFERS): a small part of the table, or for a statement
+	// that deletes a batch, a few per row of it.
+	maxBlocks := pages / 20
+
+	// check runs one store call and holds every statement it ran to G16.
+	check := func(t *testing.T, name string, call func() error) {
+		t.Helper()
+		rec.take()
+		before := seqScans()
+		rec.take()
+		if err := call(); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		stmts := rec.take()
+		if after := seqScans(); after != before {
+			t.Errorf("%s: the outbox table was scanned sequentially %d times", name, after-before)
+		}
+		rec.take()
+		for i, s := range stmts {
+			if !strings.Contains(s.sql, tbl.String()) {
+				continue // the clock, the catalog
+			}
+			tx, err := ex.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var js string
+			err = tx.QueryRow(ctx, `EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) `+s.sql, s.args...).Scan(&js)
+			tx.Rollback(ctx) //nolint:errcheck // the plan only: a prune's DELETE must not happen twice
+			if err != nil {
+				t.Fatalf("%s: explain statement %d: %v\n%s", name, i, err, s.sql)
+			}
+			var e []explained
+			if err := json.Unmarshal([]byte(js), &e); err != nil || len(e) != 1 {
+				t.Fatalf("%s: plan: %v %s", name, err, js)
+			}
+			var used []string
+			var blocks int64
+			e[0].Plan.walk(func(n planNode) {
+				if n.Relation == "outbox" && n.NodeType == "Seq Scan" {
+					t.Errorf("%s: statement %d scans the outbox table sequentially:\n%s", name, i, s.sql)
+				}
+				if n.Index != "" {
+					used = append(used, n.Index)
+				}
+			})
+			blocks = e[0].Plan.HitBlocks + e[0].Plan.ReadBlock
+			if blocks > maxBlocks {
+				t.Errorf("%s: statement %d touched %d pages, more than %d (a twentieth of the table):\n%s", name, i, blocks, maxBlocks, s.sql)
+			}
+			jit := ""
+			if e[0].JIT != nil {
+				jit = fmt.Sprintf(", JIT (%d functions)", e[0].JIT.Functions)
+			}
+			t.Logf("%-28s stmt %d: %7.2f ms (planning %.2f ms), %5d pages, indexes %v%s", name, i, e[0].Execution, e[0].Planning, blocks, used, jit)
+		}
+	}
+
+	t.Run("Counts", func(t *testing.T) {
+		var c store.Counts
+		check(t, "Counts", func() (err error) { c, err = st.Counts(ctx); return err })
+		want := map[string]int64{"ready": 200, "scheduled": 105, "running": 20, "failed": 51, "cancelled": 30, "expired": 30}
+		for s, n := range want {
+			if c.ByState[s] != n {
+				t.Errorf("%s: %d, want %d", s, c.ByState[s], n)
+			}
+		}
+		// The planner's estimate after VACUUM ANALYZE: within a percent.
+		if p := c.ByState["published"]; !c.PublishedEstimated || p < scaleRows*99/100 || p > scaleRows*101/100 {
+			t.Errorf("published: %d (estimated %v), want about %d", p, c.PublishedEstimated, scaleRows)
+		}
+		if c.ReadyAtLeast || c.FailedByReason["rejected: max_payload"] != 51 || c.BlockedAggregates != 1 ||
+			c.OldestBlocked == nil || c.OldestBlocked.WorkID != "held-1" || c.OldestBlocked.Waiting != 5 {
+			t.Errorf("counts: %+v, oldest blocked %+v", c, c.OldestBlocked)
+		}
+		// The oldest due scheduled row became due 100 s ago.
+		if c.OldestEligibleSeconds < 100 || c.OldestEligibleSeconds > 3600 {
+			t.Errorf("oldest eligible: %.1fs, want about 100", c.OldestEligibleSeconds)
+		}
+	})
+	t.Run("OldestReady", func(t *testing.T) {
+		var age float64
+		check(t, "OldestReadySeconds", func() (err error) { age, err = st.OldestReadySeconds(ctx); return err })
+		if age <= 0 || age > 3600 {
+			t.Errorf("oldest ready: %.1fs", age)
+		}
+	})
+	t.Run("RecentFailures", func(t *testing.T) {
+		var m map[string]int64
+		check(t, "RecentFailures", func() (err error) { m, err = st.RecentFailures(ctx, 10*time.Minute); return err })
+		// failed-1..9 became due within the last 10 minutes, and held-1.
+		if m["rejected: max_payload"] != 10 {
+			t.Errorf("recent failures: %v, want 10", m)
+		}
+	})
+	lists := []struct {
+		name string
+		f    store.ListFilter
+		want int
+	}{
+		{"all", store.ListFilter{}, 50},
+		{"published", store.ListFilter{State: "published"}, 50},
+		{"ready", store.ListFilter{State: "ready"}, 50},
+		{"scheduled", store.ListFilter{State: "scheduled"}, 50},
+		{"running", store.ListFilter{State: "running"}, 20},
+		{"failed", store.ListFilter{State: "failed"}, 50},
+		{"failed kind", store.ListFilter{State: "failed", Kind: "k5"}, 1},
+		{"failed rejected", store.ListFilter{State: "failed", ErrorClass: "rejected"}, 50},
+		{"cancelled", store.ListFilter{State: "cancelled"}, 30},
+		{"expired older than a day", store.ListFilter{State: "expired", MinAge: 24 * time.Hour}, 30},
+		{"published last hour", store.ListFilter{State: "published", MaxAge: time.Hour}, 0},
+		{"older than 29 days", store.ListFilter{MinAge: 29 * 24 * time.Hour}, 50},
+	}
+	for _, l := range lists {
+		t.Run("ListRows "+l.name, func(t *testing.T) {
+			f := l.f
+			f.Limit, f.PayloadChars = 50, 100
+			var rows []store.ListedRow
+			check(t, "ListRows "+l.name, func() (err error) { rows, err = st.ListRows(ctx, f); return err })
+			if len(rows) != l.want {
+				t.Fatalf("%d rows, want %d", len(rows), l.want)
+			}
+			if len(rows) == 0 {
+				return
+			}
+			// The next page, after the last row of this one.
+			last := rows[len(rows)-1]
+			f.After = &store.Cursor{CreatedAt: last.CreatedAt, WorkID: last.WorkID}
+			var next []store.ListedRow
+			check(t, "ListRows "+l.name+" page 2", func() (err error) { next, err = st.ListRows(ctx, f); return err })
+			for _, r := range next {
+				if !r.CreatedAt.After(last.CreatedAt) && !(r.CreatedAt.Equal(last.CreatedAt) && r.WorkID > last.WorkID) {
+					t.Fatalf("page 2 has %s, not after %s", r.WorkID, last.WorkID)
+				}
+			}
+		})
+	}
+	t.Run("ListWorkIDs", func(t *testing.T) {
+		var ids []string
+		var more bool
+		check(t, "ListWorkIDs failed", func() (err error) {
+			ids, more, err = st.ListWorkIDs(ctx, store.ListFilter{State: "failed"}, 20)
+			return err
+		})
+		if len(ids) != 20 || !more {
+			t.Errorf("%d IDs, more %v", len(ids), more)
+		}
+	})
+	t.Run("Cancel and RecentHistory", func(t *testing.T) {
+		check(t, "Cancel by work ID", func() error {
+			_, err := st.Cancel(ctx, store.OpRequest{Selection: store.Selection{WorkIDs: []string{"failed-50"}}, By: "op", Reason: "test"})
+			return err
+		})
+		var h []store.History
+		check(t, "RecentHistory", func() (err error) { h, err = st.RecentHistory(ctx, 100); return err })
+		if len(h) != 1 {
+			t.Errorf("history: %+v", h)
+		}
+	})
+	t.Run("Prune", func(t *testing.T) {
+		// Old enough: the rows published in the table's first two seconds,
+		// and the cancelled and expired rows of 40 days ago.
+		var secs float64
+		if err := ex.QueryRow(ctx, `SELECT extract(epoch FROM clock_timestamp() - (SELECT published_at FROM outbox WHERE work_id = 'w-2000'))::float8`).
+			Scan(&secs); err != nil {
+			t.Fatal(err)
+		}
+		older := time.Duration(secs * float64(time.Second))
+		const batch = 500
+		maxBlocks = 8 * batch
+		var dry, res store.PruneResult
+		check(t, "Prune dry run", func() (err error) {
+			dry, err = st.Prune(ctx, store.PruneRequest{OlderThan: older, Batch: batch, IncludeCancelled: true, DryRun: true})
+			return err
+		})
+		check(t, "Prune", func() (err error) {
+			res, err = st.Prune(ctx, store.PruneRequest{OlderThan: older, Batch: batch, IncludeCancelled: true})
+			return err
+		})
+		// The clock moves on between the reads of the cutoff: a row a
+		// millisecond.
+		if res.Published < 2000 || res.Published > 62000 || dry.Published < 2000 || dry.Published > res.Published ||
+			res.Cancelled != 30 || res.Expired != 30 || dry.Cancelled != 30 || dry.Expired != 30 {
+			t.Errorf("prune: %+v, dry run %+v; want 2000 published or a few more, 30 cancelled, 30 expired", res, dry)
+		}
+		var left int64
+		if err := ex.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE created_at < $1 AND state IN ('published', 'cancelled', 'expired')
+			AND coalesce(published_at, expires_at, redriven_at) < $1`, res.Cutoff).Scan(&left); err != nil || left != 0 {
+			t.Errorf("%d rows older than the cutoff left, %v", left, err)
+		}
+	})
+}
