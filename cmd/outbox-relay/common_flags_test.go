@@ -182,7 +182,7 @@ func TestEveryCommandTakesTheCommonFlags(t *testing.T) {
 			}
 
 			// prune.
-			mustExec(t, pool, `INSERT INTO common_outbox (work_id, kind, payload, state, published_at) VALUES ('w-old', 'k', '{}', 'published', clock_timestamp() - interval '2 days')`)
+			mustExec(t, pool, `INSERT INTO common_outbox (work_id, kind, payload, state, published_at, created_at) VALUES ('w-old', 'k', '{}', 'published', clock_timestamp() - interval '2 days', clock_timestamp() - interval '3 days')`)
 			code, out, _ = run(t, args("prune", "--older-than", "1d")...)
 			if code != 0 || !strings.Contains(out, "pruned 1 published rows") || count(`SELECT count(*) FROM common_outbox WHERE work_id = 'w-old'`) != 0 {
 				t.Fatalf("prune exited %d, stdout %q; want w-old pruned", code, out)

@@ -28,8 +28,8 @@ func countRows(t *testing.T, pool *pgxpool.Pool, where string) int {
 // It is refused, and nothing is deleted.
 func TestPruneRefusesOverflowingAge(t *testing.T) {
 	url, pool := migrated(t)
-	mustExec(t, pool, `INSERT INTO outbox (work_id, kind, payload, state, published_at)
-		SELECT 'p' || i, 'k', '{}', 'published', clock_timestamp() - interval '1 hour' FROM generate_series(1, 5) i`)
+	mustExec(t, pool, `INSERT INTO outbox (work_id, kind, payload, state, published_at, created_at)
+		SELECT 'p' || i, 'k', '{}', 'published', clock_timestamp() - interval '1 hour', clock_timestamp() - interval '2 hours' FROM generate_series(1, 5) i`)
 	mustExec(t, pool, `INSERT INTO outbox (work_id, kind, payload, state, redriven_at)
 		VALUES ('c', 'k', '{}', 'cancelled', clock_timestamp() - interval '1 hour')`)
 	for _, age := range []string{"213504d", "106752d", "9999999999999d", "9999999999h", "2562048h"} {

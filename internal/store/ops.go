@@ -574,11 +574,14 @@ type PruneResult struct {
 	Batches   int
 }
 
-// Prune deletes published rows (and, if asked, cancelled ones) older than
-// the cutoff in batches, each one statement that locks its batch with SKIP
-// LOCKED, until none is left. It never touches ready, scheduled, running or
-// failed rows: both the batch's select and the DELETE say so. The history
-// table is left alone: it is the audit trail, and small.
+// Prune deletes published rows (and, if asked, cancelled and expired ones)
+// older than the cutoff in batches, each one statement that locks its batch
+// with SKIP LOCKED, until none is left. Each batch is read through an index
+// (created_idx for published rows, parked_idx for the others), so a prune
+// reads the old rows once and never the rest of the table (G16). It never
+// touches ready, scheduled, running or failed rows: both the batch's select
+// and the DELETE say so. The history table is left alone: it is the audit
+// trail, and small.
 func (s *Store) Prune(ctx context.Context, r PruneRequest) (PruneResult, error) {
 	var res PruneResult
 	if r.OlderThan <= 0 {
