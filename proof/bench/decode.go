@@ -4,6 +4,10 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"sort"
 	"strconv"
 	"strings"
 	"time"
@@ -64,6 +68,7 @@ func (b *bench) decode(ctx context.Context, p *path) (Result, error) {
 	producerWAL := float64(lsn1 - lsn0)
 	r.Extra["producer_wal_mb"] = producerWAL / 1e6
 	r.Extra["producer_wal_bytes_per_row"] = producerWAL / float64(l.rows)
+	b.logWALStats(ctx, "producers' WAL", lsn0, lsn1, r.Extra, "producer_wal_fpi_share")
 
 	// 1: the walsender alone.
 	r.Extra["load1_probe"] = load1()
@@ -117,6 +122,7 @@ func (b *bench) decode(ctx context.Context, p *path) (Result, error) {
 	if err != nil {
 		return r, err
 	}
+	b.logWALStats(ctx, "WAL written during the drain", lsn2, lsn3, r.Extra, "mark_wal_fpi_share")
 	r.Seconds = settled.Sub(t0).Seconds()
 	r.MsgsPerSec = float64(l.rows) / r.Seconds
 	r.Extra["acked_seconds"] = acked.Sub(t0).Seconds()
@@ -320,3 +326,61 @@ func markVerb(policy string) string {
 	}
 	return "marked"
 }
+
+// logWALStats logs what pg_waldump says of a range and records its share
+// of full-page images under key; a failure is logged, not fatal.
+func (b *bench) logWALStats(ctx context.Context, what string, from, to pglogrepl.LSN, extra map[string]float64, key string) {
+	fpi, top, err := b.walStats(ctx, from, to)
+	if err != nil {
+		b.cfg.logf("%s: no record statistics: %v", what, err)
+		return
+	}
+	extra[key] = fpi
+	b.cfg.logf("%s (%s to %s, %.1f MB): %.0f%% full-page images; largest record types: %s",
+		what, from, to, float64(to-from)/1e6, 100*fpi, strings.Join(top, "; "))
+}
+
+// walStats runs pg_waldump --stats=record over [from, to) of the server's
+// WAL (best effort: the binary is the server's own, found through
+// pg_config, and a checkpoint may already have recycled the segments). It
+// returns the share of full-page images in the range's WAL and the lines of
+// the largest record types.
+func (b *bench) walStats(ctx context.Context, from, to pglogrepl.LSN) (fpiShare float64, top []string, err error) {
+	var dataDir, binDir string
+	if err := b.s.admin.QueryRow(ctx, `SELECT current_setting('data_directory'), (SELECT setting FROM pg_config WHERE name = 'BINDIR')`).Scan(&dataDir, &binDir); err != nil {
+		return 0, nil, fmt.Errorf("find the data directory and pg_waldump: %w", err)
+	}
+	out, err := exec.CommandContext(ctx, filepath.Join(binDir, "pg_waldump"), "--stats=record",
+		"-p", filepath.Join(dataDir, "pg_wal"), "-s", from.String(), "-e", to.String()).CombinedOutput()
+	if err != nil {
+		return 0, nil, fmt.Errorf("pg_waldump %s-%s: %w: %.300s", from, to, err, out)
+	}
+	type rec struct {
+		line     string
+		combined float64
+	}
+	var recs []rec
+	for _, line := range strings.Split(string(out), "\n") {
+		if m := walTotal.FindStringSubmatch(line); m != nil {
+			fpi, _ := strconv.ParseFloat(m[2], 64)
+			if combined, _ := strconv.ParseFloat(m[3], 64); combined > 0 {
+				fpiShare = fpi / combined
+			}
+		} else if m := walRecord.FindStringSubmatch(line); m != nil {
+			combined, _ := strconv.ParseFloat(m[5], 64)
+			recs = append(recs, rec{line: fmt.Sprintf("%s: %s records, %s B of records, %s B of full-page images", m[1], m[2], m[3], m[4]), combined: combined})
+		}
+	}
+	sort.Slice(recs, func(i, j int) bool { return recs[i].combined > recs[j].combined })
+	for i := 0; i < len(recs) && i < 4; i++ {
+		top = append(top, recs[i].line)
+	}
+	return fpiShare, top, nil
+}
+
+// pg_waldump --stats lines: a record type (count, record bytes, FPI bytes,
+// combined bytes, each with its share in parentheses) and the total.
+var (
+	walRecord = regexp.MustCompile(`^(\S+)\s+(\d+)\s+\(\s*[\d.]+\s*\)\s+(\d+)\s+\(\s*[\d.]+\s*\)\s+(\d+)\s+\(\s*[\d.]+\s*\)\s+(\d+)\s+\(`)
+	walTotal  = regexp.MustCompile(`^Total\s+\d+\s+(\d+)\s+\[[^\]]*\]\s+(\d+)\s+\[[^\]]*\]\s+(\d+)`)
+)
