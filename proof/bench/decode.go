@@ -18,10 +18,18 @@ import (
 	"github.com/jackc/pgx/v5/pgproto3"
 )
 
-// probeSlot is the decode case's second slot: created before the backlog,
-// streamed by a client that discards everything, dropped before the relay
-// drains the same backlog through its own slot.
-const probeSlot = "decode_probe"
+// The decode case's extra slots, each created before the backlog, read by
+// a client that discards everything and dropped before the relay drains:
+// probeSlot with the relay's publication; sameDBSlot in the same database
+// with a publication of another (empty) table, so it decodes the backlog
+// and sends none of it, as a slot of a second outbox table would;
+// otherDBSlot in another database, as a relay of another database would.
+const (
+	probeSlot   = "decode_probe"
+	sameDBSlot  = "decode_same_db"
+	otherDBSlot = "decode_other_db"
+	otherPub    = "decode_other"
+)
 
 // decode measures how far one slot goes. A backlog is committed while the
 // relay is stopped; then
@@ -30,7 +38,9 @@ const probeSlot = "decode_probe"
 //     options, every message discarded) streams it from a second slot:
 //     the walsender alone, with no broker and no relay behind it, which is
 //     the slot's ceiling;
-//  2. the relay drains it through its own slot, to the broker, marking (or
+//  2. the same client reads a slot of the same database that publishes
+//     none of it, and one of another database: what a further slot costs;
+//  3. the relay drains it through its own slot, to the broker, marking (or
 //     deleting) each row, as in cdc-backlog.
 //
 // Each phase records the walsender's CPU, the WAL it had to decode and the
@@ -45,11 +55,32 @@ func (b *bench) decode(ctx context.Context, p *path) (Result, error) {
 		return r, err
 	}
 	defer conn.Close(context.Background())
-	if _, err := conn.Exec(ctx, `ALTER TABLE outbox SET (autovacuum_enabled = off, toast.autovacuum_enabled = off)`); err != nil {
-		return r, fmt.Errorf("autovacuum off on outbox: %w", err)
+	for _, q := range []string{
+		`ALTER TABLE outbox SET (autovacuum_enabled = off, toast.autovacuum_enabled = off)`,
+		`CREATE TABLE decode_other (id int PRIMARY KEY)`,
+		`CREATE PUBLICATION ` + otherPub + ` FOR TABLE decode_other`,
+		`SELECT pg_create_logical_replication_slot('` + probeSlot + `', 'pgoutput')`,
+		`SELECT pg_create_logical_replication_slot('` + sameDBSlot + `', 'pgoutput')`,
+	} {
+		if _, err := conn.Exec(ctx, q); err != nil {
+			return r, fmt.Errorf("prepare the decode case: %s: %w", q, err)
+		}
 	}
-	if _, err := conn.Exec(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, probeSlot); err != nil {
-		return r, fmt.Errorf("create slot %s: %w", probeSlot, err)
+	otherDB := p.db + "_other"
+	otherURL, err := b.s.createDB(ctx, otherDB)
+	if err != nil {
+		return r, err
+	}
+	defer func() {
+		if err := b.s.dropDB(context.Background(), otherDB); err != nil {
+			b.cfg.logf("drop %s: %v", otherDB, err)
+		}
+	}()
+	// Two statements: a slot cannot be created in a transaction that wrote.
+	for _, q := range []string{`CREATE PUBLICATION ` + otherPub, `SELECT pg_create_logical_replication_slot('` + otherDBSlot + `', 'pgoutput')`} {
+		if err := execIn(ctx, otherURL, q); err != nil {
+			return r, fmt.Errorf("prepare %s: %s: %w", otherDB, q, err)
+		}
 	}
 	lsn0, err := currentLSN(ctx, conn)
 	if err != nil {
@@ -72,7 +103,7 @@ func (b *bench) decode(ctx context.Context, p *path) (Result, error) {
 
 	// 1: the walsender alone.
 	r.Extra["load1_probe"] = load1()
-	pr, err := b.probe(ctx, p, l.rows)
+	pr, err := b.readSlot(ctx, p.url, p.db, probeSlot, "outbox_relay", l.rows, 0)
 	if err != nil {
 		return r, err
 	}
@@ -87,16 +118,32 @@ func (b *bench) decode(ctx context.Context, p *path) (Result, error) {
 	r.Extra["probe_rows_per_walsender_cpu_second"] = float64(l.rows) / pr.walsenderCPU
 	r.Extra["probe_client_cpu_seconds"] = pr.clientCPU
 	r.Extra["probe_pgoutput_mb"] = float64(pr.bytes) / 1e6
-	if err := b.s.waitSlotInactive(ctx, p.db, probeSlot, 30*time.Second); err != nil {
+	// Dropped once read, or its walsender's slot would hold the WAL.
+	if err := b.dropSlot(ctx, conn, p.db, probeSlot); err != nil {
 		return r, err
 	}
-	// Dropped, or its walsender would hold the WAL and the relay's
-	// walsender would be the only one to decode it anyway.
-	if _, err := conn.Exec(ctx, `SELECT pg_drop_replication_slot($1)`, probeSlot); err != nil {
-		return r, fmt.Errorf("drop slot %s: %w", probeSlot, err)
-	}
 
-	// 2: the relay drains the same backlog.
+	// 2: slots that publish none of the backlog.
+	r.Extra["load1_bystanders"] = load1()
+	same, err := b.readSlot(ctx, p.url, p.db, sameDBSlot, otherPub, 0, lsn1)
+	if err != nil {
+		return r, err
+	}
+	if err := b.dropSlot(ctx, conn, p.db, sameDBSlot); err != nil {
+		return r, err
+	}
+	r.Extra["same_db_seconds"] = same.seconds
+	r.Extra["same_db_walsender_us_per_row"] = same.walsenderCPU / float64(l.rows) * 1e6
+	r.Extra["same_db_wal_mb_per_walsender_cpu_second"] = producerWAL / 1e6 / same.walsenderCPU
+	other, err := b.readSlot(ctx, otherURL, otherDB, otherDBSlot, otherPub, 0, lsn1)
+	if err != nil {
+		return r, err
+	}
+	r.Extra["other_db_seconds"] = other.seconds
+	r.Extra["other_db_walsender_us_per_row"] = other.walsenderCPU / float64(l.rows) * 1e6
+	r.Extra["other_db_wal_mb_per_walsender_cpu_second"] = producerWAL / 1e6 / other.walsenderCPU
+
+	// 3: the relay drains the same backlog.
 	r.Extra["load1_drain"] = load1()
 	lsn2, err := currentLSN(ctx, conn)
 	if err != nil {
@@ -149,65 +196,94 @@ func (b *bench) decode(ctx context.Context, p *path) (Result, error) {
 	return r, relay.stop()
 }
 
-type probeResult struct {
-	seconds      float64 // START_REPLICATION to the last row's INSERT message
+type slotRead struct {
+	seconds      float64 // START_REPLICATION to the end
 	walsenderCPU float64
-	clientCPU    float64 // this process over the probe: the client's share
+	clientCPU    float64 // this process over the read: the client's share
 	bytes        int64   // pgoutput bytes received
 }
 
-// probe streams the probe slot until rows INSERT messages have arrived,
-// discarding them: the walsender's decode rate with nothing behind it
-// that could hold it back.
-func (b *bench) probe(ctx context.Context, p *path, rows int) (probeResult, error) {
-	var pr probeResult
-	cfg, err := pgconn.ParseConfig(p.url)
+// readSlot streams a slot of the database at url with pgoutput and the
+// publication pub, discarding what arrives, until rows INSERT messages have
+// arrived or, with rows 0, until the walsender has read the WAL up to end
+// (pg_stat_replication.sent_lsn: a logical walsender's read position, which
+// moves also while it sends nothing). It measures the walsender with
+// nothing behind it that could hold it back.
+func (b *bench) readSlot(ctx context.Context, url, db, slot, pub string, rows int, end pglogrepl.LSN) (slotRead, error) {
+	var sr slotRead
+	cfg, err := pgconn.ParseConfig(url)
 	if err != nil {
-		return pr, err
+		return sr, err
 	}
 	cfg.RuntimeParams["replication"] = "database"
-	cfg.RuntimeParams["application_name"] = "outbox-bench-probe"
+	cfg.RuntimeParams["application_name"] = "outbox-bench-" + slot
 	conn, err := pgconn.ConnectConfig(ctx, cfg)
 	if err != nil {
-		return pr, fmt.Errorf("probe: connect for replication: %w", err)
+		return sr, fmt.Errorf("read slot %s: connect for replication: %w", slot, err)
 	}
 	defer conn.Close(context.Background())
 	self0, err := ProcCPU(os.Getpid())
 	if err != nil {
-		return pr, err
+		return sr, err
 	}
 	t0 := time.Now()
 	// The relay's options (replication/stream.go): the same output plugin
-	// work, the publication's row filter included.
-	err = pglogrepl.StartReplication(ctx, conn, probeSlot, 0, pglogrepl.StartReplicationOptions{
+	// work, a publication's row filter included.
+	err = pglogrepl.StartReplication(ctx, conn, slot, 0, pglogrepl.StartReplicationOptions{
 		Mode:       pglogrepl.LogicalReplication,
-		PluginArgs: []string{"proto_version '1'", "publication_names 'outbox_relay'"},
+		PluginArgs: []string{"proto_version '1'", "publication_names '" + pub + "'"},
 	})
 	if err != nil {
-		return pr, fmt.Errorf("probe: start replication on %s: %w", probeSlot, err)
+		return sr, fmt.Errorf("read slot %s: start replication: %w", slot, err)
 	}
-	wsPID, err := b.s.walsenderPID(ctx, p.db, probeSlot, 30*time.Second)
+	wsPID, err := b.s.walsenderPID(ctx, db, slot, 30*time.Second)
 	if err != nil {
-		return pr, err
+		return sr, err
 	}
-	// A read deadline instead of a cancellable context: pgconn starts a
-	// watcher goroutine per call for one, and the client must stay far
-	// cheaper than the walsender it measures.
-	timeout := drainTimeout(rows)
-	if err := conn.Conn().SetReadDeadline(t0.Add(timeout)); err != nil {
-		return pr, err
-	}
+	timeout := drainTimeout(max(rows, b.cfg.Rows))
 	var last pglogrepl.LSN
 	inserts := 0
-	for inserts < rows {
+	for {
+		if rows > 0 && inserts >= rows {
+			break
+		}
+		if rows == 0 {
+			var sent string
+			if err := b.s.admin.QueryRow(ctx, `SELECT coalesce(sent_lsn, '0/0')::text FROM pg_stat_replication WHERE pid = $1`, wsPID).Scan(&sent); err != nil {
+				return sr, fmt.Errorf("read slot %s: walsender %d: sent_lsn: %w", slot, wsPID, err)
+			}
+			if at, err := pglogrepl.ParseLSN(sent); err == nil && at >= end {
+				break
+			}
+		}
+		if err := ctx.Err(); err != nil {
+			return sr, err
+		}
+		if time.Since(t0) > timeout {
+			return sr, fmt.Errorf("read slot %s: %d of %d rows received, or %s not reached, within %v", slot, inserts, rows, end, timeout)
+		}
+		// A read deadline instead of a cancellable context: pgconn starts a
+		// watcher goroutine per call for one, and the client must stay far
+		// cheaper than the walsender it measures. A timeout leaves the
+		// connection usable; ctx is checked after it.
+		wait := time.Second
+		if rows == 0 {
+			wait = 50 * time.Millisecond
+		}
+		if err := conn.Conn().SetReadDeadline(time.Now().Add(wait)); err != nil {
+			return sr, err
+		}
 		msg, err := conn.ReceiveMessage(context.Background())
 		if err != nil {
-			return pr, fmt.Errorf("probe: %d of %d rows received within %v: %w", inserts, rows, timeout, err)
+			if pgconn.Timeout(err) {
+				continue
+			}
+			return sr, fmt.Errorf("read slot %s: %d of %d rows received: %w", slot, inserts, rows, err)
 		}
 		cd, ok := msg.(*pgproto3.CopyData)
 		if !ok || len(cd.Data) == 0 {
 			if er, ok := msg.(*pgproto3.ErrorResponse); ok {
-				return pr, fmt.Errorf("probe: server error: %s", er.Message)
+				return sr, fmt.Errorf("read slot %s: server error: %s", slot, er.Message)
 			}
 			continue
 		}
@@ -215,37 +291,37 @@ func (b *bench) probe(ctx context.Context, p *path, rows int) (probeResult, erro
 		case pglogrepl.PrimaryKeepaliveMessageByteID:
 			pk, err := pglogrepl.ParsePrimaryKeepaliveMessage(cd.Data[1:])
 			if err != nil {
-				return pr, fmt.Errorf("probe: keepalive: %w", err)
+				return sr, fmt.Errorf("read slot %s: keepalive: %w", slot, err)
 			}
 			if pk.ReplyRequested {
 				if err := pglogrepl.SendStandbyStatusUpdate(context.Background(), conn, pglogrepl.StandbyStatusUpdate{WALWritePosition: last}); err != nil {
-					return pr, fmt.Errorf("probe: status update: %w", err)
+					return sr, fmt.Errorf("read slot %s: status update: %w", slot, err)
 				}
 			}
 		case pglogrepl.XLogDataByteID:
 			x, err := pglogrepl.ParseXLogData(cd.Data[1:])
 			if err != nil {
-				return pr, fmt.Errorf("probe: xlogdata: %w", err)
+				return sr, fmt.Errorf("read slot %s: xlogdata: %w", slot, err)
 			}
-			pr.bytes += int64(len(x.WALData))
+			sr.bytes += int64(len(x.WALData))
 			last = x.WALStart
 			if len(x.WALData) > 0 && x.WALData[0] == 'I' {
 				inserts++
 			}
 		}
 	}
-	pr.seconds = time.Since(t0).Seconds()
+	sr.seconds = time.Since(t0).Seconds()
 	// Read while the walsender lives: it exits with the connection.
-	if pr.walsenderCPU, err = ProcCPU(wsPID); err != nil {
-		return pr, fmt.Errorf("probe walsender %d: %w", wsPID, err)
+	if sr.walsenderCPU, err = ProcCPU(wsPID); err != nil {
+		return sr, fmt.Errorf("read slot %s: walsender %d: %w", slot, wsPID, err)
 	}
 	self1, err := ProcCPU(os.Getpid())
 	if err != nil {
-		return pr, err
+		return sr, err
 	}
-	pr.clientCPU = self1 - self0
+	sr.clientCPU = self1 - self0
 	_ = conn.Conn().SetReadDeadline(time.Time{})
-	return pr, nil
+	return sr, nil
 }
 
 func currentLSN(ctx context.Context, conn *pgx.Conn) (pglogrepl.LSN, error) {
@@ -278,6 +354,17 @@ func load1() float64 {
 	return v
 }
 
+// dropSlot drops a slot of the decode case once its walsender is gone.
+func (b *bench) dropSlot(ctx context.Context, conn *pgx.Conn, db, slot string) error {
+	if err := b.s.waitSlotInactive(ctx, db, slot, 30*time.Second); err != nil {
+		return err
+	}
+	if _, err := conn.Exec(ctx, `SELECT pg_drop_replication_slot($1)`, slot); err != nil {
+		return fmt.Errorf("drop slot %s: %w", slot, err)
+	}
+	return nil
+}
+
 // renderDecode prints every decode round: the ceiling of the walsender
 // alone beside the relay's drain of the same backlog, with the WAL each
 // side wrote. The best round is the floor to quote: the machine is shared.
@@ -298,6 +385,7 @@ func renderDecode(rep Report) string {
 			num(e["probe_rows_per_sec"]), num(e["probe_wal_mb_per_sec"]), num(e["probe_walsender_us_per_row"]),
 			fmt.Sprintf("%.0f%%", 100*e["probe_walsender_busy"]), num(e["probe_rows_per_walsender_cpu_second"]),
 			num(e["probe_client_cpu_seconds"]),
+			num(e["same_db_walsender_us_per_row"]), num(e["other_db_walsender_us_per_row"]),
 			num(r.MsgsPerSec), num(e["drain_wal_mb_per_sec"]), num(e["walsender_us_per_msg"]),
 			fmt.Sprintf("%.0f%%", 100*e["walsender_busy"]), num(r.PubCPUPerMsgUS), num(e["nats_us_per_msg"]),
 			num(e["producer_wal_bytes_per_row"]), num(e["mark_wal_bytes_per_row"]),
@@ -310,10 +398,12 @@ func renderDecode(rep Report) string {
 	rows[best][0] += " (best)"
 	header := []string{"round", "rows", "load 1m probe/drain/end",
 		"alone rows/s", "alone WAL MB/s", "alone ws µs/row", "alone ws busy", "alone rows/ws CPU-s", "alone client CPU s",
+		"unpublished ws µs/row", "other db ws µs/row",
 		"drain rows/s", "drain WAL MB/s", "ws µs/msg", "ws busy", "relay µs/msg", "nats µs/msg",
 		"producer WAL B/row", "mark WAL B/row", "mark/producer WAL"}
 	var b strings.Builder
 	fmt.Fprintf(&b, "\ndecode (one slot; policy %s): \"alone\" is a bare client streaming the backlog from a second slot and discarding it; "+
+		"\"unpublished\": a slot of the same database whose publication holds none of it; \"other db\": a slot of another database; "+
 		"\"drain\" is the relay draining it through its own slot to the broker; ws = that slot's walsender; "+
 		"mark WAL = WAL written from the relay's start to the last row %s\n\n", rep.Config.Policy, markVerb(rep.Config.Policy))
 	b.WriteString(FormatTable(header, rows))
