@@ -118,7 +118,7 @@ func (b *bench) decode(ctx context.Context, p *path) (Result, error) {
 	r.Extra["probe_rows_per_walsender_cpu_second"] = float64(l.rows) / pr.walsenderCPU
 	r.Extra["probe_client_cpu_seconds"] = pr.clientCPU
 	r.Extra["probe_pgoutput_mb"] = float64(pr.bytes) / 1e6
-	// Dropped once read, or its walsender's slot would hold the WAL.
+	// Dropped once read: a slot holds the WAL from its position on.
 	if err := b.dropSlot(ctx, conn, p.db, probeSlot); err != nil {
 		return r, err
 	}
