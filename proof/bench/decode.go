@@ -57,7 +57,9 @@ func (b *bench) decode(ctx context.Context, p *path) (Result, error) {
 	defer conn.Close(context.Background())
 	for _, q := range []string{
 		`ALTER TABLE outbox SET (autovacuum_enabled = off, toast.autovacuum_enabled = off)`,
-		`CREATE TABLE decode_other (id int PRIMARY KEY)`,
+		// -same-table keeps the database for the next round.
+		`CREATE TABLE IF NOT EXISTS decode_other (id int PRIMARY KEY)`,
+		`DROP PUBLICATION IF EXISTS ` + otherPub,
 		`CREATE PUBLICATION ` + otherPub + ` FOR TABLE decode_other`,
 		`SELECT pg_create_logical_replication_slot('` + probeSlot + `', 'pgoutput')`,
 		`SELECT pg_create_logical_replication_slot('` + sameDBSlot + `', 'pgoutput')`,
