@@ -47,7 +47,7 @@ type path struct {
 
 func caseKind(k string) string {
 	switch k {
-	case CDCBacklog, CDCLive:
+	case CDCBacklog, CDCLive, Decode:
 		return "cdc"
 	case PollerBacklog, PollerLive:
 		return "poller"
@@ -230,6 +230,8 @@ func (b *bench) runCase(ctx context.Context, k string, round int) (r Result, err
 		r, err = b.ceilingJS(ctx, p)
 	case CDCBacklog, PollerBacklog, PollBacklog:
 		r, err = b.backlog(ctx, p)
+	case Decode:
+		r, err = b.decode(ctx, p)
 	case CDCLive, PollerLive, PollLive:
 		r, err = b.live(ctx, p)
 	}

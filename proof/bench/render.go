@@ -63,6 +63,7 @@ func Render(rep Report) string {
 	}
 	fmt.Fprintf(&b, "machine: %s, %s CPUs, %s; load at start %s\n\n", rep.Machine["cpu"], rep.Machine["cpus"], rep.Machine["memory"], rep.Machine["loadavg_at_start"])
 	b.WriteString(FormatTable(header, rows))
+	b.WriteString(renderDecode(rep))
 	if ir := rep.Idle; ir != nil {
 		fmt.Fprintf(&b, "\nidle (%.0f s, no traffic, poller paused): %d transactions in the relay's database, %d of %d relay backends active; relay CPU %.2f s, walsender CPU %.2f s\n",
 			ir.Seconds, ir.Xacts, ir.BackendsActive, ir.Backends, ir.RelayCPU, ir.WalsenderCPU)

@@ -30,10 +30,11 @@ const (
 	PollerBacklog = "poller-backlog"
 	PollerLive    = "poller-live"
 	Idle          = "idle"
+	Decode        = "decode" // decode.go: how far one slot goes
 )
 
 // AllCases is the default -cases.
-var AllCases = []string{CeilingPG, CeilingJS, CDCBacklog, CDCLive, PollBacklog, PollLive, PollerBacklog, PollerLive, Idle}
+var AllCases = []string{CeilingPG, CeilingJS, CDCBacklog, CDCLive, PollBacklog, PollLive, PollerBacklog, PollerLive, Idle, Decode}
 
 // Config is the workload and what to run.
 type Config struct {
@@ -164,6 +165,7 @@ func Run(ctx context.Context, cfg Config) error {
 		if round%2 == 0 {
 			order = []string{CeilingPG, CeilingJS, PollBacklog, CDCBacklog, PollerBacklog, PollLive, CDCLive, PollerLive}
 		}
+		order = append(order, Decode)
 		for _, k := range order {
 			if !want(k) {
 				continue
