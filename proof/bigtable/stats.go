@@ -123,9 +123,9 @@ func readCancelled(data []byte, out map[string]int) {
 }
 
 var (
-	// Strings, numbers, parameters and (a constant since PostgreSQL 15)
-	// true and false.
-	literals = regexp.MustCompile(`(?i)e?'(?:[^']|'')*'|\$[0-9]+|\b[0-9]+(?:\.[0-9]+)?\b|\b(?:true|false)\b`)
+	// Strings, numbers, parameters, and true, false and NULL (constants
+	// too since PostgreSQL 15; IS NULL becomes IS ? on both sides alike).
+	literals = regexp.MustCompile(`(?i)e?'(?:[^']|'')*'|\$[0-9]+|\b[0-9]+(?:\.[0-9]+)?\b|\b(?:true|false|null)\b`)
 	// extract(epoch FROM x) is extract('epoch', x) to the parser: a
 	// constant pg_stat_statements writes as $n.
 	extractField = regexp.MustCompile(`(?i)\bextract\(\s*[a-z]+\s+from\b`)
@@ -237,6 +237,7 @@ func readStatements(ctx context.Context, conn *pgx.Conn, plans plans, seconds fl
 			return nil
 		}
 		s.PerMinute = float64(s.Calls) / seconds * 60
+		s.Plans, s.SeqScans = 0, 0
 		if pc := plans.lookup(s.QueryID, s.Query); pc != nil {
 			s.Plans, s.SeqScans = pc.plans, pc.seqScans
 		}

@@ -9,8 +9,8 @@ import (
 // A plan is matched to pg_stat_statements' text of the same statement,
 // which has its constants as parameters.
 func TestTextKeyMatchesPgStatStatements(t *testing.T) {
-	raw := "SELECT coalesce(extract(epoch FROM clock_timestamp() - min(least(greatest(available_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59+00'))), 0)::float8\n\t\tFROM \"public\".\"outbox\" WHERE state = 'ready' AND coalesce(x, false) LIMIT $1 - 1"
-	pgss := "SELECT coalesce(extract($2 FROM clock_timestamp() - min(least(greatest(available_at, $3), $4))), $5)::float8 FROM \"public\".\"outbox\" WHERE state = $6 AND coalesce(x, $8) LIMIT $1 - $7"
+	raw := "SELECT coalesce(extract(epoch FROM clock_timestamp() - min(least(greatest(available_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59+00'))), 0)::float8\n\t\tFROM \"public\".\"outbox\" WHERE state = 'ready' AND coalesce(x, false) AND y IS NULL AND z = NULL LIMIT $1 - 1"
+	pgss := "SELECT coalesce(extract($2 FROM clock_timestamp() - min(least(greatest(available_at, $3), $4))), $5)::float8 FROM \"public\".\"outbox\" WHERE state = $6 AND coalesce(x, $8) AND y IS NULL AND z = $9 LIMIT $1 - $7"
 	// epoch is a keyword in the raw text and a constant in pg_stat_statements'.
 	if a, b := textKey(raw), textKey(pgss); a != b {
 		t.Errorf("keys differ:\n%s\n%s", a, b)
