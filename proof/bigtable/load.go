@@ -128,6 +128,9 @@ func preload(ctx context.Context, conn *pgx.Conn, c Config) (preloaded, error) {
 		FROM generate_series(0, least($1, (`+strconv.Itoa(c.Rows)+` - 1) / 5 + 1) - 1) AS a`, c.Aggregates); err != nil {
 		return p, fmt.Errorf("preload aggregate counters: %w", err)
 	}
+	if c.Control {
+		return p, vacuum(ctx, conn, c)
+	}
 	// The dead letter: rejected by the broker after its attempts, as the
 	// poller leaves one; the rows after it wait, never published.
 	var last int64
@@ -150,15 +153,18 @@ func preload(ctx context.Context, conn *pgx.Conn, c Config) (preloaded, error) {
 		return p, fmt.Errorf("preload: rows behind the dead letter: %w", err)
 	}
 	p.held = int(tag.RowsAffected())
-	t = time.Now()
-	if _, err := conn.Exec(ctx, `VACUUM ANALYZE outbox`); err != nil {
-		return p, fmt.Errorf("preload: vacuum analyze: %w", err)
-	}
-	if _, err := conn.Exec(ctx, `VACUUM ANALYZE outbox_aggregates`); err != nil {
-		return p, fmt.Errorf("preload: vacuum analyze: %w", err)
+	return p, vacuum(ctx, conn, c)
+}
+
+func vacuum(ctx context.Context, conn *pgx.Conn, c Config) error {
+	t := time.Now()
+	for _, tbl := range []string{"outbox", "outbox_aggregates"} {
+		if _, err := conn.Exec(ctx, `VACUUM ANALYZE `+tbl); err != nil {
+			return fmt.Errorf("preload: vacuum analyze %s: %w", tbl, err)
+		}
 	}
 	c.Logf("preload: VACUUM ANALYZE in %.1fs", time.Since(t).Seconds())
-	return p, nil
+	return nil
 }
 
 // dropIndexes drops the outbox table's indexes (the primary key's
@@ -216,6 +222,7 @@ type trickle struct {
 	url        string
 	rate       float64
 	aggregates int
+	noDelayed  bool // the delayed row of every ten is unordered instead
 
 	mu      sync.Mutex
 	commits map[string]time.Time // work_id -> when its INSERT returned
@@ -263,6 +270,9 @@ func (t *trickle) run(ctx context.Context) error {
 			typ, s := "trickle", id
 			aggType, aggID = &typ, &s
 		case 3:
+			if t.noDelayed {
+				break
+			}
 			account(half + (k/10)%half)
 			delay = trickleDelay.Microseconds()
 		}
