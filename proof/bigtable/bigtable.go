@@ -137,6 +137,10 @@ type Result struct {
 	// DelayedP99MS is theirs, from when they were due.
 	Delayed      int     `json:"delayed_rows"`
 	DelayedP99MS float64 `json:"delayed_p99_ms"`
+	// ByKind is the latency of each kind of trickle row (unordered, in an
+	// aggregate of its own, in a preloaded aggregate, delayed), ms; the
+	// delayed ones from when they were due.
+	ByKind map[string]Latency `json:"by_kind"`
 
 	// Fetches of the console and /metrics in the window, by page; any
 	// answer other than 200 is in FetchErrors.
@@ -153,6 +157,12 @@ type Result struct {
 	// Cancelled are the statements cancelled in the window (from the
 	// server's log), which Statements cannot show.
 	Cancelled []Cancelled `json:"cancelled,omitempty"`
+}
+
+// Latency sums up some rows' latencies, ms.
+type Latency struct {
+	N                   int
+	P50MS, P99MS, MaxMS float64
 }
 
 // Fetches are the polls of one page.
@@ -289,7 +299,7 @@ func Run(ctx context.Context, c Config) (Result, error) {
 	if err := waitStored(ctx, js, c.Stream, tr.commits, 60*time.Second); err != nil {
 		c.Logf("%v", err)
 	}
-	if err := measure(ctx, js, c.Stream, tr.commits, tr.delayed, &r); err != nil {
+	if err := measure(ctx, js, c.Stream, tr.commits, tr.kinds, &r); err != nil {
 		return r, err
 	}
 	if err := relay.stop(); err != nil {

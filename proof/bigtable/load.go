@@ -226,8 +226,16 @@ type trickle struct {
 
 	mu      sync.Mutex
 	commits map[string]time.Time // work_id -> when its INSERT returned
-	delayed map[string]bool
+	kinds   map[string]string    // work_id -> one of the row kinds below
 }
+
+// The trickle's kinds of row.
+const (
+	rowUnordered = "unordered"
+	rowNewAgg    = "own aggregate"
+	rowOldAgg    = "preloaded aggregate"
+	rowDelayed   = "delayed (poller)"
+)
 
 // trickleDelay is how long after its commit a delayed row is due.
 const trickleDelay = time.Second
@@ -238,7 +246,7 @@ func (t *trickle) run(ctx context.Context) error {
 		return fmt.Errorf("connect: %w", err)
 	}
 	defer conn.Close(context.Background())
-	t.commits, t.delayed = map[string]time.Time{}, map[string]bool{}
+	t.commits, t.kinds = map[string]time.Time{}, map[string]string{}
 	interval := time.Duration(float64(time.Second) / t.rate)
 	half := max(t.aggregates/2, 1)
 	start := time.Now()
@@ -256,6 +264,7 @@ func (t *trickle) run(ctx context.Context) error {
 		id := "live-" + strconv.Itoa(k)
 		var aggType, aggID *string
 		var delay int64
+		kind := rowUnordered
 		account := func(a int) {
 			if a == 7 {
 				a = 8
@@ -266,15 +275,18 @@ func (t *trickle) run(ctx context.Context) error {
 		switch k % 10 {
 		case 0, 5:
 			account((k / 5) % half)
+			kind = rowOldAgg
 		case 1, 6:
 			typ, s := "trickle", id
 			aggType, aggID = &typ, &s
+			kind = rowNewAgg
 		case 3:
 			if t.noDelayed {
 				break
 			}
 			account(half + (k/10)%half)
 			delay = trickleDelay.Microseconds()
+			kind = rowDelayed
 		}
 		_, err := conn.Exec(ctx, `INSERT INTO outbox (work_id, kind, payload, aggregate_type, aggregate_id, aggregate_seq, available_at)
 			VALUES ($1, 'order_event', jsonb_build_object('n', $2::int, 'note', md5($1)), $3::text, $4::text, outbox_next_seq($3::text, $4::text),
@@ -289,9 +301,7 @@ func (t *trickle) run(ctx context.Context) error {
 		now := time.Now()
 		t.mu.Lock()
 		t.commits[id] = now
-		if delay > 0 {
-			t.delayed[id] = true
-		}
+		t.kinds[id] = kind
 		t.mu.Unlock()
 	}
 }

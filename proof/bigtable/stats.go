@@ -284,12 +284,13 @@ func waitStored(ctx context.Context, js jetstreamAPI, stream string, commits map
 }
 
 // measure reads the stream and fills the trickle's part of r.
-func measure(ctx context.Context, js jetstreamAPI, stream string, commits map[string]time.Time, delayed map[string]bool, r *Result) error {
+func measure(ctx context.Context, js jetstreamAPI, stream string, commits map[string]time.Time, kinds map[string]string, r *Result) error {
 	stored, err := readStream(ctx, js, stream)
 	if err != nil {
 		return err
 	}
 	var lat, dlat []float64
+	byKind := map[string][]float64{}
 	seen := map[string]bool{}
 	for _, m := range stored {
 		if seen[m.id] {
@@ -301,8 +302,10 @@ func measure(ctx context.Context, js jetstreamAPI, stream string, commits map[st
 		if !ok {
 			continue // a row of the preload, or a trickle insert whose return the producer never saw
 		}
-		if delayed[m.id] {
-			dlat = append(dlat, max(float64(m.at.Sub(c.Add(trickleDelay)))/float64(time.Millisecond), 0))
+		if kinds[m.id] == rowDelayed {
+			d := max(float64(m.at.Sub(c.Add(trickleDelay)))/float64(time.Millisecond), 0)
+			dlat = append(dlat, d)
+			byKind[rowDelayed] = append(byKind[rowDelayed], d)
 			continue
 		}
 		d := float64(m.at.Sub(c)) / float64(time.Millisecond)
@@ -311,6 +314,12 @@ func measure(ctx context.Context, js jetstreamAPI, stream string, commits map[st
 			d = 0
 		}
 		lat = append(lat, d)
+		byKind[kinds[m.id]] = append(byKind[kinds[m.id]], d)
+	}
+	r.ByKind = map[string]Latency{}
+	for k, xs := range byKind {
+		slices.Sort(xs)
+		r.ByKind[k] = Latency{N: len(xs), P50MS: percentile(xs, 0.5), P99MS: percentile(xs, 0.99), MaxMS: xs[len(xs)-1]}
 	}
 	for id := range commits {
 		if !seen[id] {
@@ -351,6 +360,11 @@ func (r Result) Table() string {
 	fmt.Fprintf(&b, "trickle: %d rows committed, %d stored once, %d missing, %d duplicates; commit-to-stored p50 %.1f ms, p99 %.1f ms, max %.1f ms (%d stored before the commit returned); "+
 		"the %d delayed rows (poller): due-to-stored p99 %.0f ms\n",
 		r.Trickle, r.Stored, len(r.Missing), len(r.Duplicates), r.P50MS, r.P99MS, r.MaxMS, r.Early, r.Delayed, r.DelayedP99MS)
+	for _, k := range []string{rowUnordered, rowNewAgg, rowOldAgg, rowDelayed} {
+		if l, ok := r.ByKind[k]; ok {
+			fmt.Fprintf(&b, "  %s rows: %d, p50 %.1f ms, p99 %.1f ms, max %.1f ms\n", k, l.N, l.P50MS, l.P99MS, l.MaxMS)
+		}
+	}
 	names := make([]string, 0, len(r.Fetches))
 	for n := range r.Fetches {
 		names = append(names, n)
@@ -361,7 +375,7 @@ func (r Result) Table() string {
 		fmt.Fprintf(&b, "fetched %s %d times: mean %.1f ms, max %.1f ms\n", n, f.N, f.SumMS/max(float64(f.N), 1), f.MaxMS)
 	}
 	if len(r.FetchErrors) > 0 {
-		fmt.Fprintf(&b, "fetch errors (%d): %s\n", len(r.FetchErrors), strings.Join(r.FetchErrors[:min(3, len(r.FetchErrors))], "; "))
+		fmt.Fprintf(&b, "fetch errors (%d), the first: %s\n", len(r.FetchErrors), Oneline(r.FetchErrors[0], 200))
 	}
 	if r.StatementsNote != "" {
 		fmt.Fprintf(&b, "statements: %s\n", r.StatementsNote)
