@@ -68,6 +68,9 @@ func Render(rep Report) string {
 		fmt.Fprintf(&b, "\nidle (%.0f s, no traffic, poller paused): %d transactions in the relay's database, %d of %d relay backends active; relay CPU %.2f s, walsender CPU %.2f s\n",
 			ir.Seconds, ir.Xacts, ir.BackendsActive, ir.Backends, ir.RelayCPU, ir.WalsenderCPU)
 	}
+	if rep.BigTable != nil {
+		b.WriteString(renderBigTable(rep.BigTable))
+	}
 	if p := rep.Profile; p != nil {
 		fmt.Fprintf(&b, "%s (relay in-process, profiled): %.0f msg/s", p.Case, p.MsgsPerSec)
 		if p.PubCPUPerMsgUS > 0 {

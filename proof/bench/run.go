@@ -16,6 +16,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/outbox-relay/outbox-relay/proof/bigtable"
 )
 
 // Case names, in the order a round runs them (CDC and polling alternate
@@ -69,6 +71,9 @@ type Config struct {
 	RelayEnv []string
 	// RelayArgs are extra flags for the relay child's run command.
 	RelayArgs []string
+	// The bigtable case (bigtable.go): preloaded rows, and the window.
+	BigTableRows    int
+	BigTableSeconds float64
 
 	Out io.Writer // the table
 	Log io.Writer // progress
@@ -84,7 +89,12 @@ type Report struct {
 	Idle     *IdleResult       `json:"idle,omitempty"`
 	Profile  *Result           `json:"profiled_in_process,omitempty"`
 	Warnings []string          `json:"warnings,omitempty"`
+	BigTable *bigtable.Result  `json:"bigtable,omitempty"`
 }
+
+// extraCases run once each after the rounds, only when named in -cases;
+// each is registered by its own file.
+var extraCases = map[string]func(b *bench, ctx context.Context, rep *Report) error{}
 
 func (c *Config) validate() error {
 	if c.Rows < 1 || c.RowsPerTx < 1 || c.Producers < 1 || c.Payload < 16 || c.Rounds < 1 {
@@ -100,7 +110,7 @@ func (c *Config) validate() error {
 		return fmt.Errorf("-profile-case %q: want %s or %s", c.ProfileCase, CDCBacklog, CDCLive)
 	}
 	for _, k := range c.Cases {
-		if !slices.Contains(AllCases, k) {
+		if !slices.Contains(AllCases, k) && extraCases[k] == nil {
 			return fmt.Errorf("-cases: unknown case %q (known: %s)", k, strings.Join(AllCases, ","))
 		}
 	}
@@ -186,6 +196,14 @@ func Run(ctx context.Context, cfg Config) error {
 			return fmt.Errorf("idle: %w", err)
 		}
 		rep.Idle = &ir
+	}
+	for _, k := range cfg.Cases {
+		if run := extraCases[k]; run != nil {
+			cfg.logf("%s", k)
+			if err := run(b, ctx, &rep); err != nil {
+				return err
+			}
+		}
 	}
 	if cfg.CPUProfile != "" {
 		cfg.logf("profiling an in-process %s into %s", cfg.ProfileCase, cfg.CPUProfile)
