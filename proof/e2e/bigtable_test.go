@@ -11,13 +11,6 @@ import (
 	"github.com/outbox-relay/outbox-relay/proof/bigtable"
 )
 
-// g16Fixed turns TestNoTableScansAtAMillionRows on: until issue 21's
-// statements that scan the whole table are replaced (held-aggregate
-// refresh, ordered claim, counts, recent failures, blocked aggregates), the
-// test fails on every run. Flip it when they are merged;
-// OUTBOX_RELAY_TEST_G16=1 runs the test before that.
-const g16Fixed = false
-
 // G16 as a whole: a table of a million published rows (a fifth of them in
 // 1,000 aggregates, one dead letter holding its aggregate), the relay run on
 // it with --ordering aggregate and its console, the overview and the dead
@@ -35,10 +28,6 @@ const g16Fixed = false
 // Control: no dead letter, no console or metrics): it passes on main,
 // which shows the harness counts no scan of its own.
 func TestNoTableScansAtAMillionRows(t *testing.T) {
-	if !g16Fixed && os.Getenv("OUTBOX_RELAY_TEST_G16") == "" {
-		t.Skip("G16 is not met yet (issue 21): the held-aggregate refresh, counts and the console's reads scan the whole table; " +
-			"flip g16Fixed in proof/e2e/bigtable_test.go once they are fixed, or set OUTBOX_RELAY_TEST_G16=1 to run it now")
-	}
 	rows := envInt(t, "OUTBOX_RELAY_TEST_G16_ROWS", 1_000_000)
 	control := os.Getenv("OUTBOX_RELAY_TEST_G16_CONTROL") != ""
 	window := time.Duration(envInt(t, "OUTBOX_RELAY_TEST_G16_SECONDS", 60)) * time.Second
