@@ -221,12 +221,12 @@ type analyzed struct {
 }
 
 type orderPlanNode struct {
-	NodeType string     `json:"Node Type"`
-	Relation string     `json:"Relation Name"`
-	Alias    string     `json:"Alias"`
-	Index    string     `json:"Index Name"`
-	Hit      int64      `json:"Shared Hit Blocks"`
-	Read     int64      `json:"Shared Read Blocks"`
+	NodeType string          `json:"Node Type"`
+	Relation string          `json:"Relation Name"`
+	Alias    string          `json:"Alias"`
+	Index    string          `json:"Index Name"`
+	Hit      int64           `json:"Shared Hit Blocks"`
+	Read     int64           `json:"Shared Read Blocks"`
 	Plans    []orderPlanNode `json:"Plans"`
 }
 
@@ -260,8 +260,8 @@ func explainAnalyze(ctx context.Context, t *testing.T, pool *pgxpool.Pool, sql s
 	})
 	var out []struct {
 		Plan     orderPlanNode `json:"Plan"`
-		Exec     float64  `json:"Execution Time"`
-		Planning float64  `json:"Planning Time"`
+		Exec     float64       `json:"Execution Time"`
+		Planning float64       `json:"Planning Time"`
 	}
 	if err := json.Unmarshal(raw, &out); err != nil || len(out) != 1 {
 		t.Fatalf("explain output %s: %v", raw, err)
