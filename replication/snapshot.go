@@ -3,6 +3,7 @@ package replication
 import (
 	"context"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pglogrepl"
 )
@@ -59,6 +60,38 @@ func WALInsertPosition(ctx context.Context, q Querier) (LSN, error) {
 	lsn, err := pglogrepl.ParseLSN(s)
 	if err != nil {
 		return 0, fmt.Errorf("parse WAL position %q: %w", s, err)
+	}
+	return lsn, nil
+}
+
+// LogSnapshotByTemporarySlot writes running-transactions records where
+// pg_log_standby_snapshot() is missing (PostgreSQL 15) or not granted, with
+// the REPLICATION attribute the relay already holds: creating a logical
+// slot writes one, and one more after waiting for the transactions open at
+// the first (so that the new slot reaches a consistent point). The slot is
+// temporary and dropped at once; name must be free. conn must be one
+// connection (a temporary slot belongs to its session). timeout bounds the
+// wait for open transactions: a long one would otherwise hold the call (the
+// first record is written by then, and a cancelled creation drops the
+// slot). Returns the new slot's consistent point, past the records.
+func LogSnapshotByTemporarySlot(ctx context.Context, conn Querier, name string, timeout time.Duration) (LSN, error) {
+	if _, err := conn.Exec(ctx, `SELECT pg_catalog.set_config('statement_timeout', $1, false)`, fmt.Sprint(timeout.Milliseconds())); err != nil {
+		return 0, fmt.Errorf("set statement_timeout for temporary slot %s: %w", name, err)
+	}
+	var s string
+	err := conn.QueryRow(ctx, `SELECT lsn::text FROM pg_catalog.pg_create_logical_replication_slot($1, 'pgoutput', true)`, name).Scan(&s)
+	if _, rerr := conn.Exec(ctx, `RESET statement_timeout`); rerr != nil && err == nil {
+		err = rerr
+	}
+	if err != nil {
+		return 0, fmt.Errorf("write a running-transactions record (temporary slot %s): %w", name, err)
+	}
+	if _, err := conn.Exec(ctx, `SELECT pg_catalog.pg_drop_replication_slot($1)`, name); err != nil {
+		return 0, fmt.Errorf("drop temporary slot %s: %w", name, err)
+	}
+	lsn, err := pglogrepl.ParseLSN(s)
+	if err != nil {
+		return 0, fmt.Errorf("parse consistent point %q of temporary slot %s: %w", s, name, err)
 	}
 	return lsn, nil
 }

@@ -77,7 +77,7 @@ type loop struct {
 
 	stream *replication.Stream
 	// keeper writes running-transactions records so the slot's
-	// restart_lsn follows (PostgreSQL 16+ with the grant); nil: none.
+	// restart_lsn follows (restart.go); nil: none.
 	keeper *restartKeeper
 
 	// Counters of every ack, bound to their labels once: a label lookup
@@ -216,7 +216,7 @@ func (l *loop) startHelpers(sessCtx context.Context) {
 			l.gated.watch(sessCtx)
 		}()
 	}
-	if l.keeper != nil {
+	if l.keeper != nil && l.keeper.streaming {
 		l.wg.Add(1)
 		go func() {
 			defer l.wg.Done()

@@ -394,9 +394,7 @@ func (r *Relay) session(ctx context.Context) error {
 	}
 	l := newLoop(r, slot.ConfirmedFlush, held)
 	l.stream = stream
-	if r.snapshotsAllowed(ctx) {
-		l.keeper = &restartKeeper{r: r}
-	}
+	l.keeper = r.newRestartKeeper(ctx)
 	events := make(chan []replication.Event, 16)
 	confirms := make(chan replication.LSN, 1)
 	stop := make(chan struct{})

@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/replication"
@@ -15,12 +16,15 @@ import (
 // open at that record (under load, usually the record before). The server
 // writes one every 15 s while WAL is written and at checkpoints; a relay
 // restarted before it passes two of them decodes the earlier sessions' WAL
-// again, round after round (issue 21: 23, 131, 214 MB). On PostgreSQL 16+
-// the relay writes the record itself (pg_log_standby_snapshot()), while
-// streaming when the slot holds more than restartLagTarget behind its
-// confirmed position, and on a clean stop until restart_lsn has passed
-// the position the stop began at. PostgreSQL 15 has no such function: the
-// slot follows the server's own records there (docs/operations.md).
+// again, round after round (issue 21: 23, 131, 214 MB). The relay writes
+// the record itself: on PostgreSQL 16+ with pg_log_standby_snapshot()
+// (granted by migrate --print-grants), while streaming when the slot holds
+// more than restartLagTarget behind its confirmed position, and on a clean
+// stop until restart_lsn has passed the position the stop began at. On 15
+// (or without the grant) only the stop does, by creating a temporary
+// logical slot, which writes the records with the REPLICATION attribute
+// the relay has anyway; while streaming there the slot follows the
+// server's own records (docs/operations.md).
 
 // Defaults of the restart position's upkeep.
 const (
@@ -46,29 +50,69 @@ const (
 // restartKeeper writes running-transactions records for one session.
 type restartKeeper struct {
 	r *Relay
+	// record writes one (or more) and returns a position past it.
+	record func(ctx context.Context) (replication.LSN, error)
+	// streaming: also while streaming (keep), not only on a clean stop.
+	streaming bool
 }
 
-// snapshotsAllowed reads whether this session may write running-
-// transactions records, and says once per process what follows when not.
-func (r *Relay) snapshotsAllowed(ctx context.Context) bool {
+// newRestartKeeper chooses how this session writes running-transactions
+// records, and says once per process what follows when it cannot use
+// pg_log_standby_snapshot().
+func (r *Relay) newRestartKeeper(ctx context.Context) *restartKeeper {
 	s, err := replication.ReadSnapshotSupport(ctx, r.pool)
 	if err != nil {
 		r.log.Warn().Err(err).Msg("could not read whether pg_log_standby_snapshot() may be called; not writing running-transactions records this session")
-		return false
+		return nil
 	}
 	if s.Allowed {
-		return true
+		return &restartKeeper{r: r, streaming: true, record: func(ctx context.Context) (replication.LSN, error) {
+			return replication.LogStandbySnapshot(ctx, r.pool)
+		}}
 	}
 	if r.snapshotNoteLogged.CompareAndSwap(false, true) {
 		if s.Exists {
-			r.log.Warn().Msg("the role may not execute pg_log_standby_snapshot(): the slot's restart position then follows only the server's own running-transactions records (every 15 s while busy), and a restart decodes the WAL since the last one the relay passed again. " +
+			r.log.Warn().Msg("the role may not execute pg_log_standby_snapshot(): while streaming, the slot's restart position follows only the server's own running-transactions records (every 15 s while busy), and a clean stop writes them by creating a temporary slot. " +
 				"As a superuser: GRANT EXECUTE ON FUNCTION pg_catalog.pg_log_standby_snapshot() TO <relay role> (outbox-relay migrate --print-grants)")
 		} else {
-			r.log.Info().Msg("PostgreSQL 15 cannot write a running-transactions record on demand (pg_log_standby_snapshot() is 16+): the slot's restart position follows the server's own records (every 15 s while busy, and checkpoints), so a restart decodes up to about 30 s of WAL again")
+			r.log.Info().Msg("PostgreSQL 15 has no pg_log_standby_snapshot() (16+): while streaming, the slot's restart position follows the server's own running-transactions records (every 15 s while busy, and checkpoints); a clean stop writes them by creating a temporary slot")
 		}
 	}
-	return false
+	return &restartKeeper{r: r, record: r.recordByTemporarySlot}
 }
+
+// recordByTemporarySlot writes running-transactions records by creating
+// (and dropping) a temporary logical slot, on a connection of its own that
+// is closed afterwards: a temporary slot lives as long as its session, and
+// one left behind on a pooled connection would hold WAL for hours.
+func (r *Relay) recordByTemporarySlot(ctx context.Context) (replication.LSN, error) {
+	c, err := r.pool.Acquire(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("acquire a connection for a temporary slot: %w", err)
+	}
+	conn := c.Hijack()
+	defer func() {
+		cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = conn.Close(cctx)
+	}()
+	name := r.cfg.Slot
+	if len(name) > 63-len(tempSlotSuffix) {
+		name = name[:63-len(tempSlotSuffix)]
+	}
+	wait := tempSlotWait
+	if d, ok := ctx.Deadline(); ok {
+		wait = min(wait, time.Until(d))
+	}
+	return replication.LogSnapshotByTemporarySlot(ctx, conn, name+tempSlotSuffix, wait)
+}
+
+const (
+	tempSlotSuffix = "_restart"
+	// tempSlotWait bounds the temporary slot's wait for the transactions
+	// open at its first record.
+	tempSlotWait = 2 * time.Second
+)
 
 // slot reads the slot's positions as the server has them.
 func (k *restartKeeper) slot(ctx context.Context) (replication.SlotInfo, error) {
@@ -94,7 +138,7 @@ func (k *restartKeeper) keep(ctx context.Context) {
 		if si.ConfirmedFlush < si.RestartLSN+restartLagTarget {
 			continue
 		}
-		if _, err := replication.LogStandbySnapshot(ctx, k.r.pool); err != nil && ctx.Err() == nil {
+		if _, err := k.record(ctx); err != nil && ctx.Err() == nil {
 			k.r.log.Warn().Err(err).Msg("could not write a running-transactions record; the slot's restart position may lag")
 		}
 	}
@@ -117,7 +161,7 @@ func (k *restartKeeper) pass(ctx context.Context, stream *replication.Stream) {
 	}
 	var si replication.SlotInfo
 	for i := 0; i < maxStopRecords; i++ {
-		rec, err := replication.LogStandbySnapshot(ctx, k.r.pool)
+		rec, err := k.record(ctx)
 		if err != nil {
 			if ctx.Err() == nil {
 				log.Warn().Err(err).Msg("stopping: could not write a running-transactions record; the next start decodes more WAL again")
