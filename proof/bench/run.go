@@ -33,7 +33,7 @@ const (
 )
 
 // AllCases is the default -cases.
-var AllCases = []string{CeilingPG, CeilingJS, CDCBacklog, CDCLive, PollBacklog, PollLive, PollerBacklog, PollerLive, Idle}
+var AllCases = []string{CeilingPG, CeilingJS, CDCBacklog, CDCLive, PollBacklog, PollLive, PollerBacklog, PollerLive, Idle, Restart}
 
 // Config is the workload and what to run.
 type Config struct {
@@ -81,6 +81,7 @@ type Report struct {
 	Results  []Result          `json:"results"`
 	Medians  []Result          `json:"medians"`
 	Idle     *IdleResult       `json:"idle,omitempty"`
+	Restart  *RestartResult    `json:"restart,omitempty"`
 	Profile  *Result           `json:"profiled_in_process,omitempty"`
 	Warnings []string          `json:"warnings,omitempty"`
 }
@@ -185,6 +186,14 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 		rep.Idle = &ir
 	}
+	if want(Restart) {
+		cfg.logf("restart: %d rounds of %d rows, then a restart under load", restartRounds, cfg.Rows)
+		rr, err := b.restart(ctx)
+		if err != nil {
+			return fmt.Errorf("restart: %w", err)
+		}
+		rep.Restart = &rr
+	}
 	if cfg.CPUProfile != "" {
 		cfg.logf("profiling an in-process %s into %s", cfg.ProfileCase, cfg.CPUProfile)
 		profile := b.profiledBacklog
@@ -199,6 +208,9 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	rep.Medians = medians(rep.Results, cfg.Cases, cfg.Rate > 0)
 	fmt.Fprint(cfg.Out, Render(rep))
+	if rep.Restart != nil {
+		fmt.Fprint(cfg.Out, renderRestart(rep.Restart))
+	}
 	if cfg.JSONPath != "" {
 		data, err := json.MarshalIndent(rep, "", "  ")
 		if err != nil {
