@@ -91,10 +91,17 @@ func (r *Relay) recordByTemporarySlot(ctx context.Context) (replication.LSN, err
 		return 0, fmt.Errorf("acquire a connection for a temporary slot: %w", err)
 	}
 	conn := c.Hijack()
+	// Closed in the background: a creation cancelled by ctx leaves the
+	// connection busy, and a close that waits for it would hold the stop
+	// past --drain-timeout (seen once under load: a 10.6 s stop). The
+	// server drops the temporary slot when the session ends, or when the
+	// creation fails at its statement_timeout.
 	defer func() {
-		cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = conn.Close(cctx)
+		go func() {
+			cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			_ = conn.Close(cctx)
+		}()
 	}()
 	name := r.cfg.Slot
 	if len(name) > 63-len(tempSlotSuffix) {
