@@ -172,8 +172,8 @@ type Relay struct {
 	// preflighted: Preflight passed (the daemon runs it before it starts
 	// the poller); Run does not repeat it.
 	preflighted atomic.Bool
-	// snapshotNoteLogged: the relay said once why it writes no
-	// running-transactions records (restart.go).
+	// snapshotNoteLogged: the relay said once why it cannot use
+	// pg_log_standby_snapshot() (restart.go).
 	snapshotNoteLogged atomic.Bool
 
 	// sleep waits between sessions; tests replace it.
