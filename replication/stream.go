@@ -57,7 +57,23 @@ type Stream struct {
 
 	interruptDone chan struct{} // closed once Run's stop watcher has exited
 	batch         []Event       // events read and not yet handed to the relay
+
+	// prompt: send a status update as soon as the relay's confirmation
+	// moves, not at the next status interval (ConfirmPromptly).
+	prompt atomic.Bool
 }
+
+// promptWait is how long a receive waits in prompt mode before the stream
+// looks for a confirmation to send.
+const promptWait = 10 * time.Millisecond
+
+// ConfirmPromptly makes the stream send each confirmation as soon as it
+// has it, instead of at the next status interval. A stopping relay that
+// waits for the server to see its confirmation past a position (a
+// running-transactions record, so that the slot's restart_lsn moves)
+// would otherwise wait up to a status interval per step. Safe from any
+// goroutine.
+func (s *Stream) ConfirmPromptly() { s.prompt.Store(true) }
 
 // MaxBatch is the most events the stream hands over at once.
 const MaxBatch = 128
@@ -207,7 +223,7 @@ func (r *run) step() error {
 		return nil
 	default:
 	}
-	if !time.Now().Before(r.nextStatus) {
+	if !time.Now().Before(r.nextStatus) || s.prompt.Load() && s.acked > s.confirmed {
 		if err := s.sendStatus(r.ctx, false); err != nil {
 			return err
 		}
@@ -268,6 +284,11 @@ func (r *run) setDeadline() error {
 		wake = r.deadline
 	} else if r.s.batch != nil && !r.lingerUntil.IsZero() && r.lingerUntil.Before(wake) {
 		wake = r.lingerUntil
+	}
+	if r.s.prompt.Load() {
+		if p := time.Now().Add(promptWait); p.Before(wake) {
+			wake = p
+		}
 	}
 	if !wake.Equal(r.deadline) {
 		r.deadline = wake

@@ -24,8 +24,23 @@ GRANT SELECT, INSERT, UPDATE ON {{.Companion "slots"}} TO {{.Relay}};
 -- later one reads them. Changing them is the owner's (migrate
 -- --record-settings), so no UPDATE.
 GRANT SELECT, INSERT ON {{.Companion "settings"}} TO {{.Relay}};
--- The dead letters (migration 0011), kept by triggers; the relay reads them
--- for order per aggregate (G12).
+-- PostgreSQL 16+: the relay writes a running-transactions record when the
+-- slot's restart position lags, and on a clean stop, so that a restart
+-- decodes seconds of WAL again, not everything since the server's last such
+-- record (docs/operations.md, "Restarts and the slot's restart position").
+-- pg_log_standby_snapshot() is superuser-only unless granted, and only a
+-- superuser (or a role holding it WITH GRANT OPTION) can grant it: run by
+-- the table's owner alone, this step warns and grants nothing, and the relay
+-- runs without it. PostgreSQL 15 has no such function: nothing to grant.
+DO $do$ BEGIN
+    IF to_regprocedure('pg_catalog.pg_log_standby_snapshot()') IS NULL THEN
+        NULL;
+    ELSIF has_function_privilege('pg_catalog.pg_log_standby_snapshot()', 'EXECUTE WITH GRANT OPTION') THEN
+        EXECUTE format('GRANT EXECUTE ON FUNCTION pg_catalog.pg_log_standby_snapshot() TO %I', {{.RelayLit}});
+    ELSE
+        RAISE WARNING 'not granted: EXECUTE ON FUNCTION pg_catalog.pg_log_standby_snapshot() TO %: only a superuser can grant it (run that GRANT as one); without it a restart of the relay decodes more WAL again', {{.RelayLit}};
+    END IF;
+END $do$;
 
 -- The producer: the application role that writes the outbox row in its own
 -- transaction. INSERT only on the columns a producer means to set; every

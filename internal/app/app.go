@@ -98,6 +98,9 @@ type Options struct {
 	// and an expiry in seconds. 0: the relay's and the poller's defaults.
 	RejectRetry   time.Duration
 	SweepInterval time.Duration
+	// RestartCheck paces the relay's check of the slot's restart position
+	// (relay.DefaultRestartCheck when 0); no flag, tests shorten it.
+	RestartCheck time.Duration
 
 	NATS NATSAuth
 
@@ -474,6 +477,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		Ordered:          o.Ordering == OrderingAggregate,
 		DeadlineMargin:   o.DeadlineMargin,
 		RejectRetry:      o.RejectRetry,
+		RestartCheck:     o.RestartCheck,
 		Standby:          gate,
 		FailoverSlot:     o.FailoverSlot,
 		HandedOver:       p.Wake,

@@ -75,6 +75,11 @@ type loop struct {
 	refresh  chan heldRefresh
 	stopping bool
 
+	stream *replication.Stream
+	// keeper writes running-transactions records so the slot's
+	// restart_lsn follows (restart.go); nil: none.
+	keeper *restartKeeper
+
 	// Counters of every ack, bound to their labels once: a label lookup
 	// per message hashes the labels each time.
 	publishedOK, publishedDup prometheus.Counter
@@ -125,6 +130,17 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Eve
 	l.settleTimer.Stop()
 	var drainDeadline <-chan time.Time
 	shutdown := ctx.Done()
+	// passed: a clean stop keeps streaming until the slot's restart
+	// position is past the WAL written before it (restart.go), for at most
+	// 1/stopPassShare of the drain timeout; the drain gets the rest.
+	var passed chan struct{}
+	var stopAt time.Time
+	beginStop := func() {
+		l.stopping = true
+		close(stop)
+		drainDeadline = time.After(l.r.cfg.DrainTimeout - time.Since(stopAt))
+		l.r.log.Info().Int("in_flight", l.inflight).Msg("shutting down: draining in-flight messages")
+	}
 
 	for {
 		if err := l.takeEvents(sessCtx, confirms); err != nil {
@@ -158,10 +174,23 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Eve
 			return err
 		case <-shutdown:
 			shutdown = nil
-			l.stopping = true
-			close(stop)
-			drainDeadline = time.After(l.r.cfg.DrainTimeout)
-			l.r.log.Info().Int("in_flight", l.inflight).Msg("shutting down: draining in-flight messages")
+			stopAt = time.Now()
+			if l.keeper == nil {
+				beginStop()
+				break
+			}
+			passed = make(chan struct{})
+			l.wg.Add(1)
+			go func() {
+				defer l.wg.Done()
+				defer close(passed)
+				pctx, cancel := context.WithTimeout(sessCtx, l.r.cfg.DrainTimeout/stopPassShare)
+				defer cancel()
+				l.keeper.pass(pctx, l.stream)
+			}()
+		case <-passed:
+			passed = nil
+			beginStop()
 		case <-drainDeadline:
 			l.r.log.Warn().Int("in_flight", l.inflight).Int("unsettled", len(l.pending)+len(l.retry)).
 				Msg("drain timeout: leaving the rest to the next start (the broker drops the repeats)")
@@ -185,6 +214,13 @@ func (l *loop) startHelpers(sessCtx context.Context) {
 		go func() {
 			defer l.wg.Done()
 			l.gated.watch(sessCtx)
+		}()
+	}
+	if l.keeper != nil && l.keeper.streaming {
+		l.wg.Add(1)
+		go func() {
+			defer l.wg.Done()
+			l.keeper.keep(sessCtx)
 		}()
 	}
 	if l.order != nil {

@@ -66,6 +66,10 @@ type Config struct {
 	// supports it (PostgreSQL 17+, run --failover-slot).
 	FailoverSlot bool
 
+	// RestartCheck is how often a streaming relay checks whether the
+	// slot's restart_lsn lags its confirmed position (restart.go).
+	RestartCheck time.Duration
+
 	// BeforeSession runs before each session, e.g. to create the stream when
 	// missing. An error fails the session (and is retried with backoff).
 	BeforeSession func(ctx context.Context) error
@@ -125,6 +129,7 @@ func (c *Config) setDefaults() {
 	def(&c.WaitingRetry, DefaultWaitingRetry)
 	def(&c.HeldRefresh, DefaultHeldRefresh)
 	def(&c.DeadlineMargin, DefaultDeadlineMargin)
+	def(&c.RestartCheck, DefaultRestartCheck)
 }
 
 // Role is what the CDC path is doing, for /readyz and status.
@@ -167,6 +172,9 @@ type Relay struct {
 	// preflighted: Preflight passed (the daemon runs it before it starts
 	// the poller); Run does not repeat it.
 	preflighted atomic.Bool
+	// snapshotNoteLogged: the relay said once why it cannot use
+	// pg_log_standby_snapshot() (restart.go).
+	snapshotNoteLogged atomic.Bool
 
 	// sleep waits between sessions; tests replace it.
 	sleep func(ctx context.Context, d time.Duration) error
@@ -385,6 +393,8 @@ func (r *Relay) session(ctx context.Context) error {
 		}
 	}
 	l := newLoop(r, slot.ConfirmedFlush, held)
+	l.stream = stream
+	l.keeper = r.newRestartKeeper(ctx)
 	events := make(chan []replication.Event, 16)
 	confirms := make(chan replication.LSN, 1)
 	stop := make(chan struct{})

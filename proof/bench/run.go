@@ -36,7 +36,7 @@ const (
 )
 
 // AllCases is the default -cases.
-var AllCases = []string{CeilingPG, CeilingJS, CDCBacklog, CDCLive, PollBacklog, PollLive, PollerBacklog, PollerLive, Idle, Decode}
+var AllCases = []string{CeilingPG, CeilingJS, CDCBacklog, CDCLive, PollBacklog, PollLive, PollerBacklog, PollerLive, Idle, Decode, Restart}
 
 // Config is the workload and what to run.
 type Config struct {
@@ -87,6 +87,7 @@ type Report struct {
 	Results  []Result          `json:"results"`
 	Medians  []Result          `json:"medians"`
 	Idle     *IdleResult       `json:"idle,omitempty"`
+	Restart  *RestartResult    `json:"restart,omitempty"`
 	Profile  *Result           `json:"profiled_in_process,omitempty"`
 	Warnings []string          `json:"warnings,omitempty"`
 	BigTable *bigtable.Result  `json:"bigtable,omitempty"`
@@ -205,6 +206,14 @@ func Run(ctx context.Context, cfg Config) error {
 			}
 		}
 	}
+	if want(Restart) {
+		cfg.logf("restart: %d rounds of %d rows, then a restart under load", restartRounds, cfg.Rows)
+		rr, err := b.restart(ctx)
+		if err != nil {
+			return fmt.Errorf("restart: %w", err)
+		}
+		rep.Restart = &rr
+	}
 	if cfg.CPUProfile != "" {
 		cfg.logf("profiling an in-process %s into %s", cfg.ProfileCase, cfg.CPUProfile)
 		profile := b.profiledBacklog
@@ -219,6 +228,9 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	rep.Medians = medians(rep.Results, cfg.Cases, cfg.Rate > 0)
 	fmt.Fprint(cfg.Out, Render(rep))
+	if rep.Restart != nil {
+		fmt.Fprint(cfg.Out, renderRestart(rep.Restart))
+	}
 	if cfg.JSONPath != "" {
 		data, err := json.MarshalIndent(rep, "", "  ")
 		if err != nil {

@@ -43,6 +43,20 @@ func TestLeastPrivilegeRoles(t *testing.T) {
 			t.Fatalf("run the printed grants as the owner: %v\n%s", err, grants)
 		}
 	}
+	// PostgreSQL 16+: the relay's role may write running-transactions
+	// records (the slot's restart position, docs/operations.md), and not
+	// because everyone may: the function is superuser-only unless granted.
+	if v := env.PG.Version(); v >= 16 {
+		for role, want := range map[string]bool{relayRole: true, producerRole: false} {
+			var got bool
+			if err := owner.QueryRow(ctx, `SELECT has_function_privilege($1, 'pg_catalog.pg_log_standby_snapshot()', 'EXECUTE')`, role).Scan(&got); err != nil {
+				t.Fatal(err)
+			}
+			if got != want {
+				t.Fatalf("PostgreSQL %d: %s may execute pg_log_standby_snapshot(): %v, want %v", v, role, got, want)
+			}
+		}
+	}
 	t.Cleanup(func() {
 		// Roles are cluster-wide: drop them once the database is gone.
 		c, err := pgx.Connect(context.Background(), env.PG.URL("postgres"))
