@@ -68,6 +68,7 @@ type Config struct {
 	RelayEnv []string
 	// RelayArgs are extra flags for the relay child's run command.
 	RelayArgs []string
+	BigTx     BigTxConfig // -cases bigtx (bigtx.go)
 
 	Out io.Writer // the table
 	Log io.Writer // progress
@@ -99,7 +100,7 @@ func (c *Config) validate() error {
 		return fmt.Errorf("-profile-case %q: want %s or %s", c.ProfileCase, CDCBacklog, CDCLive)
 	}
 	for _, k := range c.Cases {
-		if !slices.Contains(AllCases, k) {
+		if !slices.Contains(AllCases, k) && k != BigTx {
 			return fmt.Errorf("-cases: unknown case %q (known: %s)", k, strings.Join(AllCases, ","))
 		}
 	}
@@ -175,6 +176,11 @@ func Run(ctx context.Context, cfg Config) error {
 			}
 			cfg.logf("round %d: %s: %.0f msg/s in %.2fs", round, k, r.MsgsPerSec, r.Seconds)
 			rep.Results = append(rep.Results, r)
+		}
+	}
+	if want(BigTx) {
+		if err := b.bigTx(ctx, &rep); err != nil {
+			return err
 		}
 	}
 	if want(Idle) {

@@ -51,6 +51,7 @@ func main() {
 	fs.StringVar(&c.ProfileCase, "profile-case", bench.CDCBacklog, "with -cpuprofile: which case to run with the relay in-process (cdc-backlog or cdc-live)")
 	fs.StringVar(&c.RelayPGOptions, "relay-pg-options", "", `experiment: server settings for the relay's sessions (libpq options), e.g. "-c plan_cache_mode=force_custom_plan"`)
 	fs.BoolVar(&c.SameTable, "same-table", false, "keep each case's database, table and stream across rounds: later rounds drain on a table holding the earlier rounds' rows")
+	c.BigTx.Flags(fs)
 	relayEnv := fs.String("relay-env", "", "experiment: comma-separated KEY=value environment for the relay child, e.g. GOMAXPROCS=1,GOGC=200")
 	relayArgs := fs.String("relay-args", "", "experiment: space-separated extra flags for the relay's run command, e.g. \"--linger 0\"")
 	_ = fs.Parse(os.Args[1:])
