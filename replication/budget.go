@@ -116,6 +116,9 @@ func (b *Budget) Waiting() bool {
 
 // Held is the bytes taken and not given back.
 func (b *Budget) Held() int64 {
+	if b == nil {
+		return 0
+	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.held

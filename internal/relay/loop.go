@@ -319,6 +319,7 @@ func (l *loop) handleResults(ctx context.Context, its []*item) error {
 	}
 	l.r.metrics.InFlight.Set(float64(l.inflight))
 	l.r.metrics.InFlightBytes.Set(float64(l.inflightBytes))
+	l.r.metrics.BufferedBytes.Set(float64(l.budget.Held()))
 	return nil
 }
 

@@ -375,6 +375,7 @@ func (r *Relay) session(ctx context.Context) error {
 	r.budget.Store(budget)
 	defer func() {
 		r.budget.Store(nil)
+		r.metrics.BufferedBytes.Set(0)
 		r.bufferedPeak.Store(max(r.bufferedPeak.Load(), budget.Peak()))
 	}()
 	stream, err := replication.Start(ctx, conn, replication.StreamConfig{
