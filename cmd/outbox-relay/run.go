@@ -118,6 +118,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	o.WorkerID, o.Lease, o.MaxAttempts = workerID, lease, maxAttempts
 	o.BackoffMin, o.BackoffMax, o.PollInterval, o.PollBatch = backoffMin, backoffMax, pollInterval, pollBatch
 	o.PollPipeline = pollPipeline
+	tuneMemoryLimit(maxBufferedBytes)
 	return app.Run(ctx, o, log)
 }
 

@@ -201,7 +201,11 @@ func (b *bench) bigTxRun(ctx context.Context, name string, rows, payload int, ga
 	if err != nil {
 		return r, err
 	}
-	if err := b.waitBigTxDrained(ctx, p, rows, end, pr, drainTimeout(rows)); err != nil {
+	// The walsender decodes the whole transaction (spilled to disk past
+	// logical_decoding_work_mem) before it sends the first row: allow for
+	// a slow disk, not only for the row count.
+	timeout := max(drainTimeout(rows), time.Duration(int64(rows)*int64(payload)/(1<<20))*time.Second)
+	if err := b.waitBigTxDrained(ctx, p, rows, end, pr, timeout); err != nil {
 		return r, err
 	}
 	r.Seconds = time.Since(began).Seconds()
