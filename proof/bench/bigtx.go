@@ -81,12 +81,12 @@ func (b *bench) bigTx(ctx context.Context, rep *Report) error {
 		if err != nil {
 			return fmt.Errorf("%s: %w", v.name, err)
 		}
-		b.cfg.logf("%s: drained in %.1fs (%.0f rows/s), relay peak RSS %.1f MB, stream %v messages, walsender drops %v",
+		b.cfg.logf("%s: drained in %.1fs (%.0f rows/s), relay peak RSS %.1f MB, stream %.0f messages, walsender drops %.0f",
 			v.name, r.Seconds, r.MsgsPerSec, r.PubPeakRSSMB, r.Extra["stream_msgs"], r.Extra["walsender_drops"])
 		rep.Results = append(rep.Results, r.Result)
 		rows = append(rows, []string{v.name, fmt.Sprint(v.rows), fmt.Sprint(v.payload), num(r.Extra["insert_seconds"]),
 			num(r.Seconds), num(r.MsgsPerSec), num(r.PubPeakRSSMB), num(r.PubCPUSeconds), num(r.WalsenderCPU),
-			fmt.Sprint(r.Extra["stream_msgs"]), fmt.Sprint(r.Extra["walsender_drops"]), r.load})
+			fmt.Sprintf("%.0f", r.Extra["stream_msgs"]), fmt.Sprintf("%.0f", r.Extra["walsender_drops"]), r.load})
 	}
 	fmt.Fprintf(b.cfg.Out, "\nbigtx: one transaction relayed by the relay binary (peak RSS is VmHWM; walsender drops: sessions ended or walsenders replaced during the drain)\n\n%s",
 		FormatTable([]string{"case", "rows", "payload B", "insert s", "drain s", "rows/s", "relay peak RSS MB", "relay CPU s",
