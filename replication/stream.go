@@ -30,6 +30,11 @@ type StreamConfig struct {
 	// instead of per message. A batch that fills goes at once; 0 hands each
 	// transaction over as soon as its commit is read.
 	Linger time.Duration
+	// Budget bounds the bytes of the rows read and not yet given back by
+	// the consumer (G15): while it has no room the stream stops reading
+	// WAL, and keeps taking confirmations and sending status updates so the
+	// server does not time it out. nil: rows are bounded by count only.
+	Budget *Budget
 	Logger zerolog.Logger
 }
 
@@ -388,6 +393,11 @@ func (r *run) xlogData(data []byte) error {
 	if ev.Type == EventCommit {
 		s.lastEnd = ev.EndLSN
 	}
+	if ev.Type == EventRow {
+		if err := r.acquire(ev.Row.Size()); err != nil {
+			return err
+		}
+	}
 	if s.batch == nil {
 		s.batch = newBatch()
 	}
@@ -417,6 +427,50 @@ func (r *run) flush() error {
 	s.batch = nil
 	r.lingerUntil = time.Time{}
 	return s.emit(r.ctx, r.out, batch, r.confirms, r.stop, r.ticker.C)
+}
+
+// acquire takes n bytes of the budget for a decoded row, waiting for room
+// without reading WAL: the rows read so far go to the consumer first (it
+// cannot give back what it never got), then confirmations are taken and
+// status updates sent while the consumer works the budget down. Only the
+// row just decoded is held beyond the budget meanwhile.
+func (r *run) acquire(n int) error {
+	s := r.s
+	b := s.cfg.Budget
+	if b.TryAcquire(n) {
+		return nil
+	}
+	if s.batch != nil {
+		r.trickle, r.draining = false, false
+		if err := r.flush(); err != nil {
+			return err
+		}
+		if b.TryAcquire(n) {
+			return nil
+		}
+	}
+	for {
+		select {
+		case <-b.Room():
+			if b.TryAcquire(n) {
+				return nil
+			}
+		case lsn, ok := <-r.confirms:
+			if !ok {
+				return errStopped
+			}
+			s.ack(lsn)
+		case <-r.ticker.C:
+			if err := s.sendStatus(r.ctx, false); err != nil {
+				return err
+			}
+			r.nextStatus = time.Now().Add(s.cfg.StatusInterval)
+		case <-r.stop:
+			return errStopped
+		case <-r.ctx.Done():
+			return r.ctx.Err()
+		}
+	}
 }
 
 // drainWait is how long a read after a lingering trickle waits for more:

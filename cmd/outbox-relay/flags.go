@@ -103,6 +103,7 @@ func (c *common) options() (app.Options, error) {
 		AckTimeout:       natssink.DefaultAckTimeout,
 		MaxInFlight:      relay.DefaultMaxInFlight,
 		MaxInFlightBytes: relay.DefaultMaxInFlightBytes,
+		MaxBufferedBytes: relay.DefaultMaxBufferedBytes,
 		StatusInterval:   relay.DefaultStatusInterval,
 		DrainTimeout:     relay.DefaultDrainTimeout,
 	}

@@ -62,6 +62,23 @@ func tuneGC() {
 	}
 }
 
+// memoryLimitBase is what the relay's Go memory may take besides the
+// decoded rows it holds (--max-buffered-bytes), counted twice: a row's WAL
+// message and its decoded copy. The live heap is small, so the limit only
+// matters when rows are large: each then leaves its own size or more in
+// garbage, and at GOGC 400 the heap grew to several times the budget before
+// a collection. Under the soft limit the collector runs earlier instead
+// (docs/benchmarks.md, "One large transaction").
+const memoryLimitBase = 48 << 20
+
+// tuneMemoryLimit sets Go's soft memory limit from the byte budget, unless
+// GOMEMLIMIT is set.
+func tuneMemoryLimit(maxBufferedBytes int) {
+	if _, set := os.LookupEnv("GOMEMLIMIT"); !set {
+		debug.SetMemoryLimit(memoryLimitBase + 2*int64(maxBufferedBytes))
+	}
+}
+
 func mainErr(args []string, stdout, stderr io.Writer) int {
 	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
 		usage(stdout)

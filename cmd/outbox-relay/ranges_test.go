@@ -27,6 +27,7 @@ func TestRunRefusesZeroAndOutOfRangeFlags(t *testing.T) {
 		{"status-interval", "0", "--status-interval 0s: must be more than 0"},
 		{"max-in-flight-bytes", "0", "--max-in-flight-bytes 0: must be at least 1"},
 		{"max-in-flight-bytes", "-1", "--max-in-flight-bytes -1: must be at least 1"},
+		{"max-buffered-bytes", "0", "--max-buffered-bytes 0: must be at least 1"},
 		{"drain-timeout", "0", "--drain-timeout 0s: must be more than 0"},
 		{"poll-interval", "0", "--poll-interval 0s: must be more than 0"},
 		{"backoff-min", "0", "--backoff-min 0s: must be more than 0"},

@@ -21,7 +21,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	c.register(fs, commonFlags...)
 	var (
 		dupWindow, ackTimeout, statusInterval, drainTimeout, linger time.Duration
-		maxInFlight, maxInFlightBytes, replicas                     int
+		maxInFlight, maxInFlightBytes, maxBufferedBytes, replicas   int
 		httpAddr, appName                                           string
 		auth                                                        app.NATSAuth
 		workerID                                                    string
@@ -47,6 +47,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs.DurationVar(&ackTimeout, "ack-timeout", natssink.DefaultAckTimeout, "how long a publish waits for the broker's ack before the session restarts")
 	fs.IntVar(&maxInFlight, "max-in-flight", relay.DefaultMaxInFlight, "messages published and not yet acked")
 	fs.IntVar(&maxInFlightBytes, "max-in-flight-bytes", relay.DefaultMaxInFlightBytes, "bytes published and not yet acked")
+	fs.IntVar(&maxBufferedBytes, "max-buffered-bytes", relay.DefaultMaxBufferedBytes, "bytes of decoded rows the CDC path holds in all (read, held for a standby, in flight); reading WAL pauses at this bound (a single larger row passes alone)")
 	fs.DurationVar(&linger, "linger", relay.DefaultLinger, "how long a committed transaction may wait for the next ones before it is published (0: not at all); groups a trickle of small transactions into fewer wake-ups")
 	fs.DurationVar(&statusInterval, "status-interval", relay.DefaultStatusInterval, "standby status updates to PostgreSQL (keep well under wal_sender_timeout/2)")
 	fs.DurationVar(&drainTimeout, "drain-timeout", relay.DefaultDrainTimeout, "on SIGTERM, how long to wait for in-flight acks")
@@ -78,7 +79,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	}
 	if err := checkRunRanges(
 		[]intRange{{"max-attempts", maxAttempts}, {"poll-batch", pollBatch}, {"poll-pipeline", pollPipeline},
-			{"max-in-flight-bytes", maxInFlightBytes}, {"stream-replicas", replicas}},
+			{"max-in-flight-bytes", maxInFlightBytes}, {"max-buffered-bytes", maxBufferedBytes}, {"stream-replicas", replicas}},
 		[]durationRange{{"status-interval", statusInterval, 0}, {"drain-timeout", drainTimeout, 0},
 			{"poll-interval", pollInterval, 0}, {"backoff-min", backoffMin, 0}, {"backoff-max", backoffMax, 0},
 			{"deadline-margin", deadlineMargin, maxDeadlineMargin}},
@@ -100,7 +101,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	o.Ordering, o.DeadlineMargin = ordering, deadlineMargin
 	o.StandbySlots, o.FailoverSlot = standbySlots, failoverSlot
 	o.DuplicateWindow, o.StreamReplicas, o.AckTimeout, o.NoCreateStream = dupWindow, replicas, ackTimeout, !createStream
-	o.MaxInFlight, o.MaxInFlightBytes = maxInFlight, maxInFlightBytes
+	o.MaxInFlight, o.MaxInFlightBytes, o.MaxBufferedBytes = maxInFlight, maxInFlightBytes, maxBufferedBytes
 	o.StatusInterval, o.DrainTimeout = statusInterval, drainTimeout
 	o.Linger = linger
 	if linger == 0 {
@@ -117,6 +118,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	o.WorkerID, o.Lease, o.MaxAttempts = workerID, lease, maxAttempts
 	o.BackoffMin, o.BackoffMax, o.PollInterval, o.PollBatch = backoffMin, backoffMax, pollInterval, pollBatch
 	o.PollPipeline = pollPipeline
+	tuneMemoryLimit(maxBufferedBytes)
 	return app.Run(ctx, o, log)
 }
 

@@ -69,6 +69,7 @@ type Options struct {
 	MaxInFlight      int
 	Linger           time.Duration // 0: relay.DefaultLinger; <0: none
 	MaxInFlightBytes int
+	MaxBufferedBytes int // every decoded row the CDC path holds, in bytes (relay.Config.MaxBufferedBytes); 0: the default
 	StatusInterval   time.Duration
 	DrainTimeout     time.Duration
 	HTTPAddr         string
@@ -471,6 +472,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		MaxInFlight:      o.MaxInFlight,
 		Linger:           o.Linger,
 		MaxInFlightBytes: o.MaxInFlightBytes,
+		MaxBufferedBytes: o.MaxBufferedBytes,
 		StatusInterval:   o.StatusInterval,
 		DrainTimeout:     o.DrainTimeout,
 		BeforeSession:    ensureStream,

@@ -21,6 +21,7 @@ type Metrics struct {
 	SlotLagBytes      prometheus.Gauge
 	InFlight          prometheus.Gauge
 	InFlightBytes     prometheus.Gauge
+	BufferedBytes     prometheus.Gauge
 	Handoffs          *prometheus.CounterVec // reason (delayed, rejected, deadline, held): the values internal/relay passes
 	SettleRetries     prometheus.Counter
 	Sessions          *prometheus.CounterVec // result (started, error)
@@ -77,6 +78,9 @@ func New() *Metrics {
 	})
 	m.InFlightBytes = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "outbox_relay_in_flight_bytes", Help: "Bytes published and not yet acked.",
+	})
+	m.BufferedBytes = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "outbox_relay_buffered_bytes", Help: "Bytes of decoded rows the CDC path holds (--max-buffered-bytes bounds them; at the bound reading WAL waits).",
 	})
 	m.Handoffs = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "outbox_relay_handoffs_total", Help: "Rows the CDC path handed to the poller, by reason (delayed, rejected, deadline, held).",
@@ -143,7 +147,7 @@ func New() *Metrics {
 		Name: "outbox_relay_failover_path_total", Help: "Sessions that found the slot a synced failover slot after a promotion (slot_survived); a slot re-created instead counts in outbox_relay_slots_created_total.",
 	}, []string{"path"})
 	for _, c := range []prometheus.Collector{m.FailoverPath, m.StandbyLagBytes, m.StandbySlotMissing, m.StandbyGated, m.Expired, m.BlockedAggregates, m.SlotLagSeconds, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.ServerWALEnd,
-		m.SlotLagBytes, m.InFlight, m.InFlightBytes, m.Handoffs, m.SettleRetries, m.Sessions, m.SlotOwner, m.Claims,
+		m.SlotLagBytes, m.InFlight, m.InFlightBytes, m.BufferedBytes, m.Handoffs, m.SettleRetries, m.Sessions, m.SlotOwner, m.Claims,
 		m.StaleCompletions, m.Failures, m.RowsByState, m.OldestEligible} {
 		f(c)
 	}

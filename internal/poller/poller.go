@@ -407,15 +407,8 @@ func (p *Poller) process(ctx context.Context, claimed []store.Claimed) error {
 	}()
 	defer func() { close(stopKeeper); <-keeperDone }()
 	if p.cfg.Standby != nil {
-		// Whatever the rows are, their inserts are on the standbys before
-		// any of them is published. The leases are renewed meanwhile; a
-		// batch that cannot wait within them is abandoned to a reclaim.
-		lsn, err := p.cfg.WALPosition(wctx)
-		if err == nil {
-			err = p.cfg.Standby.Wait(wctx, lsn)
-		}
-		if err != nil {
-			return fmt.Errorf("wait for the standbys to flush the claimed rows: %w", err)
+		if goOn, err := p.waitStandbys(ctx, wctx, claimed); !goOn {
+			return err
 		}
 	}
 
@@ -617,6 +610,44 @@ func (p *Poller) giveBack(ctx context.Context, blocker store.Claimed, rest []sto
 			}
 		}
 	}
+}
+
+// waitStandbys holds a claimed batch until its rows' inserts are on the
+// standbys (G14). The leases are renewed meanwhile; a batch that cannot
+// wait within them is abandoned to a reclaim. Unlike the publishing after
+// it, the wait ends with the caller's ctx (a stop): nothing was published,
+// so abandoning the batch loses nothing, and a stop must not wait for a
+// standby that may be behind for hours. The claims are given back, so the
+// rows are claimable at once rather than when their leases run out.
+// goOn: the standbys flushed the rows, publish them.
+func (p *Poller) waitStandbys(ctx, wctx context.Context, claimed []store.Claimed) (goOn bool, err error) {
+	sctx, cancel := context.WithCancel(wctx)
+	defer cancel()
+	defer context.AfterFunc(ctx, cancel)()
+	lsn, err := p.cfg.WALPosition(sctx)
+	if err == nil {
+		err = p.cfg.Standby.Wait(sctx, lsn)
+	}
+	if err == nil {
+		return true, nil
+	}
+	if ctx.Err() == nil || wctx.Err() != nil {
+		return false, fmt.Errorf("wait for the standbys to flush the claimed rows: %w", err)
+	}
+	items := make([]store.Unclaimed, len(claimed))
+	for i, c := range claimed {
+		items[i] = store.Unclaimed{WorkID: c.WorkID, Generation: c.ClaimGeneration, Reclaimed: c.Reclaimed}
+	}
+	rctx, rcancel := context.WithTimeout(wctx, 5*time.Second)
+	defer rcancel()
+	released, rerr := p.st.Release(rctx, items, p.cfg.WorkerID, "released unpublished: the relay stopped while the claim waited for the standbys (--standby-slot)")
+	if rerr != nil {
+		p.log.Warn().Err(rerr).Int("claims", len(items)).
+			Msg("stopping while a claimed batch waited for the standbys: could not give the claims back; the rows are reclaimed once their leases expire")
+		return false, nil
+	}
+	p.log.Info().Int("claims", len(released)).Msg("stopping while a claimed batch waited for the standbys: gave the unpublished claims back")
+	return false, nil
 }
 
 // keepLeases renews the batch's leases every third of the lease until stop

@@ -40,9 +40,15 @@ type fixture struct {
 
 func newFixture(t testing.TB) *fixture {
 	t.Helper()
+	return newFixtureOn(t, testenv.Shared(t).PG.CreateDatabase(t))
+}
+
+// newFixtureOn is newFixture on the database at dbURL.
+func newFixtureOn(t testing.TB, dbURL string) *fixture {
+	t.Helper()
 	ctx := context.Background()
 	env := testenv.Shared(t)
-	f := &fixture{t: t, dbURL: env.PG.CreateDatabase(t)}
+	f := &fixture{t: t, dbURL: dbURL}
 	f.stream, f.prefix = env.StreamName(t)
 	var err error
 	f.pool, err = pgxpool.New(ctx, f.dbURL)

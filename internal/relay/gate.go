@@ -27,6 +27,19 @@ import (
 // decoded only once its commit is flushed), so all of it is on the
 // standbys; its events then pass as they are read, until its Commit.
 // The standbys' positions are read only while something waits.
+//
+// The gate's events hold rows counted in the session's byte budget (G15),
+// like rows anywhere else in the session: when the budget is spent the
+// stream stops reading (replication.Budget), and a transaction whose
+// Commit is not read yet is then treated as too large for the gate, since
+// its Commit can come only once the gate lets something go.
+//
+// Why not wait at Begin, before holding any row: pgoutput's Begin carries
+// the transaction's final LSN, which is where its commit record starts
+// (txn->final_lsn), not where it ends. A standby flushed to it may lack
+// the commit record, and a promotion would lose the transaction. Only the
+// Commit event (or the server's flushed position read after Begin, above)
+// bounds the end.
 type gateState struct {
 	gate   *standby.Gate
 	events []replication.Event
@@ -46,6 +59,9 @@ type gateState struct {
 	reads      chan gateRead
 	// peak is the most events the gate held at once (for tests: G15).
 	peak *atomic.Int64
+	// budget is the session's byte budget, which also counts the gate's
+	// rows; its Waiting says no more events come until some go.
+	budget *replication.Budget
 	// waits records the head transaction's wait in
 	// outbox_relay_standby_held_seconds{path="cdc"}; endWait ends it, nil
 	// while nothing waits.
@@ -61,8 +77,8 @@ type gateRead struct {
 	err    error
 }
 
-func newGateState(g *standby.Gate, waits *metrics.StandbyGated, peak *atomic.Int64) *gateState {
-	return &gateState{gate: g, reads: make(chan gateRead), waits: waits, peak: peak}
+func newGateState(g *standby.Gate, waits *metrics.StandbyGated, peak *atomic.Int64, budget *replication.Budget) *gateState {
+	return &gateState{gate: g, reads: make(chan gateRead), waits: waits, peak: peak, budget: budget}
 }
 
 // gateCap is the most events and row bytes the gate holds.
@@ -77,6 +93,15 @@ func (l *loop) gateReads() <-chan gateRead {
 		return nil
 	}
 	return l.gated.reads
+}
+
+// gateStarved is signalled when the stream starts waiting for budget room;
+// nil without --standby-slot.
+func (l *loop) gateStarved() <-chan struct{} {
+	if l.gated == nil {
+		return nil
+	}
+	return l.budget.Starved()
 }
 
 // gateRead takes a read of the standbys' positions.
@@ -114,7 +139,7 @@ func (g *gateState) push(ev replication.Event) {
 	case replication.EventCommit:
 		g.open = false
 	case replication.EventRow:
-		g.bytes += rowBytes(ev.Row)
+		g.bytes += ev.Row.Size()
 	}
 }
 
@@ -125,20 +150,13 @@ func (g *gateState) pop() replication.Event {
 	g.events = g.events[1:]
 	switch ev.Type {
 	case replication.EventRow:
-		g.bytes -= rowBytes(ev.Row)
+		g.bytes -= ev.Row.Size()
 	case replication.EventCommit:
 		if g.through {
 			g.through, g.boundFrom, g.boundKnown = false, 0, false
 		}
 	}
 	return ev
-}
-
-func rowBytes(r *replication.Row) int {
-	if r == nil {
-		return 0
-	}
-	return len(r.WorkID) + len(r.Kind) + len(r.Subject) + len(r.Payload) + len(r.Headers)
 }
 
 // noteDepth records the gate's depth for the peak.
@@ -175,7 +193,7 @@ func (g *gateState) passable(capEvents, capBytes int) int {
 	if g.through {
 		return len(g.events)
 	}
-	if !g.open || !g.full(capEvents, capBytes) {
+	if !g.open || !(g.full(capEvents, capBytes) || g.budget.Waiting()) {
 		return 0 // its Commit is read next
 	}
 	// The head transaction filled the gate: learn a bound of its end.

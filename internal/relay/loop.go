@@ -24,6 +24,7 @@ type item struct {
 	commitTime time.Time
 	msg        *wire.Message
 	size       int
+	held       int // the row's bytes in the session's budget, until its payload is dropped (free)
 	fut        sinks.Future
 	ack        sinks.Ack
 	err        error
@@ -49,6 +50,9 @@ type settleResult struct {
 type loop struct {
 	r  *Relay
 	cp *checkpoint.Checkpoint
+	// budget counts the decoded rows the session holds (G15): the stream
+	// takes a row's bytes, the loop gives them back in free.
+	budget *replication.Budget
 
 	cur           *checkpoint.Txn
 	curCommitTime time.Time
@@ -93,10 +97,11 @@ type loop struct {
 
 // newLoop starts a session's loop; held is the table's held aggregates
 // when ordering is on, nil otherwise.
-func newLoop(r *Relay, confirmed replication.LSN, held map[store.AggregateKey]string) *loop {
+func newLoop(r *Relay, confirmed replication.LSN, held map[store.AggregateKey]string, budget *replication.Budget) *loop {
 	l := &loop{
 		r:          r,
 		cp:         checkpoint.New(confirmed),
+		budget:     budget,
 		queue:      make(chan *item, r.cfg.MaxInFlight+1),
 		results:    make(chan []*item, 64),
 		settleReq:  make(chan []*item),
@@ -109,7 +114,7 @@ func newLoop(r *Relay, confirmed replication.LSN, held map[store.AggregateKey]st
 		l.order = newOrderState(held)
 	}
 	if r.cfg.Standby != nil {
-		l.gated = newGateState(r.cfg.Standby, r.metrics.StandbyGated, &r.gatePeak)
+		l.gated = newGateState(r.cfg.Standby, r.metrics.StandbyGated, &r.gatePeak, budget)
 	}
 	return l
 }
@@ -156,6 +161,8 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Eve
 			err = l.received(sessCtx, batch, confirms)
 		case r := <-l.gateReads():
 			err = l.gateRead(sessCtx, r, confirms)
+		case <-l.gateStarved():
+			err = l.letThroughGated(sessCtx, confirms)
 		case its := <-l.results:
 			err = l.handleResults(sessCtx, its)
 		case res := <-l.settleResp:
@@ -252,6 +259,9 @@ func (l *loop) takeEvents(ctx context.Context, confirms chan replication.LSN) er
 	}
 	for len(l.rest) > 0 && l.mayRead() {
 		ev := l.rest[0]
+		// The batch would keep the row (and its payload) alive after
+		// its ack gave its bytes back.
+		l.rest[0] = replication.Event{}
 		l.rest = l.rest[1:]
 		if err := l.handleEvent(ctx, ev, confirms); err != nil {
 			return err
@@ -345,6 +355,7 @@ func (l *loop) handleResults(ctx context.Context, its []*item) error {
 	}
 	l.r.metrics.InFlight.Set(float64(l.inflight))
 	l.r.metrics.InFlightBytes.Set(float64(l.inflightBytes))
+	l.r.metrics.BufferedBytes.Set(float64(l.budget.Held()))
 	return nil
 }
 
@@ -387,7 +398,7 @@ func (l *loop) handleEvent(ctx context.Context, ev replication.Event, confirms c
 		if l.cur == nil {
 			return errors.New("row outside a transaction")
 		}
-		return l.handleRow(ctx, ev.Row)
+		return l.handleRow(ctx, ev.Row, ev.Row.Size())
 	case replication.EventCommit:
 		if l.cur == nil {
 			return errors.New("commit outside a transaction")
@@ -399,12 +410,14 @@ func (l *loop) handleEvent(ctx context.Context, ev replication.Event, confirms c
 	return nil
 }
 
-func (l *loop) handleRow(ctx context.Context, row *replication.Row) error {
+// handleRow takes a ready row, and the bytes it holds in the budget.
+func (l *loop) handleRow(ctx context.Context, row *replication.Row, held int) error {
 	// A row inserted in another state belongs to the poller.
 	if row.State != store.StateReady {
+		l.budget.Release(held)
 		return nil
 	}
-	it := &item{txn: l.cur, workID: row.WorkID, commitTime: l.curCommitTime}
+	it := &item{txn: l.cur, workID: row.WorkID, commitTime: l.curCommitTime, held: held}
 	it.settle = store.Settle{WorkID: row.WorkID, Xid: l.cur.Xid}
 	l.cp.Add(l.cur)
 	if l.order != nil && row.Aggregate != nil {
@@ -499,8 +512,17 @@ func (l *loop) reject(it *item, re *wire.RejectedError) {
 // handOff queues a row for the settler that moves it to the poller, and
 // holds its aggregate behind it.
 func (l *loop) handOff(it *item) {
+	l.free(it)
 	l.order.handedOff(it)
 	l.pending = append(l.pending, it)
+}
+
+// free gives the row's bytes back to the budget once the loop holds its
+// payload no more: acked, or handed to the poller (which reads it from the
+// table again).
+func (l *loop) free(it *item) {
+	l.budget.Release(it.held)
+	it.held = 0
 }
 
 // collect waits for every future in publish order. Waiting in order costs
@@ -584,6 +606,7 @@ func (l *loop) handleResult(ctx context.Context, it *item) error {
 	// Only what the mark needs stays: the message (payload and headers)
 	// and its future are garbage from here.
 	it.msg, it.fut = nil, nil
+	l.free(it)
 	l.pending = append(l.pending, it)
 	if next := l.acked(it); next != nil {
 		// Its turn: the predecessor is stored. It was counted against the

@@ -34,8 +34,15 @@ type Config struct {
 	SubjectPrefix string
 	AppName       string
 
-	MaxInFlight      int           // messages published and not yet acked
-	MaxInFlightBytes int           // their bytes: bounds the memory unacked messages hold (the NATS connection buffers nothing while disconnected, app sets ReconnectBufSize(-1))
+	MaxInFlight      int // messages published and not yet acked
+	MaxInFlightBytes int // their bytes: bounds the memory unacked messages hold (the NATS connection buffers nothing while disconnected, app sets ReconnectBufSize(-1))
+	// MaxBufferedBytes bounds every decoded row the session holds, in
+	// bytes (replication.Row.Size): in the stream's batch and channel, in
+	// the loop, parked behind its aggregate, held by the standby gate and
+	// in flight to the broker, until its ack (G15). When it is spent the
+	// stream stops reading WAL. Rows acked and waiting for their mark hold
+	// no payload (handleResult drops it) and are bounded by MaxUnsettled.
+	MaxBufferedBytes int
 	SettleBatch      int           // rows per settle statement
 	SettleDelay      time.Duration // how long a partial batch waits for more rows before it is settled
 	MaxUnsettled     int           // rows acked (or handed off) and not yet settled before reading WAL pauses
@@ -79,6 +86,10 @@ type Config struct {
 const (
 	DefaultMaxInFlight      = 1024
 	DefaultMaxInFlightBytes = 4 << 20
+	// DefaultMaxBufferedBytes keeps the relay's heap, which Go's collector
+	// lets grow to about twice what is live, well inside 128 MB
+	// (docs/benchmarks.md, bigtx).
+	DefaultMaxBufferedBytes = 32 << 20
 	DefaultStatusInterval   = 2 * time.Second
 	DefaultDrainTimeout     = 10 * time.Second
 	// DefaultLinger groups transactions that arrive less than this apart:
@@ -110,6 +121,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.MaxInFlightBytes <= 0 {
 		c.MaxInFlightBytes = DefaultMaxInFlightBytes
+	}
+	if c.MaxBufferedBytes <= 0 {
+		c.MaxBufferedBytes = DefaultMaxBufferedBytes
 	}
 	if c.SettleBatch <= 0 {
 		c.SettleBatch = DefaultSettleBatch
@@ -169,6 +183,11 @@ type Relay struct {
 	// gatePeak is the most events the CDC gate (--standby-slot) held at
 	// once, for tests of its bound (G15).
 	gatePeak atomic.Int64
+	// budget is the session's byte budget (nil between sessions) and
+	// bufferedPeak the most bytes any earlier session held, for tests of
+	// the bound (G15).
+	budget       atomic.Pointer[replication.Budget]
+	bufferedPeak atomic.Int64
 	// preflighted: Preflight passed (the daemon runs it before it starts
 	// the poller); Run does not repeat it.
 	preflighted atomic.Bool
@@ -360,12 +379,20 @@ func (r *Relay) session(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	budget := replication.NewBudget(int64(r.cfg.MaxBufferedBytes))
+	r.budget.Store(budget)
+	defer func() {
+		r.budget.Store(nil)
+		r.metrics.BufferedBytes.Set(0)
+		r.bufferedPeak.Store(max(r.bufferedPeak.Load(), budget.Peak()))
+	}()
 	stream, err := replication.Start(ctx, conn, replication.StreamConfig{
 		Slot:           r.cfg.Slot,
 		Publication:    r.cfg.Publication,
 		Table:          replication.Table{Schema: r.cfg.Table.Schema, Name: r.cfg.Table.Name},
 		StatusInterval: r.cfg.StatusInterval,
 		Linger:         max(r.cfg.Linger, 0),
+		Budget:         budget,
 		Logger:         r.log,
 	}, slot.ConfirmedFlush, &r.stats)
 	if err != nil {
@@ -392,7 +419,7 @@ func (r *Relay) session(ctx context.Context) error {
 			r.log.Info().Int("aggregates", len(held)).Msg("aggregates held behind rows with the poller")
 		}
 	}
-	l := newLoop(r, slot.ConfirmedFlush, held)
+	l := newLoop(r, slot.ConfirmedFlush, held, budget)
 	l.stream = stream
 	l.keeper = r.newRestartKeeper(ctx)
 	events := make(chan []replication.Event, 16)

@@ -74,6 +74,7 @@ type Config struct {
 	// The bigtable case (bigtable.go): preloaded rows, and the window.
 	BigTableRows    int
 	BigTableSeconds float64
+	BigTx           BigTxConfig // -cases bigtx (bigtx.go)
 
 	Out io.Writer // the table
 	Log io.Writer // progress
@@ -111,7 +112,7 @@ func (c *Config) validate() error {
 		return fmt.Errorf("-profile-case %q: want %s or %s", c.ProfileCase, CDCBacklog, CDCLive)
 	}
 	for _, k := range c.Cases {
-		if !slices.Contains(AllCases, k) && extraCases[k] == nil {
+		if !slices.Contains(AllCases, k) && extraCases[k] == nil && k != BigTx {
 			return fmt.Errorf("-cases: unknown case %q (known: %s)", k, strings.Join(AllCases, ","))
 		}
 	}
@@ -188,6 +189,11 @@ func Run(ctx context.Context, cfg Config) error {
 			}
 			cfg.logf("round %d: %s: %.0f msg/s in %.2fs", round, k, r.MsgsPerSec, r.Seconds)
 			rep.Results = append(rep.Results, r)
+		}
+	}
+	if want(BigTx) {
+		if err := b.bigTx(ctx, &rep); err != nil {
+			return err
 		}
 	}
 	if want(Idle) {
