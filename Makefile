@@ -144,7 +144,10 @@ chaos-failover: setup pg-versions
 	cd proof && $(GO) run ./cmd/outbox-chaos -failover -pg-version 17 -duration 3m $(CHAOS_FAILOVER_FLAGS)
 
 ## bench: the end-to-end benchmark (proof/bench): ceilings, CDC and poller
-## paths, the naive polling publisher, idle cost; flags via BENCH_FLAGS.
+## paths, the naive polling publisher, idle cost, one slot's decode ceiling
+## (decode) and restarts (restart); flags via BENCH_FLAGS. Production scale,
+## only when named: BENCH_FLAGS='-cases bigtx,bigtable,restart' (a 10M-row
+## transaction with and without --standby-slot, a 20M-row table: G15, G16).
 BENCH_FLAGS ?= -rows 100000 -rows-per-tx 100 -payload 200 -producers 4 -policy mark -rounds 3 -json bench.json -plot bench.png
 bench: setup
 	cd proof && $(GO) run ./cmd/outbox-bench $(BENCH_FLAGS)
