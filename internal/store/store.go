@@ -41,7 +41,7 @@ var RequiredColumns = []string{
 	"attempts", "claim_generation", "claimed_by", "lease_until", "published_at", "stream_seq",
 	"last_error", "redriven_at", "redriven_by", "redrive_reason",
 	"aggregate_type", "aggregate_id", "aggregate_seq", "expires_at",
-	"stream_name",
+	"stream_name", "parked",
 }
 
 // Store runs the outbox table's statements on a pool.
