@@ -63,6 +63,13 @@ func TestLeaseRenewedWhileAcksAreSlow(t *testing.T) {
 	b, bm := f.poller("b", cfg)
 	done := make(chan error, 1)
 	go func() { _, err := a.Poll(ctx); done <- err }()
+	// b polls only once a holds the claim: on a loaded machine b's first
+	// poll could otherwise come before a's and take the row itself.
+	testenv.WaitFor(t, 10*time.Second, "worker a's claim of 'slow'", func() (bool, error) {
+		var n int
+		err := f.pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE work_id = 'slow' AND claimed_by = 'a' AND state = 'running'`).Scan(&n)
+		return n == 1, err
+	})
 	stolen := 0
 	for polling := true; polling; {
 		select {
