@@ -41,6 +41,8 @@ const (
 	fAggregateID
 	fAggregateSeq
 	fExpiresAt
+	// Optional too (migration 0013): NULL or missing reads as 0.
+	fXactID
 	numOutboxFields
 	firstOptional = fAggregateType
 )
@@ -58,6 +60,8 @@ var outboxFieldNames = [numOutboxFields]string{
 	fAggregateID:   "aggregate_id",
 	fAggregateSeq:  "aggregate_seq",
 	fExpiresAt:     "expires_at",
+	// G17.
+	fXactID: "xact_id",
 }
 
 func (f outboxField) String() string { return outboxFieldNames[f] }
@@ -461,6 +465,15 @@ func (d *Decoder) row(msg []byte, vals *fieldValues) (*Row, error) {
 		}
 	}
 
+	var xact uint64
+	if !null[fXactID] {
+		// Written by the database (a default and a trigger), so a value
+		// that does not parse is not the producer's to answer for: it
+		// reads as unknown, and the row is marked as under --on-publish
+		// mark instead of being left to the watermark.
+		xact, _ = strconv.ParseUint(string(vals[fXactID].bytes(msg)), 10, 64)
+	}
+
 	// A NULL or missing field's value is empty, so it adds nothing.
 	parts := [...][]byte{
 		vals[fWorkID].bytes(msg), vals[fKind].bytes(msg), vals[fSubject].bytes(msg), vals[fState].bytes(msg),
@@ -507,6 +520,7 @@ func (d *Decoder) row(msg []byte, vals *fieldValues) (*Row, error) {
 	}
 	row.AvailableAt = at
 	row.ExpiresAt = exp
+	row.XactID = xact
 	return row, nil
 }
 

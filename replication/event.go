@@ -59,6 +59,9 @@ type Row struct {
 	AvailableAt time.Time
 	Aggregate   *Aggregate // nil: the row is unordered (G12)
 	ExpiresAt   time.Time  // zero: no business deadline (G13)
+	// XactID is the inserting transaction's top-level id (the xact_id
+	// column, G17); 0 when the table has no such column or it is NULL.
+	XactID uint64
 }
 
 // Aggregate is the business object a row's work belongs to and the row's

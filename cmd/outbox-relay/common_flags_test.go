@@ -226,7 +226,7 @@ func TestIgnoredFlagValuesAreNotChecked(t *testing.T) {
 	}{
 		{[]string{"migrate", bad, "--publication", "pub-x"}, `--publication "pub-x"`},
 		{[]string{"prune", bad, "--older-than", "1d", "--table", "a.b.c"}, `--table "a.b.c"`},
-		{[]string{"run", bad, "--on-publish", "sometimes"}, `--on-publish "sometimes": want mark or delete`},
+		{[]string{"run", bad, "--on-publish", "sometimes"}, `--on-publish "sometimes": want mark, delete or none`},
 		{[]string{"run", bad, "--log-level", "loud"}, `--log-level "loud"`},
 	} {
 		code, errOut := runWithin(t, 30*time.Second, c.args...)

@@ -57,7 +57,7 @@ func (c *common) register(fs *flag.FlagSet, uses ...string) {
 	fs.StringVar(&c.publication, flagPublication, "outbox_relay", "publication of the outbox table's inserts")
 	fs.StringVar(&c.stream, flagStream, "OUTBOX", "JetStream stream the relay publishes to; run creates it when missing, never changes it")
 	fs.StringVar(&c.subjectPrefix, flagSubjectPrefix, "outbox.", "default subject is <prefix><kind>; the stream binds <prefix>>")
-	fs.StringVar(&c.onPublish, flagOnPublish, "mark", "after the broker's ack: mark (state=published, keep evidence) or delete")
+	fs.StringVar(&c.onPublish, flagOnPublish, "mark", "after the broker's ack: mark (state=published, keep evidence), delete, or none (G17: the CDC path writes nothing per row; a watermark in <table>_slots says what was published)")
 	c.log.Register(fs)
 	used := map[string]bool{}
 	for _, name := range uses {

@@ -17,6 +17,7 @@ type Metrics struct {
 	Duplicates        prometheus.Counter
 	CommitToAck       prometheus.Histogram
 	ConfirmedLSN      prometheus.Gauge
+	WatermarkLSN      prometheus.Gauge
 	ServerWALEnd      prometheus.Gauge
 	SlotLagBytes      prometheus.Gauge
 	InFlight          prometheus.Gauge
@@ -66,6 +67,9 @@ func New() *Metrics {
 	})
 	m.ConfirmedLSN = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "outbox_relay_slot_confirmed_lsn", Help: "Last position confirmed to the slot, as a byte offset.",
+	})
+	m.WatermarkLSN = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "outbox_relay_watermark_lsn", Help: "Position of the last watermark this instance recorded (--on-publish none, G17), as a byte offset: 'ready' rows committed before it are published.",
 	})
 	m.ServerWALEnd = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "outbox_relay_server_wal_end_lsn", Help: "Newest server WAL position the stream heard of, as a byte offset.",
@@ -146,7 +150,7 @@ func New() *Metrics {
 	m.FailoverPath = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "outbox_relay_failover_path_total", Help: "Sessions that found the slot a synced failover slot after a promotion (slot_survived); a slot re-created instead counts in outbox_relay_slots_created_total.",
 	}, []string{"path"})
-	for _, c := range []prometheus.Collector{m.FailoverPath, m.StandbyLagBytes, m.StandbySlotMissing, m.StandbyGated, m.Expired, m.BlockedAggregates, m.SlotLagSeconds, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.ServerWALEnd,
+	for _, c := range []prometheus.Collector{m.FailoverPath, m.StandbyLagBytes, m.StandbySlotMissing, m.StandbyGated, m.Expired, m.BlockedAggregates, m.SlotLagSeconds, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.WatermarkLSN, m.ServerWALEnd,
 		m.SlotLagBytes, m.InFlight, m.InFlightBytes, m.BufferedBytes, m.Handoffs, m.SettleRetries, m.Sessions, m.SlotOwner, m.Claims,
 		m.StaleCompletions, m.Failures, m.RowsByState, m.OldestEligible} {
 		f(c)

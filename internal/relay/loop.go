@@ -230,6 +230,13 @@ func (l *loop) startHelpers(sessCtx context.Context) {
 			l.keeper.keep(sessCtx)
 		}()
 	}
+	if l.r.store.Policy() == store.PolicyNone {
+		l.wg.Add(1)
+		go func() {
+			defer l.wg.Done()
+			l.recordWatermarks(sessCtx)
+		}()
+	}
 	if l.order != nil {
 		l.wg.Add(1)
 		go func() {
@@ -418,7 +425,7 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row, held int) er
 		return nil
 	}
 	it := &item{txn: l.cur, workID: row.WorkID, commitTime: l.curCommitTime, held: held}
-	it.settle = store.Settle{WorkID: row.WorkID, Xid: l.cur.Xid}
+	it.settle = store.Settle{WorkID: row.WorkID, Xid: l.cur.Xid, XactID: row.XactID}
 	l.cp.Add(l.cur)
 	if l.order != nil && row.Aggregate != nil {
 		it.ordered, it.agg = true, store.AggregateKey{Type: row.Aggregate.Type, ID: row.Aggregate.ID}

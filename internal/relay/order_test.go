@@ -106,9 +106,21 @@ func assertAggregateOrder(t *testing.T, h *harness) {
 // raises the limit and redrives the row; then 3..10 are stored in order.
 // Halfway, the relay is stopped and started again: the held set comes from
 // the table.
+//
+// With --on-publish none (G17) the rows the CDC path published stay
+// 'ready': the poller's ordered claim must read aggregate 7's sequence 2
+// as published through the watermark, or 3..11 would wait behind it for
+// ever.
 func TestOrderingHoldsAnAggregateBehindItsRefusedRow(t *testing.T) {
+	for _, p := range []store.Policy{store.PolicyMark, store.PolicyNone} {
+		t.Run(string(p), func(t *testing.T) { testOrderingHoldsAnAggregate(t, p) })
+	}
+}
+
+func testOrderingHoldsAnAggregate(t *testing.T, policy store.Policy) {
 	s := sharedSetup(t)
 	h := newHarness(t, s)
+	h.opts.Policy = policy
 	h.opts.Ordering = app.OrderingAggregate
 	h.opts.MaxAttempts = 2
 	ctx := context.Background()
@@ -192,7 +204,14 @@ func TestOrderingHoldsAnAggregateBehindItsRefusedRow(t *testing.T) {
 // published and ends expired, never attempted; one with a far deadline is
 // published with Outbox-Expires-At; rows whose deadline passes while the
 // broker is down are not published when it returns.
+// With --on-publish none too (G17).
 func TestDeadlines(t *testing.T) {
+	for _, p := range []store.Policy{store.PolicyMark, store.PolicyNone} {
+		t.Run(string(p), func(t *testing.T) { testDeadlines(t, p) })
+	}
+}
+
+func testDeadlines(t *testing.T, policy store.Policy) {
 	env := testenv.Shared(t)
 	n, err := testenv.StartNATS(testenv.NATSOptions{})
 	if err != nil {
@@ -200,6 +219,7 @@ func TestDeadlines(t *testing.T) {
 	}
 	t.Cleanup(n.Close)
 	h := newHarness(t, setup{dbURL: env.PG.CreateDatabase(t), natsURL: n.URL(), stream: "DEADLINES", subjectPrefix: "deadlines."})
+	h.opts.Policy = policy
 	h.opts.AckTimeout = time.Second
 	h.start()
 	ctx := context.Background()

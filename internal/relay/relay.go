@@ -77,6 +77,10 @@ type Config struct {
 	// slot's restart_lsn lags its confirmed position (restart.go).
 	RestartCheck time.Duration
 
+	// WatermarkEvery paces the watermark of --on-publish none (G17,
+	// watermark.go); the store's policy decides whether there is one.
+	WatermarkEvery time.Duration
+
 	// BeforeSession runs before each session, e.g. to create the stream when
 	// missing. An error fails the session (and is retried with backoff).
 	BeforeSession func(ctx context.Context) error
@@ -144,6 +148,7 @@ func (c *Config) setDefaults() {
 	def(&c.HeldRefresh, DefaultHeldRefresh)
 	def(&c.DeadlineMargin, DefaultDeadlineMargin)
 	def(&c.RestartCheck, DefaultRestartCheck)
+	def(&c.WatermarkEvery, DefaultWatermarkEvery)
 }
 
 // Role is what the CDC path is doing, for /readyz and status.

@@ -146,11 +146,14 @@ func (s *Store) BackfillAllReady(ctx context.Context, slot string) (n int64, pen
 
 // backfillTx moves the 'ready' rows the transaction sees to 'scheduled',
 // keeping available_at (a delayed row stays delayed), and clears the marker.
+// A 'ready' row the newest watermark covers was published (--on-publish
+// none, G17) and stays as it is: after a slot loss only the rows the last
+// watermark does not cover are handed over.
 // attempts is left alone: a backfilled row has not failed.
 func (s *Store) backfillTx(ctx context.Context, tx pgx.Tx, slot, mode, consistentLSN string) (int64, error) {
 	var n int64
 	err := tx.QueryRow(ctx, `WITH moved AS (
-			UPDATE `+s.table.String()+` SET state = 'scheduled' WHERE state = 'ready' RETURNING 1)
+			UPDATE `+s.table.String()+` AS o SET state = 'scheduled' WHERE o.state = 'ready' AND NOT `+s.coveredSQL("o")+` RETURNING 1)
 		SELECT count(*) FROM moved`).Scan(&n)
 	if err != nil {
 		return 0, fmt.Errorf("backfill slot %s: hand ready rows of %s to the poller: %w", slot, s.table.Qualified(), err)

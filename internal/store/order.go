@@ -134,9 +134,10 @@ func (s *Store) blockedAggregatesSQL() string {
 		blocked AS (
 			SELECT f.*, o.state, o.created_at, (SELECT count(*) FROM ` + tbl + ` w
 				WHERE w.aggregate_type = f.aggregate_type AND w.aggregate_id = f.aggregate_id
-				  AND w.aggregate_seq > f.aggregate_seq AND w.state IN ` + blockingStatesSQL + `) AS waiting
+				  AND w.aggregate_seq > f.aggregate_seq AND w.state IN ` + blockingStatesSQL + `
+				  AND NOT (w.state = '` + StateReady + `' AND ` + s.coveredSQL("w") + `)) AS waiting
 			FROM held f JOIN ` + tbl + ` o ON o.work_id = f.work_id
-			WHERE coalesce((SELECT b.state FROM ` + tbl + ` b
+			WHERE coalesce((SELECT CASE WHEN b.state = '` + StateReady + `' AND ` + s.coveredSQL("b") + ` THEN '` + StatePublished + `' ELSE b.state END FROM ` + tbl + ` b
 				WHERE b.aggregate_type = f.aggregate_type AND b.aggregate_id = f.aggregate_id AND b.aggregate_seq < f.aggregate_seq
 				ORDER BY b.aggregate_seq DESC LIMIT 1), '') <> '` + StateReady + `')
 		SELECT aggregate_type, aggregate_id, work_id, aggregate_seq, state, created_at, waiting, count(*) OVER ()

@@ -349,7 +349,8 @@ func (s *Store) claimUpdateSQL() string {
 //     two claims never take the same aggregate's head. "No lower sequence
 //     blocks" is read without the aggregate's published history (G16),
 //     in three index probes of the candidate's own aggregate: the row right
-//     below it (aggregate_idx, one entry) is not blocking, no row below it
+//     below it (aggregate_idx, one entry) is not blocking (a 'ready' row
+//     the watermark covers was published: --on-publish none, G17), no row below it
 //     is with the poller (aggregate_held_idx, the aggregate's held rows
 //     only) and none is a dead letter (dead_letter_idx, on the parked column). A 'ready' row
 //     further down, under published ones, is not seen: the CDC path
@@ -381,9 +382,10 @@ func (s *Store) orderedClaimSQL() string {
 		SELECT work_id, state AS prev_state, poll_at, aggregate_type, aggregate_id, aggregate_seq FROM ` + tbl + ` AS q
 		WHERE poll_at IS NOT NULL AND poll_at <= (SELECT clock_timestamp()) AND coalesce(` + dueSQL("q") + `
 		  AND (q.aggregate_type IS NULL OR (
-			coalesce((SELECT p.state FROM ` + tbl + ` AS p
+			coalesce((SELECT p.state NOT IN ` + blockingStatesSQL + ` OR (p.state = '` + StateReady + `' AND ` + s.coveredSQL("p") + `)
+				FROM ` + tbl + ` AS p
 				WHERE ` + same("p", "q") + ` AND p.aggregate_seq < q.aggregate_seq
-				ORDER BY p.aggregate_seq DESC LIMIT 1) NOT IN ` + blockingStatesSQL + `, true)
+				ORDER BY p.aggregate_seq DESC LIMIT 1), true)
 			AND NOT EXISTS (SELECT 1 FROM ` + tbl + ` AS b
 				WHERE ` + same("b", "q") + ` AND b.aggregate_seq < q.aggregate_seq
 				  AND b.poll_at IS NOT NULL AND b.aggregate_type IS NOT NULL)

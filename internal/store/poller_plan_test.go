@@ -88,7 +88,10 @@ func TestPollerPlansWithoutStatistics(t *testing.T) {
 // poll_at and sequence).
 func sortsTheTable(plan string) bool {
 	for _, line := range strings.Split(plan, "\n") {
+		// The newest watermark (G17) is sorted out of the table's slot
+		// records, a row or two; only a sort of the outbox counts.
 		if strings.Contains(line, "Sort") && !strings.Contains(line, "Sort Key: r.poll_at, r.aggregate_seq") &&
+			!strings.Contains(line, "Sort Key: w.watermark_lsn DESC") &&
 			!strings.Contains(line, "Sort  (") {
 			return true
 		}

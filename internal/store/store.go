@@ -24,15 +24,20 @@ const (
 	PolicyMark Policy = "mark"
 	// PolicyDelete deletes the row: the smallest table, no evidence kept.
 	PolicyDelete Policy = "delete"
+	// PolicyNone leaves a row the CDC path published as it was inserted
+	// (G17): the watermark the relay records says it was published
+	// (watermark.go). Rows the CDC path does not publish, and the poller's,
+	// are written as with mark.
+	PolicyNone Policy = "none"
 )
 
 // ParsePolicy reads the --on-publish flag.
 func ParsePolicy(s string) (Policy, error) {
 	switch p := Policy(s); p {
-	case PolicyMark, PolicyDelete:
+	case PolicyMark, PolicyDelete, PolicyNone:
 		return p, nil
 	}
-	return "", fmt.Errorf("--on-publish %q: want mark or delete", s)
+	return "", fmt.Errorf("--on-publish %q: want mark, delete or none", s)
 }
 
 // RequiredColumns are the columns the relay reads or writes.
@@ -41,7 +46,7 @@ var RequiredColumns = []string{
 	"attempts", "claim_generation", "claimed_by", "lease_until", "published_at", "stream_seq",
 	"last_error", "redriven_at", "redriven_by", "redrive_reason",
 	"aggregate_type", "aggregate_id", "aggregate_seq", "expires_at",
-	"stream_name", "parked",
+	"stream_name", "parked", "xact_id",
 }
 
 // Store runs the outbox table's statements on a pool.
@@ -62,6 +67,9 @@ func New(pool *pgxpool.Pool, t Table, policy Policy) *Store {
 	s.settleSQL = buildSettleSQL(t, policy)
 	return s
 }
+
+// Policy is the on-publish policy the store applies.
+func (s *Store) Policy() Policy { return s.policy }
 
 // Table is the table this store works on.
 func (s *Store) Table() Table { return s.table }
@@ -168,8 +176,12 @@ const (
 
 // Settle is one row the CDC path wants to move out of 'ready'.
 type Settle struct {
-	WorkID  string
-	Xid     uint32 // the inserting transaction, to tell "not visible yet" from "already moved on"
+	WorkID string
+	Xid    uint32 // the inserting transaction, to tell "not visible yet" from "already moved on"
+	// XactID is the row's xact_id column (0: NULL, a row from before
+	// migration 0013). With --on-publish none a published row that has one
+	// is left alone: the watermark covers it.
+	XactID  uint64
 	Outcome Outcome
 	Seq     uint64 // Published: the stream sequence
 	Stream  string // Published: the stream that stored it
@@ -188,6 +200,9 @@ type Settle struct {
 // inserting transaction is not visible yet: try again later, and do not let
 // the checkpoint pass it.
 func (s *Store) SettleRows(ctx context.Context, items []Settle) (settled []bool, err error) {
+	if s.policy == PolicyNone {
+		return s.settleUnwritten(ctx, items)
+	}
 	var pubIDs, pubStreams, pubNotes, delayIDs, rejIDs, rejErrs, heldIDs, heldErrs []string
 	var pubSeqs, rejDelay []int64
 	for _, it := range items {
@@ -232,6 +247,37 @@ func (s *Store) SettleRows(ctx context.Context, items []Settle) (settled []bool,
 	for i, it := range items {
 		_, ok := done[it.WorkID]
 		settled[i] = ok || snap.Visible(it.Xid)
+	}
+	return settled, nil
+}
+
+// settleUnwritten is SettleRows under --on-publish none (G17): a published
+// row with an xact_id needs no statement, and is settled now; the others
+// (rows the CDC path did not publish, and rows from before migration 0013,
+// which the watermark cannot judge) are written as with mark.
+func (s *Store) settleUnwritten(ctx context.Context, items []Settle) ([]bool, error) {
+	settled := make([]bool, len(items))
+	var rest []Settle
+	var at []int
+	for i, it := range items {
+		if it.Outcome == Published && it.XactID != 0 {
+			settled[i] = true
+			continue
+		}
+		rest = append(rest, it)
+		at = append(at, i)
+	}
+	if len(rest) == 0 {
+		return settled, nil
+	}
+	s2 := *s
+	s2.policy = PolicyMark
+	done, err := s2.SettleRows(ctx, rest)
+	if err != nil {
+		return nil, err
+	}
+	for j, i := range at {
+		settled[i] = done[j]
 	}
 	return settled, nil
 }

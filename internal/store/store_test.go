@@ -2,7 +2,6 @@ package store_test
 
 import (
 	"context"
-	"strings"
 	"sync"
 	"testing"
 
@@ -138,7 +137,7 @@ func TestSettleUsesPrimaryKey(t *testing.T) {
 	}
 	for _, policy := range []store.Policy{store.PolicyMark, store.PolicyDelete} {
 		plan := store.ExplainSettle(ctx, t, pool, tbl, policy)
-		if strings.Contains(plan, "Seq Scan on outbox") {
+		if seqScanOnOutbox.MatchString(plan) {
 			t.Errorf("%s: settle plan scans the table:\n%s", policy, plan)
 		}
 	}

@@ -754,7 +754,7 @@ func TestBadInputFailsClearly(t *testing.T) {
 		{
 			name:     "bad flag value",
 			args:     func(*testing.T) []string { return base(okDB, natsURL, "--on-publish=maybe") },
-			contains: []string{"--on-publish", "maybe", "mark or delete"},
+			contains: []string{"--on-publish", "maybe", "mark, delete or none"},
 		},
 		{
 			name:     "bad environment value",

@@ -1,0 +1,128 @@
+package relay_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
+)
+
+// insertBulk commits n rows named prefix-i, perTx to a transaction, each
+// transaction one INSERT ... SELECT.
+func (h *harness) insertBulk(prefix string, n, perTx int) []string {
+	h.t.Helper()
+	var ids []string
+	for i := 0; i < n; i += perTx {
+		end := min(n, i+perTx)
+		h.exec(`INSERT INTO outbox (work_id, kind, payload)
+			SELECT $1 || '-' || g, 'thing_happened', jsonb_build_object('n', g) FROM generate_series($2::int, $3::int) g`, prefix, i, end-1)
+		for j := i; j < end; j++ {
+			ids = append(ids, fmt.Sprintf("%s-%d", prefix, j))
+		}
+	}
+	return ids
+}
+
+// tableWrites reads pg_stat_user_tables for the outbox table.
+func (h *harness) tableWrites() (ins, upd, del int64) {
+	h.t.Helper()
+	if err := h.pool.QueryRow(context.Background(), `SELECT n_tup_ins, n_tup_upd, n_tup_del FROM pg_stat_user_tables
+		WHERE relid = 'outbox'::regclass`).Scan(&ins, &upd, &del); err != nil {
+		h.t.Fatalf("read the table's statistics: %v", err)
+	}
+	return ins, upd, del
+}
+
+// waitRelayBackendsGone waits until the stopped relay's sessions have
+// ended: a backend adds its counts to pg_stat_user_tables when it exits at
+// the latest, so only then can "no update" be read from them.
+func (h *harness) waitRelayBackendsGone() {
+	h.t.Helper()
+	testenv.WaitFor(h.t, 30*time.Second, "the relay's database sessions ended", func() (bool, error) {
+		var n int
+		err := h.pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND pid <> pg_backend_pid() AND application_name LIKE 'outbox-relay%'`).Scan(&n)
+		return n == 0, fmt.Errorf("%d sessions left (%v)", n, err)
+	})
+}
+
+// G17: with --on-publish none the CDC path writes nothing for the rows it
+// publishes. 50,000 rows (bulk transactions and 1,000 single-row ones) are
+// published exactly once, every one stays exactly as inserted, the
+// watermark covers them all, and the table's statistics count 50,000
+// inserts and not one update or delete.
+func TestNoneWritesNothingPerPublishedRow(t *testing.T) {
+	h := newHarness(t, sharedSetup(t))
+	h.opts.Policy = store.PolicyNone
+	h.opts.MaxInFlight = 1024
+	h.opts.MaxInFlightBytes = 4 << 20
+	h.start()
+	ids := h.insertBulk("bulk", 49000, 500)
+	ids = append(ids, h.insertRows("single", 1000, 1)...)
+	testenv.WaitFor(t, 120*time.Second, "50,000 messages stored and covered by the watermark", func() (bool, error) {
+		return h.streamCount() == 50000 && h.countState("published") == 50000,
+			fmt.Errorf("stream holds %d, %d rows published, %d ready", h.streamCount(), h.countState("published"), h.countState("ready"))
+	})
+	h.stop()
+	h.waitRelayBackendsGone()
+	testenv.WaitFor(t, 30*time.Second, "the producers' inserts counted", func() (bool, error) {
+		ins, _, _ := h.tableWrites()
+		return ins == 50000, fmt.Errorf("n_tup_ins %d", ins)
+	})
+	ins, upd, del := h.tableWrites()
+	if upd != 0 || del != 0 {
+		t.Errorf("pg_stat_user_tables: %d inserts, %d updates, %d deletes; want no update and no delete", ins, upd, del)
+	}
+	var notReady int
+	if err := h.pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox WHERE state <> 'ready' OR published_at IS NOT NULL
+		OR stream_seq IS NOT NULL OR last_error IS NOT NULL`).Scan(&notReady); err != nil {
+		t.Fatal(err)
+	}
+	if notReady != 0 {
+		t.Errorf("%d rows changed from how they were inserted", notReady)
+	}
+	h.assertExactlyOnce(ids)
+}
+
+// G17 and G9: after a slot loss only the rows the last watermark does not
+// cover go to the poller. 2,000 rows are published and covered; the relay
+// stops, 300 rows are committed, the slot is dropped. The new slot's
+// backfill hands over exactly those 300 (the slot record says so, and the
+// poller marks each), the 2,000 stay as inserted, and nothing is stored
+// twice.
+func TestNoneSlotLossHandsOverOnlyUncovered(t *testing.T) {
+	h := newHarness(t, sharedSetup(t))
+	h.opts.Policy = store.PolicyNone
+	h.start()
+	first := h.insertBulk("first", 1900, 100)
+	first = append(first, h.insertRows("first-single", 100, 1)...)
+	testenv.WaitFor(t, 60*time.Second, "the first rows covered", func() (bool, error) {
+		return h.countState("published") == len(first), fmt.Errorf("%d covered of %d", h.countState("published"), len(first))
+	})
+	h.stop()
+	lost := h.insertBulk("lost", 300, 50)
+	h.exec(`SELECT pg_drop_replication_slot($1)`, h.opts.Slot)
+	h.start()
+	later := h.insertRows("later", 20, 1)
+	all := append(append(append([]string{}, first...), lost...), later...)
+	testenv.WaitFor(t, 60*time.Second, "every row published", func() (bool, error) {
+		return h.countState("published") == len(all), fmt.Errorf("%d of %d published", h.countState("published"), len(all))
+	})
+	pending, mode, rows, _ := h.slotState()
+	if pending || mode != "snapshot" || rows != int64(len(lost)) {
+		t.Errorf("slot record: pending %v mode %q backfilled rows %d; want false, snapshot, %d (the rows the watermark did not cover)",
+			pending, mode, rows, len(lost))
+	}
+	var marked, firstReady int
+	if err := h.pool.QueryRow(context.Background(), `SELECT count(*) FILTER (WHERE state = 'published' AND work_id LIKE 'lost-%'),
+		count(*) FILTER (WHERE state = 'ready' AND work_id LIKE 'first%') FROM outbox`).Scan(&marked, &firstReady); err != nil {
+		t.Fatal(err)
+	}
+	if marked != len(lost) || firstReady != len(first) {
+		t.Errorf("%d lost rows marked by the poller (want %d), %d first rows still as inserted (want %d)", marked, len(lost), firstReady, len(first))
+	}
+	h.assertExactlyOnce(all)
+}
