@@ -87,7 +87,7 @@ pg-versions:
 ## which the server's version does not change; a new test runs on every version unless named here.
 ## Prints how long each version took.
 PG_VERSION_PKGS ?= ./replication/ ./internal/relay/
-PG_VERSION_SKIP ?= ^(TestDeadlines|TestBufferedBytesBoundLargeTransaction|TestDeadlineEdgesOnBothPaths|TestOrderingHoldsAnAggregateBehindItsRefusedRow|TestHostileRowsNeverDriveTheBrokerOrCollapse|TestPoisonRowsDoNotBlock|TestDelayedRowWaitsForItsTime|TestCDCNeverPublishesIntoAStreamThatTookTheSubjects|TestCDCRecordsADuplicateAck|TestOutOfSequencePublication|TestInstancesMustShareSettings|TestReleasedAggregateReturnsToTheCDCPath|TestBusyReleasedAggregateReturnsToTheCDCPath)$$
+PG_VERSION_SKIP ?= ^(TestDeadlines|TestBufferedBytesBoundLargeTransaction|TestDeadlineEdgesOnBothPaths|TestOrderingHoldsAnAggregateBehindItsRefusedRow|TestHostileRowsNeverDriveTheBrokerOrCollapse|TestPoisonRowsDoNotBlock|TestDelayedRowWaitsForItsTime|TestCDCNeverPublishesIntoAStreamThatTookTheSubjects|TestCDCRecordsADuplicateAck|TestOutOfSequencePublication|TestInstancesMustShareSettings|TestReleasedAggregateReturnsToTheCDCPath|TestBusyReleasedAggregateReturnsToTheCDCPath|TestNoneWritesNothingPerPublishedRow|TestWatermarkNeverCoversUnpublishedRows)$$
 test-pg-versions: setup pg-versions
 	@failed=""; \
 	for v in $(PG_VERSIONS); do \
