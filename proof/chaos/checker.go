@@ -255,6 +255,23 @@ func (l *Ledger) CheckG3(label string, confirmed pglogrepl.LSN, lastSeq uint64, 
 	return covered, violations
 }
 
+// CheckCovered verifies the watermark of --on-publish none (G17): ids are
+// the rows the table counted as published (marked, or 'ready' and covered
+// by the recorded watermark), read before the stream's last sequence
+// lastSeq; each must be in the stream at or below it. Violations count
+// with G3's: both say the table claims a publication the stream lacks.
+func (l *Ledger) CheckCovered(label string, ids []string, lastSeq uint64) (violations []string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, id := range ids {
+		if e := l.stream[id]; e == nil || e.firstSeq > lastSeq {
+			violations = append(violations, fmt.Sprintf("%s: %s counted as published by the watermark but not in the stream at or below seq %d", label, id, lastSeq))
+		}
+	}
+	l.g3Violations = append(l.g3Violations, violations...)
+	return violations
+}
+
 // Figures are the end-of-run counts from the ledger.
 type Figures struct {
 	CommittedRows     int      `json:"committed_rows"`

@@ -52,6 +52,7 @@ func run() int {
 	fs.DurationVar(&cfg.MaxHold, "max-hold", 5*time.Second, "longest outage; keep it well below the stream's duplicate window (2m)")
 	fs.DurationVar(&cfg.WalSenderTimeout, "wal-sender-timeout", 5*time.Second, "PostgreSQL's wal_sender_timeout: how long a partitioned relay keeps the slot")
 	fs.DurationVar(&cfg.DrainTimeout, "drain-timeout", 3*time.Minute, "after the faults, how long to wait for every row to be published")
+	fs.StringVar(&cfg.OnPublish, "on-publish", "mark", "the relays' --on-publish: mark, or none (G17: each observation also checks that every row the watermark covers is in the stream)")
 	fs.BoolVar(&cfg.Race, "race", false, "build the relay with the race detector")
 	fs.StringVar(&cfg.RelayBin, "relay-bin", "", "relay binary to run (default: go build ./cmd/outbox-relay into a temp dir)")
 	fs.BoolVar(&cfg.Keep, "keep", false, "keep the work directory (relay and server logs) even when the run passes")
