@@ -75,6 +75,7 @@ type Config struct {
 	BigTableRows    int
 	BigTableSeconds float64
 	BigTx           BigTxConfig // -cases bigtx (bigtx.go)
+	Soak            SoakConfig  // -cases soak (soak.go)
 
 	Out io.Writer // the table
 	Log io.Writer // progress
@@ -92,6 +93,7 @@ type Report struct {
 	Profile  *Result           `json:"profiled_in_process,omitempty"`
 	Warnings []string          `json:"warnings,omitempty"`
 	BigTable *bigtable.Result  `json:"bigtable,omitempty"`
+	Soak     []SoakSample      `json:"soak,omitempty"`
 }
 
 // extraCases run once each after the rounds, only when named in -cases;

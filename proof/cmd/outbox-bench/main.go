@@ -54,6 +54,7 @@ func main() {
 	fs.Float64Var(&c.BigTableSeconds, "bigtable-seconds", 60, "bigtable case: seconds of trickle, console and metrics polling measured")
 	fs.BoolVar(&c.SameTable, "same-table", false, "keep each case's database, table and stream across rounds: later rounds drain on a table holding the earlier rounds' rows")
 	c.BigTx.Flags(fs)
+	c.Soak.Flags(fs)
 	relayEnv := fs.String("relay-env", "", "experiment: comma-separated KEY=value environment for the relay child, e.g. GOMAXPROCS=1,GOGC=200")
 	relayArgs := fs.String("relay-args", "", "experiment: space-separated extra flags for the relay's run command, e.g. \"--linger 0\"")
 	_ = fs.Parse(os.Args[1:])
