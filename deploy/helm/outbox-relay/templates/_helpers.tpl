@@ -97,8 +97,8 @@ rather than in a crash loop.
 {{- fail "secret.natsCredsFile: set secret.natsCreds to the credentials file's content" }}
 {{- end }}
 {{- end }}
-{{- if not (has .Values.relay.onPublish (list "mark" "delete")) }}
-{{- fail (printf "relay.onPublish %q: must be mark or delete" .Values.relay.onPublish) }}
+{{- if not (has .Values.relay.onPublish (list "mark" "delete" "none")) }}
+{{- fail (printf "relay.onPublish %q: must be mark, delete or none" .Values.relay.onPublish) }}
 {{- end }}
 {{- if not (has .Values.relay.ordering (list "none" "aggregate")) }}
 {{- fail (printf "relay.ordering %q: must be none or aggregate" .Values.relay.ordering) }}
