@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -53,6 +54,9 @@ type loop struct {
 	// budget counts the decoded rows the session holds (G15): the stream
 	// takes a row's bytes, the loop gives them back in free.
 	budget *replication.Budget
+	// acks counts the broker's acks of this session's rows, for the
+	// watermark's recorder (watermark.go), which rests while it stands.
+	acks atomic.Int64
 
 	cur           *checkpoint.Txn
 	curCommitTime time.Time
@@ -608,6 +612,7 @@ func (l *loop) handleResult(ctx context.Context, it *item) error {
 	}
 	l.r.metrics.CommitToAck.Observe(time.Since(it.commitTime).Seconds())
 	it.settle.Outcome = store.Published
+	l.acks.Add(1)
 	it.settle.Seq = it.ack.Sequence
 	it.settle.Stream = it.ack.Stream
 	// Only what the mark needs stays: the message (payload and headers)

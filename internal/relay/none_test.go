@@ -66,6 +66,17 @@ func TestNoneWritesNothingPerPublishedRow(t *testing.T) {
 		return h.streamCount() == 50000 && h.countState("published") == 50000,
 			fmt.Errorf("stream holds %d, %d rows published, %d ready", h.streamCount(), h.countState("published"), h.countState("ready"))
 	})
+	// Idle: the recorder rests (no ack since its last two watermarks), so
+	// an idle relay runs no statement and the watermark stops moving.
+	var at, prev time.Time
+	testenv.WaitFor(t, 30*time.Second, "the watermark at rest", func() (bool, error) {
+		prev = at
+		time.Sleep(3 * time.Second)
+		if err := h.pool.QueryRow(context.Background(), `SELECT max(watermark_at) FROM outbox_slots`).Scan(&at); err != nil {
+			return false, err
+		}
+		return at.Equal(prev), fmt.Errorf("recorded at %s, then at %s", prev, at)
+	})
 	h.stop()
 	h.waitRelayBackendsGone()
 	testenv.WaitFor(t, 30*time.Second, "the producers' inserts counted", func() (bool, error) {
