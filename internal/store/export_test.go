@@ -50,3 +50,6 @@ func MigrateOnly(ctx context.Context, conn *pgx.Conn, t Table, opts MigrateOptio
 func NewMigration(version int, name, sql string) (Migration, error) {
 	return newMigration(version, name, sql)
 }
+
+// ParseLSN is parseLSN, for the watermark's position.
+var ParseLSN = parseLSN

@@ -3,9 +3,9 @@ package store
 import (
 	"context"
 	"fmt"
+	"strconv"
+	"strings"
 	"time"
-
-	"github.com/jackc/pglogrepl"
 )
 
 // The watermark of --on-publish none (G17). The CDC path writes nothing for
@@ -40,7 +40,7 @@ import (
 type Watermark struct {
 	Slot       string
 	Snapshot   string // pg_snapshot text: xmin:xmax:xip,...
-	LSN        pglogrepl.LSN
+	LSN        LSN
 	RecordedAt time.Time
 }
 
@@ -48,7 +48,28 @@ type Watermark struct {
 // it, waiting for the slot to confirm past the position.
 type WatermarkCandidate struct {
 	Snapshot string
-	LSN      pglogrepl.LSN
+	LSN      LSN
+}
+
+// LSN is a WAL position. The store keeps its own type, not pglogrepl's: the
+// public outbox package builds on the store and depends on nothing beyond
+// pgx and the standard library.
+type LSN uint64
+
+// String renders l as PostgreSQL does (pg_lsn): two hex words.
+func (l LSN) String() string { return fmt.Sprintf("%X/%X", uint64(l)>>32, uint32(l)) }
+
+// parseLSN reads a pg_lsn's text.
+func parseLSN(s string) (LSN, error) {
+	hi, lo, ok := strings.Cut(s, "/")
+	if ok {
+		h, err1 := strconv.ParseUint(hi, 16, 32)
+		l, err2 := strconv.ParseUint(lo, 16, 32)
+		if err1 == nil && err2 == nil {
+			return LSN(h<<32 | l), nil
+		}
+	}
+	return 0, fmt.Errorf("not a WAL position: %q", s)
 }
 
 // watermarkSQL is the newest recorded watermark of the table's slots, as a
@@ -103,7 +124,7 @@ func (s *Store) AdvanceWatermark(ctx context.Context, slot string, cand Watermar
 	if err != nil {
 		return false, cand, fmt.Errorf("record watermark of slot %s at %s: %w", slot, cand.LSN, err)
 	}
-	if next.LSN, err = pglogrepl.ParseLSN(nextLSN); err != nil {
+	if next.LSN, err = parseLSN(nextLSN); err != nil {
 		return false, cand, fmt.Errorf("record watermark of slot %s: parse position %q: %w", slot, nextLSN, err)
 	}
 	return recorded, next, nil
@@ -125,7 +146,7 @@ func (s *Store) LatestWatermark(ctx context.Context) (w Watermark, found bool, e
 	if err := rows.Scan(&w.Slot, &w.Snapshot, &lsn, &w.RecordedAt); err != nil {
 		return w, false, fmt.Errorf("read watermark of %s: %w", s.table.Qualified(), err)
 	}
-	if w.LSN, err = pglogrepl.ParseLSN(lsn); err != nil {
+	if w.LSN, err = parseLSN(lsn); err != nil {
 		return w, false, fmt.Errorf("read watermark of %s: parse position %q: %w", s.table.Qualified(), lsn, err)
 	}
 	return w, true, nil

@@ -7,6 +7,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
 
@@ -100,5 +101,23 @@ func TestXactIDIsTheTopLevelTransaction(t *testing.T) {
 	}
 	if covered != 4 {
 		t.Errorf("%d rows covered by a watermark taken after their commit, want 4", covered)
+	}
+}
+
+// The watermark's position reads and prints as PostgreSQL's pg_lsn text.
+func TestLSNText(t *testing.T) {
+	for _, s := range []string{"0/0", "0/16B3748", "1/0", "FFFFFFFF/FFFFFFFF", "A/B"} {
+		l, err := store.ParseLSN(s)
+		if err != nil || l.String() != s {
+			t.Errorf("%s: read %d (%v), printed %s", s, uint64(l), err, l.String())
+		}
+	}
+	if l, _ := store.ParseLSN("1/2"); l != 1<<32|2 {
+		t.Errorf("1/2 read as %d", uint64(l))
+	}
+	for _, s := range []string{"", "12", "0/", "/1", "G/1", "100000000/0"} {
+		if _, err := store.ParseLSN(s); err == nil {
+			t.Errorf("%q read as a position", s)
+		}
 	}
 }
