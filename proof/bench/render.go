@@ -63,6 +63,7 @@ func Render(rep Report) string {
 	}
 	fmt.Fprintf(&b, "machine: %s, %s CPUs, %s; load at start %s\n\n", rep.Machine["cpu"], rep.Machine["cpus"], rep.Machine["memory"], rep.Machine["loadavg_at_start"])
 	b.WriteString(FormatTable(header, rows))
+	b.WriteString(renderWALCPU(rep))
 	b.WriteString(renderDecode(rep))
 	if ir := rep.Idle; ir != nil {
 		fmt.Fprintf(&b, "\nidle (%.0f s, no traffic, poller paused): %d transactions in the relay's database, %d of %d relay backends active; relay CPU %.2f s, walsender CPU %.2f s\n",
@@ -90,3 +91,56 @@ func rateText(r float64) string {
 	}
 	return fmt.Sprintf("%.0f rows/s", r)
 }
+
+// renderWALCPU is the per-message cost in the database of each case (issue
+// 23, section 3): WAL written, the relay's share of it over the producers'
+// inserts alone, and CPU by process, PostgreSQL's included.
+func renderWALCPU(rep Report) string {
+	by := map[string]Result{}
+	for _, r := range rep.Medians {
+		by[r.Case] = r
+	}
+	pgCeil := by[CeilingPG].MsgsPerSec
+	header := []string{"case", "rows", "WAL B/msg", "FPI share", "checkpoints", "relay WAL B/msg", "relay WAL / inserts",
+		"drain WAL B/msg", "/no relay", "pub µs/msg", "walsender µs/msg", "pg other µs/msg", "pub+pg µs/msg", "settled s"}
+	var rows [][]string
+	for _, r := range rep.Medians {
+		if r.WALBytesPerMsg == 0 && r.PGCPU == 0 {
+			continue
+		}
+		e := r.Extra
+		perMsg := func(sec float64) float64 { return sec / float64(r.Rows) * 1e6 }
+		row := []string{r.Case, fmt.Sprint(r.Rows), num(r.WALBytesPerMsg), pct(e["wal_fpi_share"]), fmt.Sprint(e["checkpoints_during"]),
+			"-", "-", num(e["drain_wal_bytes_per_msg"]), "-",
+			num(r.PubCPUPerMsgUS), num(perMsg(r.WalsenderCPU)), num(perMsg(r.PGCPU - r.WalsenderCPU)),
+			num(perMsg(r.PubCPUSeconds + r.PGCPU)), num(e["settled_seconds"])}
+		if _, ok := e["relay_wal_bytes_per_msg"]; ok {
+			row[5], row[6] = signed(e["relay_wal_bytes_per_msg"]), fmt.Sprintf("%+.1f%%", 100*e["relay_wal_over_inserts"])
+		}
+		if r.Case != CeilingPG {
+			row[8] = ratio(r.InsertRate, pgCeil)
+		}
+		rows = append(rows, row)
+	}
+	if len(rows) == 0 {
+		return ""
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "\nper message in the database (policy %s; polling publisher: %s): WAL from the first insert to the last row settled "+
+		"(each case after a forced CHECKPOINT; FPI share by pg_waldump); relay WAL = the case's WAL less ceiling-pg's of the same round "+
+		"(CDC and poller cases, same table and rows); drain WAL = from the publisher's start (backlog); CPU: pg = every PostgreSQL "+
+		"process, \"pg other\" without the walsender (live cases: the producers' backends included); pub+pg = publisher plus all of PostgreSQL\n\n",
+		rep.Config.Policy, naivePolicy(rep.Config.Policy))
+	b.WriteString(FormatTable(header, rows))
+	return b.String()
+}
+
+func pct(x float64) string {
+	if x == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%.0f%%", 100*x)
+}
+
+// signed formats a difference, which may be negative or zero (noise).
+func signed(x float64) string { return fmt.Sprintf("%+.1f", x) }
