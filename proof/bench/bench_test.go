@@ -157,3 +157,18 @@ func TestPolicyNone(t *testing.T) {
 		t.Errorf("unsettled rows under none do not use the watermark: %s", q)
 	}
 }
+
+func TestRenderWALCPU(t *testing.T) {
+	rep := Report{Config: Config{Policy: "none"}, Medians: []Result{
+		{Case: CeilingPG, Rows: 1000, MsgsPerSec: 10000, InsertRate: 10000, WALBytesPerMsg: 500, PGCPU: 0.05,
+			Extra: map[string]float64{"wal_bytes": 500_000, "wal_fpi_share": 0}},
+		{Case: CDCBacklog, Rows: 1000, Seconds: 2, InsertRate: 5000, WALBytesPerMsg: 510, PGCPU: 0.03, WalsenderCPU: 0.01, PubCPUSeconds: 0.02,
+			Extra: map[string]float64{"wal_bytes": 510_000, "relay_wal_bytes_per_msg": 10, "relay_wal_over_inserts": 0.02, "acked_seconds": 1.5}},
+	}}
+	out := renderWALCPU(rep)
+	for _, want := range []string{"policy none; polling publisher: mark", "| +10.0 ", "| +2.0%", "| 0.0%", "| 0.50x", "| 1.50 / 2.00", "| 50.0 "} {
+		if !strings.Contains(out, want) {
+			t.Errorf("renderWALCPU lacks %q:\n%s", want, out)
+		}
+	}
+}

@@ -102,7 +102,7 @@ func renderWALCPU(rep Report) string {
 	}
 	pgCeil := by[CeilingPG].MsgsPerSec
 	header := []string{"case", "rows", "WAL B/msg", "FPI share", "checkpoints", "relay WAL B/msg", "relay WAL / inserts",
-		"drain WAL B/msg", "/no relay", "pub µs/msg", "walsender µs/msg", "pg other µs/msg", "pub+pg µs/msg", "settled s"}
+		"drain WAL B/msg", "/no relay", "pub µs/msg", "walsender µs/msg", "pg other µs/msg", "pub+pg µs/msg", "acked/settled s"}
 	var rows [][]string
 	for _, r := range rep.Medians {
 		if r.WALBytesPerMsg == 0 && r.PGCPU == 0 {
@@ -110,10 +110,20 @@ func renderWALCPU(rep Report) string {
 		}
 		e := r.Extra
 		perMsg := func(sec float64) float64 { return sec / float64(r.Rows) * 1e6 }
-		row := []string{r.Case, fmt.Sprint(r.Rows), num(r.WALBytesPerMsg), pct(e["wal_fpi_share"]), fmt.Sprint(e["checkpoints_during"]),
+		row := []string{r.Case, fmt.Sprint(r.Rows), num(r.WALBytesPerMsg), "-", fmt.Sprint(e["checkpoints_during"]),
 			"-", "-", num(e["drain_wal_bytes_per_msg"]), "-",
 			num(r.PubCPUPerMsgUS), num(perMsg(r.WalsenderCPU)), num(perMsg(r.PGCPU - r.WalsenderCPU)),
-			num(perMsg(r.PubCPUSeconds + r.PGCPU)), num(e["settled_seconds"])}
+			num(perMsg(r.PubCPUSeconds + r.PGCPU)), "-"}
+		if fpi, ok := e["wal_fpi_share"]; ok {
+			row[3] = fmt.Sprintf("%.1f%%", 100*fpi)
+		}
+		// From the case's start: the last message in the stream, the last
+		// row settled (marked, deleted, or covered by the watermark).
+		if a, ok := e["acked_seconds"]; ok {
+			row[13] = num(a) + " / " + num(r.Seconds)
+		} else if st, ok := e["settled_seconds"]; ok {
+			row[13] = num(r.Seconds) + " / " + num(st)
+		}
 		if _, ok := e["relay_wal_bytes_per_msg"]; ok {
 			row[5], row[6] = signed(e["relay_wal_bytes_per_msg"]), fmt.Sprintf("%+.1f%%", 100*e["relay_wal_over_inserts"])
 		}
@@ -129,17 +139,10 @@ func renderWALCPU(rep Report) string {
 	fmt.Fprintf(&b, "\nper message in the database (policy %s; polling publisher: %s): WAL from the first insert to the last row settled "+
 		"(each case after a forced CHECKPOINT; FPI share by pg_waldump); relay WAL = the case's WAL less ceiling-pg's of the same round "+
 		"(CDC and poller cases, same table and rows); drain WAL = from the publisher's start (backlog); CPU: pg = every PostgreSQL "+
-		"process, \"pg other\" without the walsender (live cases: the producers' backends included); pub+pg = publisher plus all of PostgreSQL\n\n",
+		"process but the benchmark's own count of unsettled rows, \"pg other\" without the walsender (live cases and ceiling-pg: the producers' backends included); pub+pg = publisher plus all of PostgreSQL\n\n",
 		rep.Config.Policy, naivePolicy(rep.Config.Policy))
 	b.WriteString(FormatTable(header, rows))
 	return b.String()
-}
-
-func pct(x float64) string {
-	if x == 0 {
-		return "-"
-	}
-	return fmt.Sprintf("%.0f%%", 100*x)
 }
 
 // signed formats a difference, which may be negative or zero (noise).

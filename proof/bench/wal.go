@@ -54,12 +54,29 @@ func (s *servers) walNow(ctx context.Context) (walMark, error) {
 	return m, nil
 }
 
-// checkpoint forces a checkpoint before a measured case (see above).
+// checkpoint forces a checkpoint before a measured case (see above), and
+// waits until the checkpointer has counted it: it reports its statistics
+// after it lets CHECKPOINT return (seen: a case counted the forced
+// checkpoint as one inside it).
 func (s *servers) checkpoint(ctx context.Context) error {
+	var n0, n int64
+	if err := s.admin.QueryRow(ctx, `SELECT `+s.checkpointsSQL()).Scan(&n0); err != nil {
+		return fmt.Errorf("count checkpoints: %w", err)
+	}
 	if _, err := s.admin.Exec(ctx, "CHECKPOINT"); err != nil {
 		return fmt.Errorf("checkpoint before the case: %w", err)
 	}
-	return nil
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		// A snapshot of the statistics is kept for the transaction; each
+		// statement here is its own.
+		if err := s.admin.QueryRow(ctx, `SELECT `+s.checkpointsSQL()).Scan(&n); err != nil {
+			return fmt.Errorf("count checkpoints: %w", err)
+		}
+		if n > n0 {
+			return nil
+		}
+	}
+	return fmt.Errorf("the forced checkpoint was not counted within 5s (%d checkpoints before, %d after)", n0, n)
 }
 
 // recordWAL stores the WAL written between from and to in r: bytes in
