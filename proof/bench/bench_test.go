@@ -136,6 +136,15 @@ func TestWALShare(t *testing.T) {
 	if e := rs[3].Extra; e["relay_wal_bytes_per_msg"] != 600 || e["relay_wal_over_inserts"] != 1 {
 		t.Errorf("cdc-live, round 2: %v; want 600 B/msg over round 2's 600", e)
 	}
+	// PostgreSQL's CPU for the path: a backlog case's is all the path's; a
+	// live case's holds the producers' inserts, ceiling-pg's per row.
+	ceil := Result{Case: CeilingPG, Rows: 1000, PGCPU: 0.04}
+	if got := PathPGMicros(Result{Case: CDCBacklog, Rows: 1000, PGCPU: 0.03, WalsenderCPU: 0.01}, ceil); math.Abs(got-20) > 1e-9 {
+		t.Errorf("PathPGMicros(backlog) = %v; want 20", got)
+	}
+	if got := PathPGMicros(Result{Case: CDCLive, Rows: 2000, PGCPU: 0.2, WalsenderCPU: 0.02}, ceil); math.Abs(got-50) > 1e-9 {
+		t.Errorf("PathPGMicros(live) = %v; want 90 - 40 = 50", got)
+	}
 	if _, ok := rs[4].Extra["relay_wal_bytes_per_msg"]; ok {
 		t.Error("poll-backlog (its own table) got a share against ceiling-pg")
 	}
@@ -163,7 +172,7 @@ func TestRenderWALCPU(t *testing.T) {
 		{Case: CeilingPG, Rows: 1000, MsgsPerSec: 10000, InsertRate: 10000, WALBytesPerMsg: 500, PGCPU: 0.04,
 			Extra: map[string]float64{"wal_bytes": 500_000, "wal_fpi_share": 0}},
 		{Case: CDCBacklog, Rows: 1000, Seconds: 2, InsertRate: 5000, WALBytesPerMsg: 510, PGCPU: 0.035, WalsenderCPU: 0.01, PubCPUSeconds: 0.02, PubCPUPerMsgUS: 20,
-			Extra: map[string]float64{"wal_bytes": 510_000, "wal_fpi_share": 0, "relay_wal_bytes_per_msg": 10, "relay_wal_over_inserts": 0.02, "acked_seconds": 1.5}},
+			Extra: map[string]float64{"wal_bytes": 510_000, "wal_fpi_share": 0, "path_pg_us_per_msg": 25, "relay_wal_bytes_per_msg": 10, "relay_wal_over_inserts": 0.02, "acked_seconds": 1.5}},
 	}}
 	out := renderWALCPU(rep)
 	if !strings.Contains(out, "policy none; polling publisher: mark") {
@@ -174,7 +183,7 @@ func TestRenderWALCPU(t *testing.T) {
 	// WAL 510 B/msg, +10 B/msg and +2% over the inserts, no FPI, producers
 	// at 0.50x, CPU per message: relay 20, walsender 10, the rest of
 	// PostgreSQL 25, relay plus PostgreSQL 55; acked at 1.5 s, settled at 2.
-	for _, want := range []string{"| 510 ", "| +10.0 ", "| +2.0%", "| 0.0%", "| 0.50x", "| 20.0 ", "| 10.0 ", "| 25.0 ", "| 55.0 ", "| 1.50 / 2.00"} {
+	for _, want := range []string{"| 510 ", "| +10.0 ", "| +2.0%", "| 0.0%", "| 0.50x", "| 20.0 ", "| 10.0 ", "| 25.0 ", "| 55.0 ", "| +25.0 ", "| 1.50 / 2.00"} {
 		if !strings.Contains(row, want) {
 			t.Errorf("cdc-backlog row lacks %q: %s", want, row)
 		}

@@ -102,7 +102,7 @@ func renderWALCPU(rep Report) string {
 	}
 	pgCeil := by[CeilingPG].MsgsPerSec
 	header := []string{"case", "rows", "WAL B/msg", "FPI share", "checkpoints", "relay WAL B/msg", "relay WAL / inserts",
-		"drain WAL B/msg", "/no relay", "pub µs/msg", "walsender µs/msg", "pg other µs/msg", "pub+pg µs/msg", "acked/settled s"}
+		"drain WAL B/msg", "/no relay", "pub µs/msg", "walsender µs/msg", "pg other µs/msg", "pub+pg µs/msg", "path pg µs/msg", "pub+ws+path pg µs/msg", "acked/settled s"}
 	var rows [][]string
 	for _, r := range rep.Medians {
 		if r.WALBytesPerMsg == 0 && r.PGCPU == 0 {
@@ -113,16 +113,19 @@ func renderWALCPU(rep Report) string {
 		row := []string{r.Case, fmt.Sprint(r.Rows), num(r.WALBytesPerMsg), "-", fmt.Sprint(e["checkpoints_during"]),
 			"-", "-", num(e["drain_wal_bytes_per_msg"]), "-",
 			num(r.PubCPUPerMsgUS), num(perMsg(r.WalsenderCPU)), num(perMsg(r.PGCPU - r.WalsenderCPU)),
-			num(perMsg(r.PubCPUSeconds + r.PGCPU)), "-"}
+			num(perMsg(r.PubCPUSeconds + r.PGCPU)), "-", "-", "-"}
+		if v, ok := e["path_pg_us_per_msg"]; ok {
+			row[13], row[14] = signed(v), num(r.PubCPUPerMsgUS+perMsg(r.WalsenderCPU)+v)
+		}
 		if fpi, ok := e["wal_fpi_share"]; ok {
 			row[3] = fmt.Sprintf("%.1f%%", 100*fpi)
 		}
 		// From the case's start: the last message in the stream, the last
 		// row settled (marked, deleted, or covered by the watermark).
 		if a, ok := e["acked_seconds"]; ok {
-			row[13] = num(a) + " / " + num(r.Seconds)
+			row[15] = num(a) + " / " + num(r.Seconds)
 		} else if st, ok := e["settled_seconds"]; ok {
-			row[13] = num(r.Seconds) + " / " + num(st)
+			row[15] = num(r.Seconds) + " / " + num(st)
 		}
 		if _, ok := e["relay_wal_bytes_per_msg"]; ok {
 			row[5], row[6] = signed(e["relay_wal_bytes_per_msg"]), fmt.Sprintf("%+.1f%%", 100*e["relay_wal_over_inserts"])
@@ -139,7 +142,7 @@ func renderWALCPU(rep Report) string {
 	fmt.Fprintf(&b, "\nper message in the database (policy %s; polling publisher: %s): WAL from the first insert to the last row settled "+
 		"(each case after a forced CHECKPOINT; FPI share by pg_waldump); relay WAL = the case's WAL less ceiling-pg's of the same round "+
 		"(CDC and poller cases, same table and rows); drain WAL = from the publisher's start (backlog); CPU: pg = every PostgreSQL "+
-		"process but the benchmark's own count of unsettled rows, \"pg other\" without the walsender (live cases and ceiling-pg: the producers' backends included); pub+pg = publisher plus all of PostgreSQL\n\n",
+		"process but the benchmark's own count of unsettled rows, \"pg other\" without the walsender (live cases and ceiling-pg: the producers' backends included); pub+pg = publisher plus all of PostgreSQL; path pg = \"pg other\" less, in live cases, ceiling-pg's per row (the producers' inserts), and pub+ws+path pg the path's CPU per message with it\n\n",
 		rep.Config.Policy, naivePolicy(rep.Config.Policy))
 	b.WriteString(FormatTable(header, rows))
 	return b.String()

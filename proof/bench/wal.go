@@ -133,7 +133,8 @@ func WALShare(caseBytes float64, caseMsgs int, producerBytes float64, producerMs
 }
 
 // addWALShares sets, on every CDC and poller case, the relay's WAL share
-// against the ceiling-pg of the same round. The naive polling publisher is
+// and its PostgreSQL CPU per message (PathPGMicros) against the ceiling-pg
+// of the same round. The naive polling publisher is
 // left out: its table is not the outbox table, so ceiling-pg's rows are not
 // its rows.
 func addWALShares(rs []Result) {
@@ -157,5 +158,23 @@ func addWALShares(rs []Result) {
 		r.Extra["producer_wal_bytes_per_msg"] = p.WALBytesPerMsg
 		r.Extra["relay_wal_bytes_per_msg"] = per
 		r.Extra["relay_wal_over_inserts"] = over
+		if r.PGCPU > 0 && p.PGCPU > 0 {
+			r.Extra["path_pg_us_per_msg"] = PathPGMicros(*r, p)
+		}
 	}
+}
+
+// PathPGMicros is PostgreSQL's CPU per message for the path of case r, the
+// walsender left out (it has its own column): in a backlog case the server
+// is measured from the publisher's start, after the inserts, so all of it;
+// in a live case the producers' backends run in the same interval, so
+// their cost per row in ceiling-pg of the same round is taken out (an
+// estimate: ceiling-pg inserts as fast as it can, a paced live case does
+// not).
+func PathPGMicros(r, ceiling Result) float64 {
+	us := (r.PGCPU - r.WalsenderCPU) / float64(r.Rows) * 1e6
+	if r.Case == CDCLive || r.Case == PollerLive || r.Case == PollLive {
+		us -= ceiling.PGCPU / float64(ceiling.Rows) * 1e6
+	}
+	return us
 }
