@@ -90,3 +90,102 @@ func TestWorkID(t *testing.T) {
 		t.Errorf("throughput = %v", got)
 	}
 }
+
+func TestParseStatChildren(t *testing.T) {
+	// ppid 7; utime 250, stime 50; cutime 1000, cstime 234 ticks.
+	line := "1234 (postgres: x (y)) S 7 1234 1234 0 -1 4194560 100 0 0 0 250 50 1000 234 20 0 1 0 100 1000 10"
+	st, err := parseStat(line)
+	if err != nil || st.ppid != 7 || st.cpu != 3.0 || st.children != 12.34 {
+		t.Fatalf("parseStat = %+v, %v; want ppid 7, cpu 3, children 12.34", st, err)
+	}
+	if _, err := parseStat("1 (x) S 1 2 3"); err == nil {
+		t.Error("parseStat accepted a short line")
+	}
+}
+
+func TestWALShare(t *testing.T) {
+	// Producers alone: 100 MB for 100k rows (1,000 B/row). A case of the
+	// same 100k rows writing 104 MB: 40 B/msg of the relay's, 4% above.
+	per, over := WALShare(104e6, 100_000, 100e6, 100_000)
+	if math.Abs(per-40) > 1e-9 || math.Abs(over-0.04) > 1e-12 {
+		t.Fatalf("WALShare = %v B/msg, %v; want 40, 0.04", per, over)
+	}
+	// Different row counts are compared per row: a mark policy doubling it.
+	if per, over := WALShare(100e6, 50_000, 100e6, 100_000); per != 1000 || over != 1 {
+		t.Errorf("WALShare(50k rows, 2,000 B/row) = %v, %v; want 1000, 1", per, over)
+	}
+	// Less than the producers (noise) stays negative, not clipped.
+	if per, _ := WALShare(99e6, 100_000, 100e6, 100_000); per != -10 {
+		t.Errorf("WALShare below the producers = %v; want -10", per)
+	}
+	if per, over := WALShare(1, 1, 0, 1); !math.IsNaN(per) || !math.IsNaN(over) {
+		t.Errorf("no producer WAL: %v, %v; want NaN", per, over)
+	}
+
+	rs := []Result{
+		{Case: CeilingPG, Round: 1, Rows: 1000, WALBytesPerMsg: 500, Extra: map[string]float64{"wal_bytes": 500_000}},
+		{Case: CeilingPG, Round: 2, Rows: 1000, WALBytesPerMsg: 600, Extra: map[string]float64{"wal_bytes": 600_000}},
+		{Case: CDCBacklog, Round: 1, Rows: 1000, Extra: map[string]float64{"wal_bytes": 510_000}},
+		{Case: CDCLive, Round: 2, Rows: 1000, Extra: map[string]float64{"wal_bytes": 1_200_000}},
+		{Case: PollBacklog, Round: 1, Rows: 1000, Extra: map[string]float64{"wal_bytes": 900_000}},
+	}
+	addWALShares(rs)
+	if e := rs[2].Extra; e["relay_wal_bytes_per_msg"] != 10 || e["relay_wal_over_inserts"] != 0.02 || e["producer_wal_bytes_per_msg"] != 500 {
+		t.Errorf("cdc-backlog, round 1: %v; want 10 B/msg, 2%% over round 1's 500", e)
+	}
+	if e := rs[3].Extra; e["relay_wal_bytes_per_msg"] != 600 || e["relay_wal_over_inserts"] != 1 {
+		t.Errorf("cdc-live, round 2: %v; want 600 B/msg over round 2's 600", e)
+	}
+	// PostgreSQL's CPU for the path: a backlog case's is all the path's; a
+	// live case's holds the producers' inserts, ceiling-pg's per row.
+	ceil := Result{Case: CeilingPG, Rows: 1000, PGCPU: 0.04}
+	if got := PathPGMicros(Result{Case: CDCBacklog, Rows: 1000, PGCPU: 0.03, WalsenderCPU: 0.01}, ceil); math.Abs(got-20) > 1e-9 {
+		t.Errorf("PathPGMicros(backlog) = %v; want 20", got)
+	}
+	if got := PathPGMicros(Result{Case: CDCLive, Rows: 2000, PGCPU: 0.2, WalsenderCPU: 0.02}, ceil); math.Abs(got-50) > 1e-9 {
+		t.Errorf("PathPGMicros(live) = %v; want 90 - 40 = 50", got)
+	}
+	if _, ok := rs[4].Extra["relay_wal_bytes_per_msg"]; ok {
+		t.Error("poll-backlog (its own table) got a share against ceiling-pg")
+	}
+}
+
+func TestPolicyNone(t *testing.T) {
+	c := Config{Rows: 1, RowsPerTx: 1, Producers: 1, Payload: 16, Rounds: 1, Policy: "none", NaiveMode: "async", ProfileCase: CDCBacklog}
+	if err := c.validate(); err != nil {
+		t.Fatalf("-policy none: %v", err)
+	}
+	c.Policy = "nope"
+	if err := c.validate(); err == nil {
+		t.Error("-policy nope accepted")
+	}
+	if naivePolicy("none") != "mark" || naivePolicy("delete") != "delete" {
+		t.Error("the polling publisher does not mark under none, or does not keep delete")
+	}
+	if q := unsettledSQL("none"); !strings.Contains(q, "pg_visible_in_snapshot(o.xact_id") || !strings.Contains(q, "watermark_lsn DESC") {
+		t.Errorf("unsettled rows under none do not use the watermark: %s", q)
+	}
+}
+
+func TestRenderWALCPU(t *testing.T) {
+	rep := Report{Config: Config{Policy: "none"}, Medians: []Result{
+		{Case: CeilingPG, Rows: 1000, MsgsPerSec: 10000, InsertRate: 10000, WALBytesPerMsg: 500, PGCPU: 0.04,
+			Extra: map[string]float64{"wal_bytes": 500_000, "wal_fpi_share": 0}},
+		{Case: CDCBacklog, Rows: 1000, Seconds: 2, InsertRate: 5000, WALBytesPerMsg: 510, PGCPU: 0.035, WalsenderCPU: 0.01, PubCPUSeconds: 0.02, PubCPUPerMsgUS: 20,
+			Extra: map[string]float64{"wal_bytes": 510_000, "wal_fpi_share": 0, "path_pg_us_per_msg": 25, "relay_wal_bytes_per_msg": 10, "relay_wal_over_inserts": 0.02, "acked_seconds": 1.5}},
+	}}
+	out := renderWALCPU(rep)
+	if !strings.Contains(out, "policy none; polling publisher: mark") {
+		t.Errorf("renderWALCPU does not say the polling publisher marks under none:\n%s", out)
+	}
+	_, row, _ := strings.Cut(out, "| cdc-backlog")
+	row, _, _ = strings.Cut(row, "\n")
+	// WAL 510 B/msg, +10 B/msg and +2% over the inserts, no FPI, producers
+	// at 0.50x, CPU per message: relay 20, walsender 10, the rest of
+	// PostgreSQL 25, relay plus PostgreSQL 55; acked at 1.5 s, settled at 2.
+	for _, want := range []string{"| 510 ", "| +10.0 ", "| +2.0%", "| 0.0%", "| 0.50x", "| 20.0 ", "| 10.0 ", "| 25.0 ", "| 55.0 ", "| +25.0 ", "| 1.50 / 2.00"} {
+		if !strings.Contains(row, want) {
+			t.Errorf("cdc-backlog row lacks %q: %s", want, row)
+		}
+	}
+}

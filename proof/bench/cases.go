@@ -28,6 +28,9 @@ type bench struct {
 	self    string
 	payload string
 	kept    map[string]*path // -same-table: each case's path, kept for the next round
+	// checkCPU is the CPU the last waitDrained's own backend spent counting
+	// unsettled rows.
+	checkCPU float64
 }
 
 // path is one way rows get from the table to the stream: the relay's CDC
@@ -119,7 +122,7 @@ func (b *bench) setup(ctx context.Context, k string, round int) (*path, error) {
 		}
 		p.table = "outbox"
 		poll := time.Second // the default of `run`: the CDC cases keep the poller as deployed
-		p.remaining = `SELECT count(*) FROM outbox WHERE state = 'ready'`
+		p.remaining = unsettledSQL(b.cfg.Policy)
 		if p.kind == "poller" {
 			p.state = "scheduled"
 			poll = b.cfg.PollInterval
@@ -167,7 +170,7 @@ func (b *bench) setup(ctx context.Context, k string, round int) (*path, error) {
 		p.start = func() (*proc, error) {
 			return startProc("naive publisher", logPath, b.self, "naive-publish",
 				"-database-url", url, "-nats-url", b.s.nats.URL(), "-subject", prefix+"bench",
-				"-poll-interval", b.cfg.PollInterval.String(), "-policy", b.cfg.Policy, "-mode", b.cfg.NaiveMode)
+				"-poll-interval", b.cfg.PollInterval.String(), "-policy", naivePolicy(b.cfg.Policy), "-mode", b.cfg.NaiveMode)
 		}
 	default:
 		if err := b.migrate(url); err != nil {
@@ -224,6 +227,13 @@ func (b *bench) runCase(ctx context.Context, k string, round int) (r Result, err
 		return r, err
 	}
 	switch k {
+	case CeilingPG, CDCBacklog, PollerBacklog, PollBacklog, CDCLive, PollerLive, PollLive:
+		// The cases whose WAL is measured start from the same state (wal.go).
+		if err := b.s.checkpoint(ctx); err != nil {
+			return r, err
+		}
+	}
+	switch k {
 	case CeilingPG:
 		r, err = b.ceilingPG(ctx, p)
 	case CeilingJS:
@@ -241,14 +251,45 @@ func (b *bench) runCase(ctx context.Context, k string, round int) (r Result, err
 
 func (b *bench) ceilingPG(ctx context.Context, p *path) (Result, error) {
 	p.table = "outbox"
+	wal0, err := b.s.walNow(ctx)
+	if err != nil {
+		return Result{}, err
+	}
 	machine := newCPUMeter(MachineBusy)
+	pgCPU := newCPUMeter(b.serverCPU)
 	l := b.newLoad(p, b.cfg.Rows, 0)
 	el, err := l.run(ctx)
 	if err != nil {
 		return Result{}, err
 	}
 	rate := float64(l.rows) / el.Seconds()
-	return Result{Rows: l.rows, Seconds: el.Seconds(), MsgsPerSec: rate, InsertRate: rate, MachineBusy: machine.delta()}, nil
+	r := Result{Case: CeilingPG, Rows: l.rows, Seconds: el.Seconds(), MsgsPerSec: rate, InsertRate: rate,
+		MachineBusy: machine.delta(), PGCPU: pgCPU.delta()}
+	return r, b.recordWAL(ctx, &r, wal0, l.rows)
+}
+
+func (b *bench) serverCPU() (float64, error) { return ServerCPU(b.s.pg.PID()) }
+
+// unsettledSQL counts the rows the relay's CDC path has not settled under
+// policy: rows still 'ready' (the mark or the delete not committed), or
+// under none, where a published row stays 'ready', the rows the newest
+// watermark does not cover (G17; the condition of internal/store's
+// coveredSQL, on the benchmark's table and its slots table).
+func unsettledSQL(policy string) string {
+	if policy == "none" {
+		return `SELECT count(*) FROM outbox AS o WHERE o.state = 'ready' AND NOT coalesce(pg_visible_in_snapshot(o.xact_id,
+			(SELECT w.watermark_snapshot FROM outbox_slots AS w WHERE w.watermark_lsn IS NOT NULL ORDER BY w.watermark_lsn DESC LIMIT 1)), false)`
+	}
+	return `SELECT count(*) FROM outbox WHERE state = 'ready'`
+}
+
+// naivePolicy is what the naive polling publisher does after the ack: it
+// has no watermark, so under none it marks, as under mark.
+func naivePolicy(policy string) string {
+	if policy == "none" {
+		return "mark"
+	}
+	return policy
 }
 
 func (b *bench) ceilingJS(ctx context.Context, p *path) (Result, error) {
@@ -301,7 +342,13 @@ func (b *bench) waitDrainedThen(ctx context.Context, p *path, n int, pr *proc, t
 	if err != nil {
 		return acked, settled, err
 	}
-	defer conn.Close(context.Background())
+	b.checkCPU = 0
+	defer func() {
+		// The count below is the benchmark's work, not the path's: its
+		// backend's CPU is taken out of the server's (checkCPU).
+		b.checkCPU, _ = ProcCPU(int(conn.PgConn().PID()))
+		conn.Close(context.Background())
+	}()
 	deadline := time.Now().Add(timeout)
 	for {
 		got, err := b.s.streamMsgs(ctx, p.stream)
@@ -344,6 +391,10 @@ func drainTimeout(n int) time.Duration { return max(2*time.Minute, time.Duration
 // backlog commits all rows first, then starts the publisher and times it
 // from its start to the last row published.
 func (b *bench) backlog(ctx context.Context, p *path) (Result, error) {
+	wal0, err := b.s.walNow(ctx)
+	if err != nil {
+		return Result{}, err
+	}
 	l := b.newLoad(p, b.cfg.Rows, 0)
 	el, err := l.run(ctx)
 	if err != nil {
@@ -355,8 +406,13 @@ func (b *bench) backlog(ctx context.Context, p *path) (Result, error) {
 			return r, err
 		}
 	}
+	walDrain, err := b.s.walNow(ctx)
+	if err != nil {
+		return r, err
+	}
 	natsCPU := newCPUMeter(pidCPU(b.s.nats.PID()))
 	machine := newCPUMeter(MachineBusy)
+	pgCPU := newCPUMeter(b.serverCPU)
 	t0 := time.Now()
 	pr, err := p.start()
 	if err != nil {
@@ -388,7 +444,17 @@ func (b *bench) backlog(ctx context.Context, p *path) (Result, error) {
 		// A new walsender started with this relay: all its CPU is this drain's.
 		r.WalsenderCPU, _ = ProcCPU(wsPID)
 	}
-	r.NATSCPU, r.MachineBusy = natsCPU.delta(), machine.delta()
+	r.NATSCPU, r.MachineBusy, r.PGCPU = natsCPU.delta(), machine.delta(), pgCPU.delta()-b.checkCPU
+	r.Extra["pg_check_cpu_seconds"] = b.checkCPU
+	// The drain's WAL alone (from the publisher's start): what it made the
+	// database write, without the inserts; a check on the share that
+	// addWALShares derives from ceiling-pg.
+	if end, err := b.s.walNow(ctx); err == nil {
+		r.Extra["drain_wal_bytes_per_msg"] = float64(end.lsn-walDrain.lsn) / float64(l.rows)
+	}
+	if err := b.recordWAL(ctx, &r, wal0, l.rows); err != nil {
+		return r, err
+	}
 	return r, pr.stop()
 }
 
@@ -413,11 +479,16 @@ func (b *bench) live(ctx context.Context, p *path) (Result, error) {
 	if err != nil {
 		return Result{}, err
 	}
+	wal0, err := b.s.walNow(ctx)
+	if err != nil {
+		return Result{}, err
+	}
 	pubCPU := newCPUMeter(pidCPU(pr.pid()))
 	sw0, sc0, _ := ProcSwitches(pr.pid())
 	wsCPU := newCPUMeter(pidCPU(wsPID))
 	natsCPU := newCPUMeter(pidCPU(b.s.nats.PID()))
 	machine := newCPUMeter(MachineBusy)
+	pgCPU := newCPUMeter(b.serverCPU)
 	el, err := l.run(ctx)
 	if err != nil {
 		return Result{}, err
@@ -431,7 +502,8 @@ func (b *bench) live(ctx context.Context, p *path) (Result, error) {
 	}
 	_, last := firstLast(col.recvNs)
 	r := Result{Rows: n, InsertRate: float64(n) / el.Seconds()}
-	// Rows still 'ready' after their ack: the marks (or deletes) lagging.
+	// Rows not settled after their ack: the marks (or deletes) lagging, or
+	// under none the watermark (unsettledSQL).
 	r.Extra = map[string]float64{"settled_seconds": settled.Sub(l.base).Seconds()}
 	r.Seconds = time.Duration(last).Seconds()
 	r.MsgsPerSec = float64(n) / r.Seconds
@@ -457,6 +529,10 @@ func (b *bench) live(ctx context.Context, p *path) (Result, error) {
 	if wsPID != 0 {
 		r.WalsenderCPU = wsCPU.delta()
 	}
-	r.NATSCPU, r.MachineBusy = natsCPU.delta(), machine.delta()
+	r.NATSCPU, r.MachineBusy, r.PGCPU = natsCPU.delta(), machine.delta(), pgCPU.delta()-b.checkCPU
+	r.Extra["pg_check_cpu_seconds"] = b.checkCPU
+	if err := b.recordWAL(ctx, &r, wal0, n); err != nil {
+		return r, err
+	}
 	return r, pr.stop()
 }

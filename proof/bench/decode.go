@@ -413,8 +413,11 @@ func renderDecode(rep Report) string {
 }
 
 func markVerb(policy string) string {
-	if policy == "delete" {
+	switch policy {
+	case "delete":
 		return "deleted"
+	case "none":
+		return "covered by the watermark"
 	}
 	return "marked"
 }

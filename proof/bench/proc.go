@@ -22,24 +22,79 @@ func ProcCPU(pid int) (float64, error) {
 }
 
 // parseStatCPU reads utime and stime (fields 14 and 15) from a stat line.
-// The command name (field 2) may hold spaces and parentheses, so fields are
-// counted from the last ')'.
 func parseStatCPU(s string) (float64, error) {
+	st, err := parseStat(s)
+	return st.cpu, err
+}
+
+// procStat is what the benchmark reads from a /proc/<pid>/stat line.
+type procStat struct {
+	ppid     int
+	cpu      float64 // utime + stime, seconds
+	children float64 // cutime + cstime: children it has waited for, seconds
+}
+
+// parseStat reads ppid (field 4), utime, stime, cutime and cstime (fields
+// 14-17) from a stat line. The command name (field 2) may hold spaces and
+// parentheses, so fields are counted from the last ')'.
+func parseStat(s string) (procStat, error) {
 	i := strings.LastIndexByte(s, ')')
 	if i < 0 {
-		return 0, fmt.Errorf("parse /proc stat: no ')' in %q", s)
+		return procStat{}, fmt.Errorf("parse /proc stat: no ')' in %q", s)
 	}
 	f := strings.Fields(s[i+1:])
-	// f[0] is field 3 (state); utime is field 14, stime 15.
-	if len(f) < 13 {
-		return 0, fmt.Errorf("parse /proc stat: %d fields after the name", len(f))
+	// f[0] is field 3 (state), so field n is f[n-3].
+	if len(f) < 15 {
+		return procStat{}, fmt.Errorf("parse /proc stat: %d fields after the name", len(f))
 	}
-	u, err1 := strconv.ParseUint(f[11], 10, 64)
-	st, err2 := strconv.ParseUint(f[12], 10, 64)
-	if err1 != nil || err2 != nil {
-		return 0, fmt.Errorf("parse /proc stat: utime %q stime %q", f[11], f[12])
+	var v [5]uint64
+	for k, n := range []int{4, 14, 15, 16, 17} {
+		x, err := strconv.ParseUint(f[n-3], 10, 64)
+		if err != nil {
+			return procStat{}, fmt.Errorf("parse /proc stat: field %d %q", n, f[n-3])
+		}
+		v[k] = x
 	}
-	return float64(u+st) / clockTicks, nil
+	return procStat{ppid: int(v[0]), cpu: float64(v[1]+v[2]) / clockTicks, children: float64(v[3]+v[4]) / clockTicks}, nil
+}
+
+// ServerCPU returns the CPU seconds of a PostgreSQL server: the postmaster,
+// every live child (backends, walsenders, checkpointer, autovacuum...) and
+// every child that has exited (the postmaster waits for each, so their time
+// is in its cutime and cstime). The difference over an interval is
+// therefore exact for backends that come and go within it, as the
+// producers' connections and the relay's do, which a sum of live children
+// alone would miss.
+func ServerCPU(postmaster int) (float64, error) {
+	// Children first: one exiting between the two reads is counted twice
+	// rather than not at all (a tick or two, against seconds).
+	ents, err := os.ReadDir("/proc")
+	if err != nil {
+		return 0, err
+	}
+	var total float64
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid == postmaster {
+			continue
+		}
+		b, err := os.ReadFile("/proc/" + e.Name() + "/stat")
+		if err != nil {
+			continue // exited
+		}
+		if st, err := parseStat(string(b)); err == nil && st.ppid == postmaster {
+			total += st.cpu
+		}
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", postmaster))
+	if err != nil {
+		return 0, err
+	}
+	st, err := parseStat(string(b))
+	if err != nil {
+		return 0, err
+	}
+	return total + st.cpu + st.children, nil
 }
 
 // ProcPeakRSS returns VmHWM, the process's peak resident set, in MiB.

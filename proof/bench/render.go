@@ -63,6 +63,7 @@ func Render(rep Report) string {
 	}
 	fmt.Fprintf(&b, "machine: %s, %s CPUs, %s; load at start %s\n\n", rep.Machine["cpu"], rep.Machine["cpus"], rep.Machine["memory"], rep.Machine["loadavg_at_start"])
 	b.WriteString(FormatTable(header, rows))
+	b.WriteString(renderWALCPU(rep))
 	b.WriteString(renderDecode(rep))
 	if ir := rep.Idle; ir != nil {
 		fmt.Fprintf(&b, "\nidle (%.0f s, no traffic, poller paused): %d transactions in the relay's database, %d of %d relay backends active; relay CPU %.2f s, walsender CPU %.2f s\n",
@@ -90,3 +91,62 @@ func rateText(r float64) string {
 	}
 	return fmt.Sprintf("%.0f rows/s", r)
 }
+
+// renderWALCPU is the per-message cost in the database of each case (issue
+// 23, section 3): WAL written, the relay's share of it over the producers'
+// inserts alone, and CPU by process, PostgreSQL's included.
+func renderWALCPU(rep Report) string {
+	by := map[string]Result{}
+	for _, r := range rep.Medians {
+		by[r.Case] = r
+	}
+	pgCeil := by[CeilingPG].MsgsPerSec
+	header := []string{"case", "rows", "WAL B/msg", "FPI share", "checkpoints", "relay WAL B/msg", "relay WAL / inserts",
+		"drain WAL B/msg", "/no relay", "pub µs/msg", "walsender µs/msg", "pg other µs/msg", "pub+pg µs/msg", "path pg µs/msg", "pub+ws+path pg µs/msg", "acked/settled s"}
+	var rows [][]string
+	for _, r := range rep.Medians {
+		if r.WALBytesPerMsg == 0 && r.PGCPU == 0 {
+			continue
+		}
+		e := r.Extra
+		perMsg := func(sec float64) float64 { return sec / float64(r.Rows) * 1e6 }
+		row := []string{r.Case, fmt.Sprint(r.Rows), num(r.WALBytesPerMsg), "-", fmt.Sprint(e["checkpoints_during"]),
+			"-", "-", num(e["drain_wal_bytes_per_msg"]), "-",
+			num(r.PubCPUPerMsgUS), num(perMsg(r.WalsenderCPU)), num(perMsg(r.PGCPU - r.WalsenderCPU)),
+			num(perMsg(r.PubCPUSeconds + r.PGCPU)), "-", "-", "-"}
+		if v, ok := e["path_pg_us_per_msg"]; ok {
+			row[13], row[14] = signed(v), num(r.PubCPUPerMsgUS+perMsg(r.WalsenderCPU)+v)
+		}
+		if fpi, ok := e["wal_fpi_share"]; ok {
+			row[3] = fmt.Sprintf("%.1f%%", 100*fpi)
+		}
+		// From the case's start: the last message in the stream, the last
+		// row settled (marked, deleted, or covered by the watermark).
+		if a, ok := e["acked_seconds"]; ok {
+			row[15] = num(a) + " / " + num(r.Seconds)
+		} else if st, ok := e["settled_seconds"]; ok {
+			row[15] = num(r.Seconds) + " / " + num(st)
+		}
+		if _, ok := e["relay_wal_bytes_per_msg"]; ok {
+			row[5], row[6] = signed(e["relay_wal_bytes_per_msg"]), fmt.Sprintf("%+.1f%%", 100*e["relay_wal_over_inserts"])
+		}
+		if r.Case != CeilingPG {
+			row[8] = ratio(r.InsertRate, pgCeil)
+		}
+		rows = append(rows, row)
+	}
+	if len(rows) == 0 {
+		return ""
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "\nper message in the database (policy %s; polling publisher: %s): WAL from the first insert to the last row settled "+
+		"(each case after a forced CHECKPOINT; FPI share by pg_waldump); relay WAL = the case's WAL less ceiling-pg's of the same round "+
+		"(CDC and poller cases, same table and rows); drain WAL = from the publisher's start (backlog); CPU: pg = every PostgreSQL "+
+		"process but the benchmark's own count of unsettled rows, \"pg other\" without the walsender (live cases and ceiling-pg: the producers' backends included); pub+pg = publisher plus all of PostgreSQL; path pg = \"pg other\" less, in live cases, ceiling-pg's per row (the producers' inserts), and pub+ws+path pg the path's CPU per message with it\n\n",
+		rep.Config.Policy, naivePolicy(rep.Config.Policy))
+	b.WriteString(FormatTable(header, rows))
+	return b.String()
+}
+
+// signed formats a difference, which may be negative or zero (noise).
+func signed(x float64) string { return fmt.Sprintf("%+.1f", x) }

@@ -29,6 +29,13 @@ type Result struct {
 	// MachineBusy is the busy CPU time of the whole machine (both cores,
 	// every process, other people's included) over the interval.
 	MachineBusy float64 `json:"machine_busy_cpu_seconds,omitempty"`
+	// PGCPU is the CPU time of every PostgreSQL server process over the
+	// interval (ServerCPU: backends, the walsender, background workers,
+	// and those that exited within it).
+	PGCPU float64 `json:"postgres_cpu_seconds,omitempty"`
+	// WALBytesPerMsg is the WAL the server wrote from the first insert to
+	// the last row settled, per row (wal.go).
+	WALBytesPerMsg float64 `json:"wal_bytes_per_msg,omitempty"`
 
 	Extra map[string]float64 `json:"extra,omitempty"`
 

@@ -40,13 +40,15 @@ var AllCases = []string{CeilingPG, CeilingJS, CDCBacklog, CDCLive, PollBacklog, 
 
 // Config is the workload and what to run.
 type Config struct {
-	Rows         int
-	RowsPerTx    int
-	Payload      int
-	Producers    int
-	Rate         float64 // rows/s for live cases; 0 = as fast as possible
-	LiveSeconds  float64 // with Rate > 0, live cases insert min(Rows, Rate*LiveSeconds) rows
-	Policy       string  // mark | delete
+	Rows        int
+	RowsPerTx   int
+	Payload     int
+	Producers   int
+	Rate        float64 // rows/s for live cases; 0 = as fast as possible
+	LiveSeconds float64 // with Rate > 0, live cases insert min(Rows, Rate*LiveSeconds) rows
+	// Policy is the relay's --on-publish: mark | delete | none. The naive
+	// polling publisher has no watermark: under none it marks.
+	Policy       string
 	Rounds       int
 	Cases        []string
 	PollInterval time.Duration // naive publisher's and the relay poller's
@@ -104,8 +106,8 @@ func (c *Config) validate() error {
 	if c.Rows < 1 || c.RowsPerTx < 1 || c.Producers < 1 || c.Payload < 16 || c.Rounds < 1 {
 		return fmt.Errorf("-rows, -rows-per-tx, -producers, -rounds must be positive and -payload at least 16")
 	}
-	if c.Policy != "mark" && c.Policy != "delete" {
-		return fmt.Errorf("-policy %q: want mark or delete", c.Policy)
+	if c.Policy != "mark" && c.Policy != "delete" && c.Policy != "none" {
+		return fmt.Errorf("-policy %q: want mark, delete or none", c.Policy)
 	}
 	if c.NaiveMode != "async" && c.NaiveMode != "sync" {
 		return fmt.Errorf("-naive-mode %q: want async or sync", c.NaiveMode)
@@ -234,6 +236,7 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 		rep.Profile = &r
 	}
+	addWALShares(rep.Results)
 	rep.Medians = medians(rep.Results, cfg.Cases, cfg.Rate > 0)
 	fmt.Fprint(cfg.Out, Render(rep))
 	if rep.Restart != nil {

@@ -36,7 +36,7 @@ func main() {
 	fs.IntVar(&c.Producers, "producers", 4, "producer connections")
 	fs.Float64Var(&c.Rate, "rate", 0, "live cases: target rows/s, open loop (0 = as fast as possible)")
 	fs.Float64Var(&c.LiveSeconds, "live-seconds", 10, "live cases with -rate: insert at most rate × this many seconds of rows")
-	fs.StringVar(&c.Policy, "policy", "mark", "after the ack: mark or delete (relay and polling publisher alike)")
+	fs.StringVar(&c.Policy, "policy", "mark", "after the ack: mark, delete or none (G17: the relay writes nothing, a watermark covers the rows; the polling publisher then marks)")
 	fs.IntVar(&c.Rounds, "rounds", 1, "rounds, alternating CDC and polling first; the table shows the median round")
 	fs.StringVar(&cases, "cases", strings.Join(bench.AllCases, ","), "comma-separated cases to run; also "+bench.BigTable+" (G16, not by default)")
 	fs.DurationVar(&c.PollInterval, "poll-interval", 100*time.Millisecond, "polling publisher's and relay poller's pause when a batch is not full")
