@@ -213,6 +213,16 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		fmt.Fprintf(stdout, "%s=%s%s ", s, mark, n)
 	}
 	fmt.Fprintf(stdout, "\noldest eligible row: %.1fs\n", rep.OldestEligibleSeconds)
+	if w := rep.Watermark; w != nil {
+		// --on-publish none (G17): published rows left as inserted count
+		// as published once the watermark covers them.
+		n := strconv.FormatInt(rep.PublishedByWatermark, 10)
+		if rep.PublishedByWatermarkAtLeast {
+			n += "+ (among the newest " + strconv.Itoa(store.RecentRows) + " rows)"
+		}
+		fmt.Fprintf(stdout, "watermark  %s of slot %s, recorded %s (%.1fs ago): published (watermark)=%s, ready rows it covers, without stream_seq; ready counts the rows in flight\n",
+			w.LSN, termsafe.String(w.Slot), w.RecordedAt.UTC().Format(time.RFC3339), w.AgeSeconds, n)
+	}
 	if rep.Slot.Exists {
 		fmt.Fprintf(stdout, "failover slot: %v (synced from a former primary: %v)\n", rep.Slot.Failover, rep.Slot.Synced)
 	}
