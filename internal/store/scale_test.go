@@ -260,7 +260,8 @@ func TestObserverStatementsAtScale(t *testing.T) {
 		if p := c.ByState["published"]; !c.PublishedEstimated || p < scaleRows*99/100 || p > scaleRows*101/100 {
 			t.Errorf("published: %d (estimated %v), want about %d", p, c.PublishedEstimated, scaleRows)
 		}
-		if c.ReadyAtLeast || c.FailedByReason["rejected: max_payload"] != 51 || c.BlockedAggregates != 1 ||
+		if c.ReadyAtLeast || c.Watermark != nil || c.PublishedByWatermark != 0 || c.PublishedByWatermarkAtLeast ||
+			c.FailedByReason["rejected: max_payload"] != 51 || c.BlockedAggregates != 1 ||
 			c.OldestBlocked == nil || c.OldestBlocked.WorkID != "held-1" || c.OldestBlocked.Waiting != 5 {
 			t.Errorf("counts: %+v, oldest blocked %+v", c, c.OldestBlocked)
 		}
@@ -443,8 +444,10 @@ func TestObserverStatementsAtScale(t *testing.T) {
 			dry, err = st.Prune(ctx, store.PruneRequest{OlderThan: time.Duration(secs * float64(time.Second)), Batch: 500, DryRun: true})
 			return err
 		})
-		if dry.Published < 2000 || dry.Published > 62000 || dry.Covered != 0 {
-			t.Errorf("prune dry run under none: %+v, want about 2000 published, none covered", dry)
+		// The prune above took w-2000 or a few more (the clock moves on): so
+		// up to 2000 rows, or a few more for the same reason.
+		if dry.Published < 1000 || dry.Published > 62000 || dry.Covered != 0 {
+			t.Errorf("prune dry run under none: %+v, want up to about 2000 published, none covered", dry)
 		}
 	})
 }

@@ -144,7 +144,10 @@ func (s *Store) Counts(ctx context.Context) (Counts, error) {
 	c.PublishedByWatermark, c.PublishedByWatermarkAtLeast = covered, true
 	if w, found, err := s.LatestWatermark(ctx); err != nil {
 		return c, err
-	} else if found {
+	} else if !found {
+		// Never recorded: nothing is covered, exactly.
+		c.PublishedByWatermarkAtLeast = false
+	} else {
 		c.Watermark = &WatermarkStatus{Slot: w.Slot, LSN: w.LSN.String(), RecordedAt: w.RecordedAt}
 		if err := s.pool.QueryRow(ctx, `SELECT greatest(extract(epoch FROM clock_timestamp() - $1::timestamptz), 0)::float8`, w.RecordedAt).
 			Scan(&c.Watermark.AgeSeconds); err != nil {
