@@ -106,7 +106,8 @@ func readStream(ctx context.Context, url, name string) streamReport {
 func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var c common
 	fs := newFlagSet("status", "Prints the slot's lag (bytes, and seconds where PostgreSQL can tell), rows by state, the oldest eligible row's age,\n"+
-		"failures by reason and, when --nats-url is given, the stream; warns when a restart could replay past the duplicate window.", stderr)
+		"failures by reason, the watermark of --on-publish none (ready rows it covers count as published) and, when --nats-url\n"+
+		"is given, the stream; warns when a restart could replay past the duplicate window.", stderr)
 	c.register(fs, flagDatabaseURL, flagNATSURL, flagTable, flagSlot, flagStream)
 	asJSON := fs.Bool("json", false, "print JSON for machines")
 	dupWindow := fs.Duration("duplicate-window", natssink.DefaultDuplicateWindow, "the stream's duplicate window, for the replay warning when the stream is not read")
