@@ -74,3 +74,28 @@ func TestOpsCommandsUnderNone(t *testing.T) {
 		t.Errorf("rows left: %v, want cov-new and fly-old, as inserted", left)
 	}
 }
+
+// The rows in flight are looked for among the newest 10,000 rows only
+// (G16): when the oldest of those is in flight, status says ready and the
+// oldest eligible age are lower bounds. Once a watermark covers them all,
+// ready is 0 and every row counts as published, exactly on a small table.
+func TestStatusReadyInFlightIsALowerBound(t *testing.T) {
+	url, pool := migrated(t)
+	mustExec(t, pool, `INSERT INTO outbox (work_id, kind, payload) SELECT 'old-' || g, 'k', '{}' FROM generate_series(1, 5000) g`)
+	mustExec(t, pool, `INSERT INTO outbox_slots (slot_name) VALUES ('outbox_relay')`)
+	watermark := `UPDATE outbox_slots SET watermark_snapshot = pg_current_snapshot(), watermark_lsn = pg_current_wal_insert_lsn(), watermark_at = clock_timestamp()`
+	mustExec(t, pool, watermark)
+	mustExec(t, pool, `INSERT INTO outbox (work_id, kind, payload, available_at) SELECT 'new-' || g, 'k', '{}', clock_timestamp() - interval '1 hour' FROM generate_series(1, 10000) g`)
+	code, out, _ := run(t, "status", "--database-url", url)
+	if code != 0 || !strings.Contains(out, "ready=10000+ ") || !strings.Contains(out, "published=5000 ") ||
+		!strings.Contains(out, "s or more (ready rows in flight reach past the newest 10000 rows looked at)") ||
+		!strings.Contains(out, "published (watermark)=5000,") {
+		t.Errorf("status with 10,000 rows in flight: exit %d\n%s", code, out)
+	}
+	mustExec(t, pool, watermark)
+	code, out, _ = run(t, "status", "--database-url", url)
+	if code != 0 || !strings.Contains(out, "ready=0 ") || !strings.Contains(out, "published=15000 ") ||
+		!strings.Contains(out, "oldest eligible row: 0.0s\n") || !strings.Contains(out, "published (watermark)=15000,") {
+		t.Errorf("status with every row covered: exit %d\n%s", code, out)
+	}
+}

@@ -213,7 +213,13 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		}
 		fmt.Fprintf(stdout, "%s=%s%s ", s, mark, n)
 	}
-	fmt.Fprintf(stdout, "\noldest eligible row: %.1fs\n", rep.OldestEligibleSeconds)
+	bound := ""
+	if rep.ReadyAtLeast {
+		// Only the newest rows are looked at for ready rows (G16): say so
+		// where it shows.
+		bound = fmt.Sprintf(" or more (ready rows in flight reach past the newest %d rows looked at)", store.RecentRows)
+	}
+	fmt.Fprintf(stdout, "\noldest eligible row: %.1fs%s\n", rep.OldestEligibleSeconds, bound)
 	if w := rep.Watermark; w != nil {
 		// --on-publish none (G17): published rows left as inserted count
 		// as published once the watermark covers them.
