@@ -13,7 +13,8 @@ func runPrune(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	var c common
 	fs := newFlagSet("prune", `Deletes published rows whose published_at is older than --older-than (and, with
 --include-cancelled, cancelled rows cancelled that long ago), in batches, until none is left.
-Ready, scheduled, running and failed rows are never deleted. The <table>_redrives history is kept.
+Ready rows the watermark covers (--on-publish none: published, left as inserted) go by created_at.
+Ready rows in flight, scheduled, running and failed rows are never deleted. The <table>_redrives history is kept.
 
   outbox-relay prune --older-than 7d`, stderr)
 	c.register(fs, flagDatabaseURL, flagTable)
@@ -48,6 +49,9 @@ Ready, scheduled, running and failed rows are never deleted. The <table>_redrive
 		verb, batches = "dry run, nothing deleted: would prune", ""
 	}
 	fmt.Fprintf(stdout, "%s %d published rows", verb, res.Published)
+	if res.Covered > 0 {
+		fmt.Fprintf(stdout, " (%d of them ready rows covered by the watermark, --on-publish none, by created_at)", res.Covered)
+	}
 	if *includeCancelled {
 		fmt.Fprintf(stdout, " and %d cancelled and %d expired rows", res.Cancelled, res.Expired)
 	}

@@ -106,7 +106,8 @@ func readStream(ctx context.Context, url, name string) streamReport {
 func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var c common
 	fs := newFlagSet("status", "Prints the slot's lag (bytes, and seconds where PostgreSQL can tell), rows by state, the oldest eligible row's age,\n"+
-		"failures by reason and, when --nats-url is given, the stream; warns when a restart could replay past the duplicate window.", stderr)
+		"failures by reason, the watermark of --on-publish none (ready rows it covers count as published) and, when --nats-url\n"+
+		"is given, the stream; warns when a restart could replay past the duplicate window.", stderr)
 	c.register(fs, flagDatabaseURL, flagNATSURL, flagTable, flagSlot, flagStream)
 	asJSON := fs.Bool("json", false, "print JSON for machines")
 	dupWindow := fs.Duration("duplicate-window", natssink.DefaultDuplicateWindow, "the stream's duplicate window, for the replay warning when the stream is not read")
@@ -212,7 +213,23 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		}
 		fmt.Fprintf(stdout, "%s=%s%s ", s, mark, n)
 	}
-	fmt.Fprintf(stdout, "\noldest eligible row: %.1fs\n", rep.OldestEligibleSeconds)
+	bound := ""
+	if rep.ReadyAtLeast {
+		// Only the newest rows are looked at for ready rows (G16): say so
+		// where it shows.
+		bound = fmt.Sprintf(" or more (ready rows in flight reach past the newest %d rows looked at)", store.RecentRows)
+	}
+	fmt.Fprintf(stdout, "\noldest eligible row: %.1fs%s\n", rep.OldestEligibleSeconds, bound)
+	if w := rep.Watermark; w != nil {
+		// --on-publish none (G17): published rows left as inserted count
+		// as published once the watermark covers them.
+		n := strconv.FormatInt(rep.PublishedByWatermark, 10)
+		if rep.PublishedByWatermarkAtLeast {
+			n += "+ (among the newest " + strconv.Itoa(store.RecentRows) + " rows)"
+		}
+		fmt.Fprintf(stdout, "watermark  %s of slot %s, recorded %s (%.1fs ago): published (watermark)=%s, ready rows it covers, without stream_seq; ready counts the rows in flight\n",
+			w.LSN, termsafe.String(w.Slot), w.RecordedAt.UTC().Format(time.RFC3339), w.AgeSeconds, n)
+	}
 	if rep.Slot.Exists {
 		fmt.Fprintf(stdout, "failover slot: %v (synced from a former primary: %v)\n", rep.Slot.Failover, rep.Slot.Synced)
 	}

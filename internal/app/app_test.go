@@ -58,8 +58,16 @@ func metric(body, name, labels string) float64 {
 // After a known load the metrics say what happened: 40 rows published on the
 // CDC path, one rejected row handed to the poller and failed there, the rows
 // by state read from the table, the slot owned and caught up. The database
-// password given in the URL appears in no log line and no metric.
+// password given in the URL appears in no log line and no metric. With
+// --on-publish none (G17) the same: the 40 rows stay 'ready' in the table,
+// and the gauges count them published once the watermark covers them.
 func TestMetricsAfterKnownLoad(t *testing.T) {
+	for _, policy := range []store.Policy{store.PolicyMark, store.PolicyNone} {
+		t.Run(string(policy), func(t *testing.T) { metricsAfterKnownLoad(t, policy) })
+	}
+}
+
+func metricsAfterKnownLoad(t *testing.T, policy store.Policy) {
 	env := testenv.Shared(t)
 	stream, prefix := env.StreamName(t)
 	dbURL := env.PG.CreateOutboxDatabase(t)
@@ -81,7 +89,7 @@ func TestMetricsAfterKnownLoad(t *testing.T) {
 	addr := make(chan string, 1)
 	o := app.Options{
 		DatabaseURL: u.String(), NATSURL: env.NATS.URL(), Table: tbl, Slot: "outbox_relay", Publication: "outbox_relay",
-		Stream: stream, SubjectPrefix: prefix, Policy: store.PolicyMark, DuplicateWindow: 2 * time.Minute,
+		Stream: stream, SubjectPrefix: prefix, Policy: policy, DuplicateWindow: 2 * time.Minute,
 		AckTimeout: 2 * time.Second, StatusInterval: 200 * time.Millisecond, DrainTimeout: 5 * time.Second,
 		MaxInFlight: 256, MaxInFlightBytes: 1 << 20,
 		HTTPAddr: "127.0.0.1:0", StatsInterval: 200 * time.Millisecond,
@@ -153,6 +161,14 @@ func TestMetricsAfterKnownLoad(t *testing.T) {
 		if got := metric(body, c.name, c.labels); got != c.want {
 			t.Errorf("%s{%s} = %v, want %v", c.name, c.labels, got, c.want)
 		}
+	}
+	wantState := "published"
+	if policy == store.PolicyNone {
+		wantState = "ready" // left as inserted
+	}
+	var asInserted int
+	if err := conn.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE work_id LIKE 'm-%' AND state = $1`, wantState).Scan(&asInserted); err != nil || asInserted != 40 {
+		t.Errorf("%d of the 40 rows are %s in the table (%v)", asInserted, wantState, err)
 	}
 	if code, _ := get(t, base+"/healthz"); code != 200 {
 		t.Errorf("/healthz answered %d", code)

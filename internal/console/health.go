@@ -49,18 +49,23 @@ type Health struct {
 	LagSeconds float64 `json:"lag_seconds"`
 	LagSource  string  `json:"lag_source"`
 
-	OldestEligibleSeconds float64         `json:"oldest_eligible_seconds"`
-	ByState               []Count         `json:"by_state"`
-	FailedByReason        []Count         `json:"failed_by_reason"`
-	RecentFailures        []Count         `json:"recent_failures"`
-	BlockedAggregates     int64           `json:"blocked_aggregates"`
-	Blocked               []store.Blocked `json:"blocked"`
-	Standbys              []Standby       `json:"standbys"`
-	Samples               []Sample        `json:"samples"`
-	ChartPoints           string          `json:"chart_points"`
-	ChartMaxBytes         int64           `json:"chart_max_bytes"`
-	ReadAt                time.Time       `json:"read_at"`
-	Problems              []string        `json:"problems"`
+	OldestEligibleSeconds float64 `json:"oldest_eligible_seconds"`
+	ByState               []Count `json:"by_state"`
+	// PublishedByWatermark counts the published rows that are ready rows
+	// the watermark covers (--on-publish none, G17); Watermark is nil when
+	// none was ever recorded. See store.Counts.
+	PublishedByWatermark Count                  `json:"published_by_watermark"`
+	Watermark            *store.WatermarkStatus `json:"watermark,omitempty"`
+	FailedByReason       []Count                `json:"failed_by_reason"`
+	RecentFailures       []Count                `json:"recent_failures"`
+	BlockedAggregates    int64                  `json:"blocked_aggregates"`
+	Blocked              []store.Blocked        `json:"blocked"`
+	Standbys             []Standby              `json:"standbys"`
+	Samples              []Sample               `json:"samples"`
+	ChartPoints          string                 `json:"chart_points"`
+	ChartMaxBytes        int64                  `json:"chart_max_bytes"`
+	ReadAt               time.Time              `json:"read_at"`
+	Problems             []string               `json:"problems"`
 }
 
 // cachedHealth is the overview as read at most one refresh interval ago.
@@ -147,6 +152,11 @@ func (c *Console) readHealth(ctx context.Context) Health {
 			h.ByState = append(h.ByState, c)
 		}
 		h.FailedByReason = sortedCounts(counts.FailedByReason)
+		h.PublishedByWatermark = Count{Name: "published by the watermark", N: counts.PublishedByWatermark}
+		if counts.PublishedByWatermarkAtLeast {
+			h.PublishedByWatermark.Bound = "at least"
+		}
+		h.Watermark = counts.Watermark
 	}
 	if recent, err := st.RecentFailures(ctx, RecentWindow); err != nil {
 		problem("read recent failures", err)

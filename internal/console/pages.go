@@ -2,6 +2,7 @@ package console
 
 import (
 	"bytes"
+	"context"
 	"encoding/base64"
 	"errors"
 	"fmt"
@@ -220,6 +221,25 @@ type rowsData struct {
 	Limit     int
 	MaxAction int
 	Err       string
+	// Watermark is the newest watermark (--on-publish none), read when a
+	// row on the page is covered by it: the evidence those rows have.
+	Watermark *store.Watermark
+}
+
+// watermarkFor reads the newest watermark when one of rows is covered by it.
+// It is read after the rows: a watermark only grows, so the one read covers
+// every row the rows' statement saw covered.
+func (c *Console) watermarkFor(ctx context.Context, rows ...store.ListedRow) (*store.Watermark, error) {
+	for _, r := range rows {
+		if r.Covered {
+			w, found, err := c.src.Store.LatestWatermark(ctx)
+			if err != nil || !found {
+				return nil, err
+			}
+			return &w, nil
+		}
+	}
+	return nil, nil
 }
 
 func (c *Console) rows(w http.ResponseWriter, r *http.Request) {
@@ -270,12 +290,17 @@ func (c *Console) rows(w http.ResponseWriter, r *http.Request) {
 		d.Next = template.URL("/ui/rows?" + nq.Encode())
 	}
 	d.Rows = rows
+	if d.Watermark, err = c.watermarkFor(r.Context(), rows...); err != nil {
+		c.fail(w, r, http.StatusInternalServerError, "read the watermark: "+safeError(err))
+		return
+	}
 	c.render(w, r, "rows", d, http.StatusOK)
 }
 
 type rowData struct {
-	Row     store.ListedRow
-	History []store.History
+	Row       store.ListedRow
+	History   []store.History
+	Watermark *store.Watermark // set when the row is covered by it
 }
 
 func (c *Console) row(w http.ResponseWriter, r *http.Request) {
@@ -298,7 +323,12 @@ func (c *Console) row(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, r, http.StatusInternalServerError, "read the row's history: "+safeError(err))
 		return
 	}
-	c.render(w, r, "row", rowData{Row: row, History: hist}, http.StatusOK)
+	wm, err := c.watermarkFor(r.Context(), row)
+	if err != nil {
+		c.fail(w, r, http.StatusInternalServerError, "read the watermark: "+safeError(err))
+		return
+	}
+	c.render(w, r, "row", rowData{Row: row, History: hist, Watermark: wm}, http.StatusOK)
 }
 
 type historyData struct {

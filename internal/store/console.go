@@ -64,17 +64,30 @@ type ListedRow struct {
 	ClaimedBy       string
 	PublishedAt     *time.Time
 	StreamSeq       *int64 // set once the broker accepted it: "possibly accepted" has evidence
-	StreamName      string // the stream holding StreamSeq; "" before migration 0010 or when never published
-	ExpiresAt       *time.Time
-	RedrivenAt      *time.Time
-	RedrivenBy      string
-	RedriveReason   string
-	AggregateType   string
-	AggregateID     string
-	AggregateSeq    *int64
-	Payload         string // the payload's text, truncated to PayloadChars
-	PayloadChars    int    // the whole payload's length in characters
-	Headers         string // the headers' JSON text, "" when NULL
+	// Covered: a 'ready' row the newest watermark covers (--on-publish
+	// none, G17): published by the CDC path, which wrote nothing to it, so
+	// it has no StreamSeq or PublishedAt. ShownState says 'published'.
+	Covered       bool
+	StreamName    string // the stream holding StreamSeq; "" before migration 0010 or when never published
+	ExpiresAt     *time.Time
+	RedrivenAt    *time.Time
+	RedrivenBy    string
+	RedriveReason string
+	AggregateType string
+	AggregateID   string
+	AggregateSeq  *int64
+	Payload       string // the payload's text, truncated to PayloadChars
+	PayloadChars  int    // the whole payload's length in characters
+	Headers       string // the headers' JSON text, "" when NULL
+}
+
+// ShownState is the row's state as an operator sees it: 'published' for a
+// 'ready' row the watermark covers, else its state.
+func (r ListedRow) ShownState() string {
+	if r.Covered {
+		return StatePublished
+	}
+	return r.State
 }
 
 // ErrBadFilter marks a console filter the store refuses before running SQL.
@@ -85,20 +98,28 @@ const listColumns = `work_id, kind, coalesce(subject, ''), state, attempts, clai
 	redriven_at, coalesce(redriven_by, ''), coalesce(redrive_reason, ''),
 	coalesce(aggregate_type, ''), coalesce(aggregate_id, ''), aggregate_seq, coalesce(stream_name, '')`
 
+// listedCovered is the Covered column of listColumns' rows, aliased o.
+func (s *Store) listedCovered() string {
+	return `o.state = 'ready' AND ` + s.coveredSQL("o")
+}
+
 func scanListed(row pgx.CollectableRow) (ListedRow, error) {
 	var r ListedRow
 	err := row.Scan(&r.WorkID, &r.Kind, &r.Subject, &r.State, &r.Attempts, &r.ClaimGeneration, &r.LastError,
 		anyTime{&r.CreatedAt}, anyTime{&r.AvailableAt}, anyTimePtr{&r.LeaseUntil}, &r.ClaimedBy, anyTimePtr{&r.PublishedAt}, &r.StreamSeq, anyTimePtr{&r.ExpiresAt},
 		anyTimePtr{&r.RedrivenAt}, &r.RedrivenBy, &r.RedriveReason, &r.AggregateType, &r.AggregateID, &r.AggregateSeq, &r.StreamName,
-		&r.Payload, &r.PayloadChars, &r.Headers)
+		&r.Covered, &r.Payload, &r.PayloadChars, &r.Headers)
 	return r, err
 }
 
 // where builds the filter's FROM and WHERE clauses from fixed fragments,
-// adding every value as a parameter. Each state is read through the index
-// that holds its rows, so a page costs its rows, not the table (G16).
-func (f ListFilter) where(p *args, tbl string) (from, w string, err error) {
-	from, w = tbl, `true`
+// adding every value as a parameter; the rows are aliased o. Each state is
+// read through the index that holds its rows, so a page costs its rows, not
+// the table (G16). A 'ready' row the watermark covers (--on-publish none,
+// G17) is published: the filter 'published' selects it, 'ready' does not.
+func (s *Store) where(f ListFilter, p *args) (from, w string, err error) {
+	tbl := s.table.String()
+	from, w = tbl+` AS o`, `true`
 	switch f.State {
 	case "":
 	case StateScheduled, StateRunning:
@@ -110,8 +131,13 @@ func (f ListFilter) where(p *args, tbl string) (from, w string, err error) {
 	case StateReady:
 		// No index finds ready rows (migration 0012): they are looked for
 		// among the newest RecentRows rows, where the CDC path leaves them.
-		from = `(SELECT * FROM ` + tbl + ` ORDER BY created_at DESC, work_id DESC LIMIT ` + p.add(int64(RecentRows)) + `::bigint) AS recent`
-		w += ` AND state = 'ready'`
+		from = `(SELECT * FROM ` + tbl + ` ORDER BY created_at DESC, work_id DESC LIMIT ` + p.add(int64(RecentRows)) + `::bigint) AS o`
+		w += ` AND state = 'ready' AND NOT ` + s.coveredSQL("o")
+	case StatePublished:
+		// The walk of created_idx the published filter always was (no
+		// index holds the published rows), now also keeping covered ready
+		// rows.
+		w += ` AND ` + s.publishedSQL("o")
 	default:
 		w += ` AND state = ` + p.add(f.State) + `::text`
 	}
@@ -157,7 +183,7 @@ func (s *Store) ListRows(ctx context.Context, f ListFilter) ([]ListedRow, error)
 		return nil, fmt.Errorf("%w: a limit is required", ErrBadFilter)
 	}
 	var p args
-	from, w, err := f.where(&p, s.table.String())
+	from, w, err := s.where(f, &p)
 	if err != nil {
 		return nil, err
 	}
@@ -165,7 +191,7 @@ func (s *Store) ListRows(ctx context.Context, f ListFilter) ([]ListedRow, error)
 	if f.PayloadChars > 0 {
 		payload = `left(payload::text, ` + p.add(int64(f.PayloadChars)) + `::int)`
 	}
-	q := `SELECT ` + listColumns + `, ` + payload + `, length(payload::text), coalesce(headers::text, '')
+	q := `SELECT ` + listColumns + `, ` + s.listedCovered() + `, ` + payload + `, length(payload::text), coalesce(headers::text, '')
 		FROM ` + from + ` WHERE ` + w + `
 		ORDER BY created_at, work_id LIMIT ` + p.add(int64(f.Limit)) + `::bigint`
 	rows, err := s.pool.Query(ctx, q, p...)
@@ -188,7 +214,7 @@ func (s *Store) ListWorkIDs(ctx context.Context, f ListFilter, limit int) (ids [
 		return nil, false, fmt.Errorf("%w: a limit is required", ErrBadFilter)
 	}
 	var p args
-	from, w, err := f.where(&p, s.table.String())
+	from, w, err := s.where(f, &p)
 	if err != nil {
 		return nil, false, err
 	}
@@ -209,8 +235,8 @@ func (s *Store) ListWorkIDs(ctx context.Context, f ListFilter, limit int) (ids [
 
 // Row returns one row with its whole payload; false when there is none.
 func (s *Store) Row(ctx context.Context, workID string) (ListedRow, bool, error) {
-	rows, err := s.pool.Query(ctx, `SELECT `+listColumns+`, payload::text, length(payload::text), coalesce(headers::text, '')
-		FROM `+s.table.String()+` WHERE work_id = $1`, workID)
+	rows, err := s.pool.Query(ctx, `SELECT `+listColumns+`, `+s.listedCovered()+`, payload::text, length(payload::text), coalesce(headers::text, '')
+		FROM `+s.table.String()+` AS o WHERE work_id = $1`, workID)
 	if err != nil {
 		return ListedRow{}, false, fmt.Errorf("read row %q of %s: %w", workID, s.table.Qualified(), err)
 	}

@@ -167,7 +167,13 @@ func (r OpRow) Uncertain() bool { return strings.HasPrefix(r.PreviousError, "unc
 // Refusal is a work ID a redrive or cancel did not change.
 type Refusal struct {
 	WorkID string
-	State  string // "" when no row has this work ID
+	// State is the row's state as an operator sees it: "" when no row has
+	// this work ID, and 'published' for a 'ready' row the watermark
+	// covers (Covered).
+	State string
+	// Covered: the row is 'ready' in the table and the watermark covers it
+	// (--on-publish none, G17): the CDC path published it.
+	Covered bool
 	// DeadlinePassed: a redrive found its deadline passed and was given
 	// no new one. DeadlineInvalid: its deadline is one no message can
 	// carry ('infinity', a year past 9999: a row from before migration
@@ -205,10 +211,15 @@ func (r Refusal) Why(a Action) string {
 	case StateScheduled:
 		return "scheduled: the poller will publish it when due"
 	case StatePublished:
-		if a == ActionRedrive {
-			return "published: the broker has it (terminal); publish again with a new row and work ID"
+		by := ""
+		if r.Covered {
+			// No stream sequence to point at: the row was left as inserted.
+			by = " (covered by the watermark, --on-publish none)"
 		}
-		return "published: the broker has it (terminal)"
+		if a == ActionRedrive {
+			return "published" + by + ": the broker has it (terminal); publish again with a new row and work ID"
+		}
+		return "published" + by + ": the broker has it (terminal)"
 	case StateCancelled:
 		return "cancelled: already cancelled"
 	case StateExpired:
@@ -507,18 +518,21 @@ func (s *Store) refusals(ctx context.Context, tx pgx.Tx, ids []string, changed [
 			rest = append(rest, id)
 		}
 	}
-	rows, err := tx.Query(ctx, `SELECT work_id, state, lease_until, coalesce(expires_at <= clock_timestamp(), false),
-			coalesce(expires_at >= '10000-01-01 00:00:00+00', false)
-		FROM `+s.table.String()+` WHERE work_id = ANY($1::text[])`, rest)
+	rows, err := tx.Query(ctx, `SELECT o.work_id, o.state, o.lease_until, coalesce(o.expires_at <= clock_timestamp(), false),
+			coalesce(o.expires_at >= '10000-01-01 00:00:00+00', false), o.state = 'ready' AND `+s.coveredSQL("o")+`
+		FROM `+s.table.String()+` AS o WHERE o.work_id = ANY($1::text[])`, rest)
 	if err != nil {
 		return nil, err
 	}
 	found := map[string]Refusal{}
 	var r Refusal
 	var lease *time.Time
-	if _, err := pgx.ForEachRow(rows, []any{&r.WorkID, &r.State, &lease, &r.DeadlinePassed, &r.DeadlineInvalid}, func() error {
+	if _, err := pgx.ForEachRow(rows, []any{&r.WorkID, &r.State, &lease, &r.DeadlinePassed, &r.DeadlineInvalid, &r.Covered}, func() error {
 		if lease != nil {
 			r.LeaseUntil = *lease
+		}
+		if r.Covered {
+			r.State = StatePublished
 		}
 		found[r.WorkID] = r
 		r = Refusal{}
@@ -552,7 +566,9 @@ func dedup(ids []string) []string {
 // PruneRequest is one prune.
 type PruneRequest struct {
 	// OlderThan: published rows whose published_at is older than this (on
-	// the database's clock, fixed when the prune starts) are deleted.
+	// the database's clock, fixed when the prune starts) are deleted, and
+	// 'ready' rows the watermark covers (--on-publish none, G17) whose
+	// created_at is: such a row records no time of publication.
 	OlderThan time.Duration
 	// Batch rows per statement (and per transaction), so a large prune holds
 	// few locks at a time and the table's other users keep going.
@@ -567,8 +583,11 @@ type PruneRequest struct {
 
 // PruneResult is what a prune deleted (or would delete).
 type PruneResult struct {
-	Cutoff    time.Time
+	Cutoff time.Time
+	// Published counts every published row deleted, Covered those of them
+	// that were 'ready' rows the watermark covered (--on-publish none).
 	Published int64
+	Covered   int64
 	Cancelled int64
 	Expired   int64
 	Batches   int
@@ -579,8 +598,11 @@ type PruneResult struct {
 // with SKIP LOCKED, until none is left. Each batch is read through an index
 // (created_idx for published rows, parked_idx for the others), so a prune
 // reads the old rows once and never the rest of the table (G16). It never
-// touches ready, scheduled, running or failed rows: both the batch's select
-// and the DELETE say so. The history table is left alone: it is the audit
+// touches ready rows in flight (not covered by the watermark), scheduled,
+// running or failed rows: both the batch's select and the DELETE say so. A
+// ready row the watermark covers is published (G17) and goes by its
+// created_at, since nothing records when it was published; the watermark
+// only grows, so a row covered when the batch reads it stays covered. The history table is left alone: it is the audit
 // trail, and small.
 func (s *Store) Prune(ctx context.Context, r PruneRequest) (PruneResult, error) {
 	var res PruneResult
@@ -612,12 +634,13 @@ func (s *Store) Prune(ctx context.Context, r PruneRequest) (PruneResult, error) 
 		if err := ctx.Err(); err != nil {
 			return res, fmt.Errorf("prune %s: stopped after %d rows: %w", s.table.Qualified(), res.Published+res.Cancelled+res.Expired, err)
 		}
-		pub, next, err := s.pruneBatch(ctx, res.Cutoff, r.Batch, after)
+		pub, covered, next, err := s.pruneBatch(ctx, res.Cutoff, r.Batch, after)
 		if err != nil {
 			return res, fmt.Errorf("prune %d rows from %s (after %d): %w", r.Batch, s.table.Qualified(), res.Published+res.Cancelled+res.Expired, err)
 		}
 		res.Batches++
 		res.Published += pub
+		res.Covered += covered
 		if next == nil {
 			break
 		}
@@ -668,9 +691,10 @@ type cursor struct {
 
 // pruneBatch deletes the published rows older than cutoff among the next
 // batch rows after after (from the start when nil) in (created_at, work_id)
-// order, and returns where the next batch starts: nil when this one read
-// the last row created before the cutoff.
-func (s *Store) pruneBatch(ctx context.Context, cutoff time.Time, batch int, after *cursor) (int64, *cursor, error) {
+// order, and returns how many, how many of them were ready rows the
+// watermark covered, and where the next batch starts: nil when this one
+// read the last row created before the cutoff.
+func (s *Store) pruneBatch(ctx context.Context, cutoff time.Time, batch int, after *cursor) (deleted, covered int64, _ *cursor, _ error) {
 	tbl := s.table.String()
 	args := []any{cutoff, int64(batch)}
 	from := ``
@@ -686,33 +710,35 @@ func (s *Store) pruneBatch(ctx context.Context, cutoff time.Time, batch int, aft
 			ORDER BY created_at, work_id LIMIT $2),
 		b AS MATERIALIZED (
 			SELECT t.work_id FROM ` + tbl + ` AS t JOIN scan USING (work_id)
-			WHERE t.state = 'published' AND t.published_at < $1
+			WHERE (t.state = 'published' AND t.published_at < $1) OR (t.state = 'ready' AND ` + s.coveredSQL("t") + `)
 			FOR UPDATE OF t SKIP LOCKED),
 		d AS (
 			DELETE FROM ` + tbl + ` AS t USING b
-			WHERE t.work_id = b.work_id AND t.state = 'published'
-			RETURNING 1),
+			WHERE t.work_id = b.work_id AND ` + s.publishedSQL("t") + `
+			RETURNING t.state),
 		last AS (SELECT created_at, work_id FROM scan ORDER BY created_at DESC, work_id DESC LIMIT 1)
-		SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM scan), (SELECT created_at FROM last), (SELECT work_id FROM last)`
-	var deleted, scanned int64
+		SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM d WHERE state = 'ready'), (SELECT count(*) FROM scan),
+			(SELECT created_at FROM last), (SELECT work_id FROM last)`
+	var scanned int64
 	var next cursor
 	var lastID *string
-	if err := s.pool.QueryRow(ctx, q, args...).Scan(&deleted, &scanned, &next.createdAt, &lastID); err != nil {
-		return 0, nil, err
+	if err := s.pool.QueryRow(ctx, q, args...).Scan(&deleted, &covered, &scanned, &next.createdAt, &lastID); err != nil {
+		return 0, 0, nil, err
 	}
 	if scanned < int64(batch) || lastID == nil {
-		return deleted, nil, nil
+		return deleted, covered, nil, nil
 	}
 	next.workID = *lastID
-	return deleted, &next, nil
+	return deleted, covered, &next, nil
 }
 
 // pruneCount counts what a prune would delete: published rows through
 // created_idx, as the prune walks them, and parked rows through parked_idx.
 func (s *Store) pruneCount(ctx context.Context, r PruneRequest, res PruneResult) (PruneResult, error) {
 	tbl := s.table.String()
-	err := s.pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl+` WHERE created_at < $1 AND state = 'published' AND published_at < $1`,
-		res.Cutoff).Scan(&res.Published)
+	err := s.pool.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE o.state = 'ready') FROM `+tbl+` AS o
+		WHERE o.created_at < $1 AND ((o.state = 'published' AND o.published_at < $1) OR (o.state = 'ready' AND `+s.coveredSQL("o")+`))`,
+		res.Cutoff).Scan(&res.Published, &res.Covered)
 	if err == nil && r.IncludeCancelled {
 		err = s.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE state = 'cancelled'), count(*) FILTER (WHERE state = 'expired')
 			FROM `+tbl+` WHERE parked IN ('cancelled', 'expired') AND `+prunableParked, res.Cutoff).Scan(&res.Cancelled, &res.Expired)
@@ -765,7 +791,10 @@ func (s *Store) history(ctx context.Context, tail string, args ...any) ([]Histor
 }
 
 // OldestReadySeconds is the age, on the database's clock, of the oldest row
-// still in 'ready' by its created_at (0 when there is none). Unless it was
+// still in 'ready' by its created_at (0 when there is none), leaving out the
+// ready rows the watermark covers (--on-publish none, G17): those are
+// published and settled, and under none nearly every row is one, so
+// counting them would make the age grow for ever. Unless it was
 // committed before the slot existed (the backfill's to hand over), such a
 // row's transaction is not settled, so the slot's confirmed position is at
 // or before it: a relay that restarts now replays at least that far back.
@@ -775,7 +804,7 @@ func (s *Store) history(ctx context.Context, tail string, args ...any) ([]Histor
 func (s *Store) OldestReadySeconds(ctx context.Context) (float64, error) {
 	var age float64
 	err := s.pool.QueryRow(ctx, `SELECT coalesce(extract(epoch FROM clock_timestamp() - min(`+clamped("created_at")+`)), 0)::float8
-		FROM (`+s.recentSQL("state, created_at")+`) r WHERE state = 'ready'`, int64(RecentRows)).Scan(&age)
+		FROM (`+s.recentSQL("state, created_at, xact_id")+`) r WHERE state = 'ready' AND NOT `+s.coveredSQL("r"), int64(RecentRows)).Scan(&age)
 	if err != nil {
 		return 0, fmt.Errorf("oldest ready row in %s: %w", s.table.Qualified(), err)
 	}

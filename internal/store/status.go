@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -18,18 +19,35 @@ type Counts struct {
 	// ReadyAtLeast; published is exact unless PublishedEstimated, and -1
 	// when it cannot be estimated yet (a large table never analyzed).
 	ByState map[string]int64 `json:"by_state"`
-	// ReadyAtLeast: the ready rows reach past the newest RecentRows rows,
-	// the only ones looked at, so ByState["ready"] is a lower bound and
-	// OldestEligibleSeconds may be too. The slot's lag tells how far the
-	// CDC path is behind.
+	//
+	// A 'ready' row the newest watermark covers (--on-publish none, G17)
+	// counts as published, not as ready: the CDC path published it and
+	// wrote nothing. ByState["ready"] is the ready rows in flight.
+	//
+	// ReadyAtLeast: the ready rows in flight reach past the newest
+	// RecentRows rows, the only ones looked at, so ByState["ready"] is a
+	// lower bound and OldestEligibleSeconds may be too. The slot's lag
+	// tells how far the CDC path is behind.
 	ReadyAtLeast bool `json:"ready_at_least"`
 	// PublishedEstimated: the table is larger than ExactCountPages, and
 	// published is the planner's estimate of the table's rows (pg_class,
 	// kept by autovacuum and ANALYZE) minus the other states.
 	PublishedEstimated bool `json:"published_estimated"`
+	// PublishedByWatermark is how many of the published rows are 'ready'
+	// rows the watermark covers (--on-publish none): published without a
+	// stream sequence or published_at of their own. Exact on a table of at
+	// most ExactCountPages pages; on a larger one it counts the newest
+	// RecentRows rows only, and PublishedByWatermarkAtLeast is set.
+	PublishedByWatermark        int64 `json:"published_by_watermark"`
+	PublishedByWatermarkAtLeast bool  `json:"published_by_watermark_at_least"`
+	// Watermark is the newest recorded watermark of the table's slots; nil
+	// when none was ever recorded (the table never ran with
+	// --on-publish none).
+	Watermark *WatermarkStatus `json:"watermark,omitempty"`
 	// OldestEligibleSeconds is the age of the oldest row that is due and not
-	// published: ready rows (the CDC path's) and scheduled rows past their
-	// available_at. Zero when there is none.
+	// published: ready rows in flight (the CDC path's, not covered by the
+	// watermark), among the newest RecentRows rows, and scheduled rows past
+	// their available_at. Zero when there is none.
 	OldestEligibleSeconds float64 `json:"oldest_eligible_seconds"`
 	// FailedByReason groups failed rows by the class and reason at the head
 	// of last_error ("rejected: max_payload", "uncertain: timeout", ...).
@@ -39,6 +57,16 @@ type Counts struct {
 	// one blocked longest, with its blocking row.
 	BlockedAggregates int64    `json:"blocked_aggregates"`
 	OldestBlocked     *Blocked `json:"oldest_blocked,omitempty"`
+}
+
+// WatermarkStatus is the newest watermark as status and the console show
+// it: the slot that recorded it, the position the slot had confirmed past,
+// when it was recorded and how long ago (on the database's clock).
+type WatermarkStatus struct {
+	Slot       string    `json:"slot"`
+	LSN        string    `json:"lsn"`
+	RecordedAt time.Time `json:"recorded_at"`
+	AgeSeconds float64   `json:"age_seconds"`
 }
 
 // RecentRows is how many of the newest rows (by created_at) the statements
@@ -95,20 +123,37 @@ func (s *Store) Counts(ctx context.Context) (Counts, error) {
 	if err := byState("parked", `SELECT parked, count(*) FROM `+tbl+` WHERE parked IS NOT NULL GROUP BY parked`); err != nil {
 		return c, err
 	}
-	// The ready rows among the newest: their count, the earliest
-	// available_at among them, and whether the oldest row looked at is
-	// ready itself (then the ready rows may reach further back).
-	var ready int64
+	// The ready rows among the newest, split by the watermark into
+	// published (covered) and in flight: the count of each, the earliest
+	// available_at of those in flight, and whether the oldest row looked
+	// at is in flight itself (then they may reach further back). The
+	// watermark is a scalar subquery on the small <table>_slots, run once.
+	var ready, covered int64
 	var readyDue *float64
-	err := s.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE state = 'ready'),
-			extract(epoch FROM clock_timestamp() - min(`+clamped("available_at")+`) FILTER (WHERE state = 'ready'))::float8,
-			count(*) = $1 AND (array_agg(state ORDER BY created_at, work_id))[1] = 'ready'
-		FROM (`+s.recentSQL("state, available_at, created_at, work_id")+`) r`, int64(RecentRows)).
-		Scan(&ready, &readyDue, &c.ReadyAtLeast)
+	err := s.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE state = 'ready' AND NOT covered),
+			count(*) FILTER (WHERE state = 'ready' AND covered),
+			extract(epoch FROM clock_timestamp() - min(`+clamped("available_at")+`) FILTER (WHERE state = 'ready' AND NOT covered))::float8,
+			count(*) = $1 AND (array_agg(state = 'ready' AND NOT covered ORDER BY created_at, work_id))[1]
+		FROM (SELECT r.*, `+s.coveredSQL("r")+` AS covered
+			FROM (`+s.recentSQL("state, available_at, created_at, work_id, xact_id")+`) r) r`, int64(RecentRows)).
+		Scan(&ready, &covered, &readyDue, &c.ReadyAtLeast)
 	if err != nil {
 		return c, fmt.Errorf("count ready rows of %s: %w", s.table.Qualified(), err)
 	}
 	c.ByState[StateReady] = ready
+	c.PublishedByWatermark, c.PublishedByWatermarkAtLeast = covered, true
+	if w, found, err := s.LatestWatermark(ctx); err != nil {
+		return c, err
+	} else if !found {
+		// Never recorded: nothing is covered, exactly.
+		c.PublishedByWatermarkAtLeast = false
+	} else {
+		c.Watermark = &WatermarkStatus{Slot: w.Slot, LSN: w.LSN.String(), RecordedAt: w.RecordedAt}
+		if err := s.pool.QueryRow(ctx, `SELECT greatest(extract(epoch FROM clock_timestamp() - $1::timestamptz), 0)::float8`, w.RecordedAt).
+			Scan(&c.Watermark.AgeSeconds); err != nil {
+			return c, fmt.Errorf("age of the watermark of %s: %w", s.table.Qualified(), err)
+		}
+	}
 	// The oldest due scheduled row: the first of poll_idx's order that is
 	// not running.
 	var scheduledDue *float64
@@ -129,8 +174,12 @@ func (s *Store) Counts(ctx context.Context) (Counts, error) {
 			others += n
 		}
 	}
-	if c.ByState[StatePublished], c.PublishedEstimated, err = s.published(ctx, others); err != nil {
+	var exactCovered int64
+	if c.ByState[StatePublished], exactCovered, c.PublishedEstimated, err = s.published(ctx, others); err != nil {
 		return c, err
+	}
+	if !c.PublishedEstimated {
+		c.PublishedByWatermark, c.PublishedByWatermarkAtLeast = exactCovered, false
 	}
 	rows, err := s.pool.Query(ctx, `SELECT coalesce(substring(last_error FROM '^([a-z]+: [a-z_]+)'), 'unknown'), count(*)
 		FROM `+tbl+` WHERE parked = 'failed' GROUP BY 1 ORDER BY 2 DESC`)
@@ -153,29 +202,34 @@ func (s *Store) Counts(ctx context.Context) (Counts, error) {
 	return c, nil
 }
 
-// published counts the published rows: exactly on a table of at most
-// ExactCountPages pages, else as the planner's estimate of the table's rows
-// (pg_class.reltuples per page, times the pages the table has now, as the
-// planner scales it) minus others, the rows counted in the other states.
-// -1 when a large table has no estimate yet (never vacuumed or analyzed).
-func (s *Store) published(ctx context.Context, others int64) (n int64, estimated bool, err error) {
+// published counts the published rows, the ready rows the watermark covers
+// among them: exactly on a table of at most ExactCountPages pages (covered
+// is then the covered ready rows), else as the planner's estimate of the
+// table's rows (pg_class.reltuples per page, times the pages the table has
+// now, as the planner scales it) minus others, the rows counted in the
+// other states (ready: only those in flight, so the estimate includes the
+// covered ones). -1 when a large table has no estimate yet (never vacuumed
+// or analyzed).
+func (s *Store) published(ctx context.Context, others int64) (n, covered int64, estimated bool, err error) {
 	var tuples float64
 	var statPages, pages int64
 	err = s.pool.QueryRow(ctx, `SELECT c.reltuples::float8, c.relpages::bigint,
 			pg_relation_size(c.oid) / current_setting('block_size')::bigint
 		FROM pg_catalog.pg_class c WHERE c.oid = $1::regclass`, s.table.String()).Scan(&tuples, &statPages, &pages)
 	if err != nil {
-		return 0, false, fmt.Errorf("read the size of %s: %w", s.table.Qualified(), err)
+		return 0, 0, false, fmt.Errorf("read the size of %s: %w", s.table.Qualified(), err)
 	}
 	if pages <= ExactCountPages {
-		err = s.pool.QueryRow(ctx, `SELECT count(*) FROM `+s.table.String()+` WHERE state = 'published'`).Scan(&n)
+		err = s.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE `+s.publishedSQL("o")+`),
+				count(*) FILTER (WHERE o.state = 'ready' AND `+s.coveredSQL("o")+`)
+			FROM `+s.table.String()+` AS o WHERE o.state IN ('published', 'ready')`).Scan(&n, &covered)
 		if err != nil {
-			return 0, false, fmt.Errorf("count published rows of %s: %w", s.table.Qualified(), err)
+			return 0, 0, false, fmt.Errorf("count published rows of %s: %w", s.table.Qualified(), err)
 		}
-		return n, false, nil
+		return n, covered, false, nil
 	}
 	if tuples < 0 || statPages == 0 {
-		return -1, true, nil
+		return -1, 0, true, nil
 	}
-	return max(0, int64(tuples/float64(statPages)*float64(pages))-others), true, nil
+	return max(0, int64(tuples/float64(statPages)*float64(pages))-others), 0, true, nil
 }
