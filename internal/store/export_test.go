@@ -48,5 +48,5 @@ func MigrateOnly(ctx context.Context, conn *pgx.Conn, t Table, opts MigrateOptio
 // NewMigration reads a rendered migration as Migrations reads the embedded
 // ones.
 func NewMigration(version int, name, sql string) (Migration, error) {
-	return newMigration(version, name, sql)
+	return newMigration(version, name, sql, Table{}, Layout{})
 }

@@ -75,11 +75,11 @@ func TestNoTransactionMigrations(t *testing.T) {
 		"CREATE INDEX CONCURRENTLY x ON t (a)",
 		"create unique index concurrently on t (a)",
 	} {
-		if _, err := newMigration(99, "x", noTransactionMarker+"\n"+bad+";\n"); err == nil || !strings.Contains(err.Error(), "CONCURRENTLY IF NOT EXISTS") {
+		if _, err := newMigration(99, "x", noTransactionMarker+"\n"+bad+";\n", Table{}, Layout{}); err == nil || !strings.Contains(err.Error(), "CONCURRENTLY IF NOT EXISTS") {
 			t.Errorf("%q: %v; want refused with the form to use", bad, err)
 		}
 	}
-	if m, err := newMigration(99, "x", "CREATE INDEX IF NOT EXISTS x ON t (a);"); err != nil || m.NoTransaction {
+	if m, err := newMigration(99, "x", "CREATE INDEX IF NOT EXISTS x ON t (a);", Table{}, Layout{}); err != nil || m.NoTransaction {
 		t.Errorf("a migration without the marker: %+v, %v; want one transaction", m, err)
 	}
 }

@@ -563,6 +563,9 @@ type PruneRequest struct {
 	IncludeCancelled bool
 	// DryRun counts what would be deleted.
 	DryRun bool
+	// LockTimeout bounds the wait for the table's lock to detach a
+	// partition (a partitioned table; 0: DefaultLockTimeout).
+	LockTimeout time.Duration
 }
 
 // PruneResult is what a prune deleted (or would delete).
@@ -572,6 +575,13 @@ type PruneResult struct {
 	Cancelled int64
 	Expired   int64
 	Batches   int
+	// Partitioned: the table is partitioned, and prune dropped whole
+	// partitions instead of deleting rows. Partitions are the ones that
+	// end before Cutoff (and the DEFAULT partition when it holds rows):
+	// those dropped (or, in a dry run, that would be) and those kept, with
+	// why.
+	Partitioned bool
+	Partitions  []PartitionVerdict
 }
 
 // Prune deletes published rows (and, if asked, cancelled and expired ones)
@@ -595,6 +605,17 @@ func (s *Store) Prune(ctx context.Context, r PruneRequest) (PruneResult, error) 
 	if err := s.pool.QueryRow(ctx, `SELECT clock_timestamp() - $1::bigint * interval '1 microsecond'`, micros(r.OlderThan)).
 		Scan(&res.Cutoff); err != nil {
 		return res, fmt.Errorf("prune %s: read the database clock: %w", s.table.Qualified(), err)
+	}
+	layout, err := s.Layout(ctx)
+	if err != nil {
+		return res, fmt.Errorf("prune %s: %w", s.table.Qualified(), err)
+	}
+	if layout.Partitioned() {
+		res.Partitioned = true
+		if r.LockTimeout <= 0 {
+			r.LockTimeout = DefaultLockTimeout
+		}
+		return s.prunePartitions(ctx, r, res, r.LockTimeout)
 	}
 	if r.DryRun {
 		return s.pruneCount(ctx, r, res)
