@@ -399,3 +399,10 @@ func isPartitioned(ctx context.Context, db DBTX, t Table) (bool, layoutKey, erro
 }
 
 func forgetLayout(k layoutKey) { layouts.Delete(k) }
+
+// ReadEnqueueLayout reads, and keeps, whether t is partitioned, as the
+// first enqueue into it would.
+func ReadEnqueueLayout(ctx context.Context, db DBTX, t Table) error {
+	_, _, err := isPartitioned(ctx, db, t)
+	return err
+}
