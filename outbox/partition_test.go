@@ -166,7 +166,7 @@ func TestEnqueuePartitionedConcurrentRepeats(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer second.Rollback(ctx) //nolint:errcheck
+		defer second.Rollback(ctx)                              //nolint:errcheck
 		if _, err := second.Exec(ctx, `SELECT 1`); err != nil { // takes a REPEATABLE READ snapshot now
 			t.Fatal(err)
 		}
