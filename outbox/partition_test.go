@@ -166,8 +166,9 @@ func TestEnqueuePartitionedConcurrentRepeats(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer second.Rollback(ctx)                              //nolint:errcheck
-		if _, err := second.Exec(ctx, `SELECT 1`); err != nil { // takes a REPEATABLE READ snapshot now
+		defer second.Rollback(ctx) //nolint:errcheck
+		// A first statement: under REPEATABLE READ it takes the snapshot.
+		if _, err := second.Exec(ctx, `SELECT 1`); err != nil {
 			t.Fatal(err)
 		}
 		done := make(chan error, 1)
