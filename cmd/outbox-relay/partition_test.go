@@ -179,6 +179,10 @@ func TestConvertPlainToPartitioned(t *testing.T) {
 		return left == 0, fmt.Errorf("%d rows not published", left)
 	})
 	stopNew()
+	if code, out, _ := run(t, "status", "--database-url", url, "--table", "outbox_p", "--slot", "outbox_p_relay"); code != 0 ||
+		!strings.Contains(out, "partitions 3 by created_at every 24h0m0s") || !strings.Contains(out, "DEFAULT partition: ~0 rows") {
+		t.Errorf("status of the new table: exit %d, %q; want its partitions", code, out)
+	}
 	got := streamIDs(t, js, stream)
 	for _, id := range ids {
 		if got[id] != 1 {

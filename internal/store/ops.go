@@ -592,6 +592,11 @@ type PruneResult struct {
 // touches ready, scheduled, running or failed rows: both the batch's select
 // and the DELETE say so. The history table is left alone: it is the audit
 // trail, and small.
+//
+// On a partitioned table it deletes no row: it drops whole partitions that
+// end before the cutoff and hold none of the rows it would keep on a plain
+// table (prunePartitions), and res.Partitions says which it dropped and
+// which it kept and why; Batch does not apply.
 func (s *Store) Prune(ctx context.Context, r PruneRequest) (PruneResult, error) {
 	var res PruneResult
 	if r.OlderThan <= 0 {

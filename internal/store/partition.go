@@ -406,3 +406,43 @@ func ReadEnqueueLayout(ctx context.Context, db DBTX, t Table) error {
 	_, _, err := isPartitioned(ctx, db, t)
 	return err
 }
+
+// PartitionSummary is what `status` says of a partitioned table.
+type PartitionSummary struct {
+	IntervalSeconds float64 `json:"interval_seconds"`
+	// Partitions counts the ranged partitions; LastEnd is where the last
+	// one ends: producers' rows past it go to the DEFAULT partition.
+	Partitions int       `json:"partitions"`
+	LastEnd    time.Time `json:"last_end"`
+	// DefaultRows estimates the rows of the DEFAULT partition
+	// (pg_stat_user_tables.n_live_tup: reading the partition would need a
+	// grant on it, and counting through the table reads every partition).
+	DefaultRows int64 `json:"default_rows_estimate"`
+}
+
+// PartitionSummary describes a partitioned table; nil for a plain one.
+func (s *Store) PartitionSummary(ctx context.Context) (*PartitionSummary, error) {
+	l, err := s.Layout(ctx)
+	if err != nil || !l.Partitioned() {
+		return nil, err
+	}
+	parts, err := s.Partitions(ctx)
+	if err != nil {
+		return nil, err
+	}
+	sum := &PartitionSummary{IntervalSeconds: l.PartitionInterval.Seconds()}
+	for _, p := range parts {
+		if p.Default {
+			if err := s.pool.QueryRow(ctx, `SELECT coalesce((SELECT n_live_tup FROM pg_catalog.pg_stat_user_tables WHERE relid = to_regclass($1)), 0)`,
+				pgx.Identifier{s.table.Schema, p.Name}.Sanitize()).Scan(&sum.DefaultRows); err != nil {
+				return nil, fmt.Errorf("read the statistics of the DEFAULT partition of %s: %w", s.table.Qualified(), err)
+			}
+			continue
+		}
+		sum.Partitions++
+		if p.End.After(sum.LastEnd) {
+			sum.LastEnd = p.End
+		}
+	}
+	return sum, nil
+}
