@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -110,51 +111,30 @@ type Partition struct {
 // Partitions lists the table's partitions in created_at order, the DEFAULT
 // partition last.
 func (s *Store) Partitions(ctx context.Context) ([]Partition, error) {
-	rows, err := s.pool.Query(ctx, `SELECT c.relname::text, pg_catalog.pg_get_expr(c.relpartbound, c.oid), i.inhdetachpending
-		FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid
-		WHERE i.inhparent = $1::regclass`, s.table.String())
+	// The bounds are read back from the catalog's text of them, FOR VALUES
+	// FROM ('...') TO ('...') in the session's time zone, which PostgreSQL
+	// reads as it wrote it.
+	rows, err := s.pool.Query(ctx, `SELECT c.relname::text, i.inhdetachpending, b.expr = 'DEFAULT',
+			coalesce(m[1]::timestamptz, '-infinity'), coalesce(m[2]::timestamptz, '-infinity')
+		FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid,
+			LATERAL (SELECT pg_catalog.pg_get_expr(c.relpartbound, c.oid) AS expr) b,
+			LATERAL regexp_match(b.expr, $$FROM \('([^']+)'\) TO \('([^']+)'\)$$) AS m
+		WHERE i.inhparent = $1::regclass
+		ORDER BY b.expr = 'DEFAULT', 4`, s.table.String())
 	if err != nil {
 		return nil, fmt.Errorf("list the partitions of %s: %w", s.table.Qualified(), err)
 	}
-	type raw struct {
-		name, bound string
-		pending     bool
-	}
-	rs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (raw, error) {
-		var x raw
-		err := r.Scan(&x.name, &x.bound, &x.pending)
-		return x, err
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Partition, error) {
+		var p Partition
+		var start, end pgtype.Timestamptz
+		err := r.Scan(&p.Name, &p.DetachPending, &p.Default, &start, &end)
+		p.Start, p.End = start.Time, end.Time
+		return p, err
 	})
 	if err != nil {
 		return nil, fmt.Errorf("list the partitions of %s: %w", s.table.Qualified(), err)
 	}
-	var out []Partition
-	var dflt []Partition
-	for _, x := range rs {
-		p := Partition{Name: x.name, DetachPending: x.pending}
-		if x.bound == "DEFAULT" {
-			p.Default = true
-			dflt = append(dflt, p)
-			continue
-		}
-		// FOR VALUES FROM ('...') TO ('...'), in the session's time zone;
-		// PostgreSQL reads its own text back.
-		if err := s.pool.QueryRow(ctx, `SELECT m[1]::timestamptz, m[2]::timestamptz
-			FROM regexp_match($1, $$FROM \('([^']+)'\) TO \('([^']+)'\)$$) AS m`, x.bound).Scan(&p.Start, &p.End); err != nil {
-			return nil, fmt.Errorf("read the bounds of partition %s of %s (%s): %w", x.name, s.table.Qualified(), x.bound, err)
-		}
-		out = append(out, p)
-	}
-	sortPartitions(out)
-	return append(out, dflt...), nil
-}
-
-func sortPartitions(ps []Partition) {
-	for i := 1; i < len(ps); i++ {
-		for j := i; j > 0 && ps[j].Start.Before(ps[j-1].Start); j-- {
-			ps[j], ps[j-1] = ps[j-1], ps[j]
-		}
-	}
+	return out, nil
 }
 
 // owedSQL is true for a row of alias the relay still owes the broker.

@@ -305,7 +305,10 @@ func TestPrunePartitions(t *testing.T) {
 		}
 		return out
 	}
-	dry, err := s.Prune(ctx, store.PruneRequest{OlderThan: 150 * time.Minute, Batch: 10, DryRun: true})
+	// The cutoff is where the newest seeded partition ends, whatever the
+	// minute: older partitions end before it.
+	olderThan := func() time.Duration { return time.Since(base.Add(-2*time.Hour)) - time.Second }
+	dry, err := s.Prune(ctx, store.PruneRequest{OlderThan: olderThan(), Batch: 10, DryRun: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -313,7 +316,7 @@ func TestPrunePartitions(t *testing.T) {
 		t.Fatalf("dry run: %+v; want %s to be dropped and nothing done", dry, done)
 	}
 
-	res, err := s.Prune(ctx, store.PruneRequest{OlderThan: 150 * time.Minute, Batch: 10})
+	res, err := s.Prune(ctx, store.PruneRequest{OlderThan: olderThan(), Batch: 10})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -350,7 +353,7 @@ func TestPrunePartitions(t *testing.T) {
 
 	// --include-cancelled drops the partition whose only keeper was a
 	// cancelled row.
-	res, err = s.Prune(ctx, store.PruneRequest{OlderThan: 150 * time.Minute, Batch: 10, IncludeCancelled: true})
+	res, err = s.Prune(ctx, store.PruneRequest{OlderThan: olderThan(), Batch: 10, IncludeCancelled: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -361,7 +364,7 @@ func TestPrunePartitions(t *testing.T) {
 	// rows are published, the partition goes.
 	exec(t, pool, `DROP TABLE outbox_default`)
 	exec(t, pool, `UPDATE outbox SET state = 'published', published_at = created_at, stream_seq = 1 WHERE starts_with(work_id, $1) AND state <> 'published'`, owed)
-	res, err = s.Prune(ctx, store.PruneRequest{OlderThan: 150 * time.Minute, Batch: 10})
+	res, err = s.Prune(ctx, store.PruneRequest{OlderThan: olderThan(), Batch: 10})
 	if err != nil {
 		t.Fatal(err)
 	}
