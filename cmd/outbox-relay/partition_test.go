@@ -197,3 +197,46 @@ func TestConvertPlainToPartitioned(t *testing.T) {
 		t.Errorf("the old table or slot is left (%v)", err)
 	}
 }
+
+// --partition-interval: a bad interval is refused before connecting, an
+// existing plain table is refused naming the conversion procedure, and
+// prune of a partitioned table prints each old partition, dropped or kept
+// and why.
+func TestPartitionIntervalFlagAndPrune(t *testing.T) {
+	url, pool := migrated(t)
+	for _, c := range []struct{ flag, want string }{
+		{"30m", "at least 1h0m0s"},
+		{"90m30s", "whole minutes"},
+		{"0d", "want 1h, 1d, Nd"},
+		{"1d", `"Converting a plain table to a partitioned one"`},
+	} {
+		if code, _, errOut := run(t, "migrate", "--database-url", url, "--partition-interval", c.flag); code == 0 || !strings.Contains(errOut, c.want) {
+			t.Errorf("--partition-interval %s on the plain table: exit %d, %q; want refused with %q", c.flag, code, errOut, c.want)
+		}
+	}
+
+	code, out, _ := run(t, "migrate", "--database-url", url, "--table", "parts", "--publication", "parts_relay", "--partition-interval", "1h")
+	if code != 0 || !strings.Contains(out, "public.parts is partitioned by created_at every 1h0m0s, 25 intervals created ahead") {
+		t.Fatalf("migrate --partition-interval 1h: exit %d, %q", code, out)
+	}
+	base := time.Now().UTC().Truncate(time.Hour)
+	for i, state := range []string{"published", "scheduled"} {
+		start := base.Add(-time.Duration(5-i) * time.Hour)
+		mustExec(t, pool, fmt.Sprintf(`CREATE TABLE parts_p%s PARTITION OF parts FOR VALUES FROM ('%s') TO ('%s')`,
+			start.Format("2006010215"), start.Format(time.RFC3339), start.Add(time.Hour).Format(time.RFC3339)))
+		mustExec(t, pool, fmt.Sprintf(`INSERT INTO parts (work_id, kind, payload, state, created_at, published_at)
+			VALUES ('%s', 'k', '{}', '%s', '%s', CASE WHEN '%s' = 'published' THEN '%s'::timestamptz END)`,
+			state, state, start.Add(time.Minute).Format(time.RFC3339), state, start.Add(time.Minute).Format(time.RFC3339)))
+	}
+	code, out, _ = run(t, "prune", "--database-url", url, "--table", "parts", "--older-than", "3h")
+	oldest, owed := "parts_p"+base.Add(-5*time.Hour).Format("2006010215"), "parts_p"+base.Add(-4*time.Hour).Format("2006010215")
+	for _, want := range []string{
+		"dropped " + oldest + " (ends " + base.Add(-4*time.Hour).Format("2006-01-02 15:04") + "): 1 rows",
+		"kept " + owed + " (ends " + base.Add(-3*time.Hour).Format("2006-01-02 15:04") + "): 1 rows still owed (1 scheduled)",
+		"dropped 1 partitions of public.parts ending before",
+	} {
+		if code != 0 || !strings.Contains(out, want) {
+			t.Errorf("prune: exit %d, %q; want %q", code, out, want)
+		}
+	}
+}
