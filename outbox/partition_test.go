@@ -99,6 +99,16 @@ func TestEnqueuePartitionedRepeats(t *testing.T) {
 		}
 	}
 
+	// A large batch: each row holds an advisory lock until the commit
+	// (docs/consumers.md says what that costs).
+	big := make([]outbox.Message, 1000)
+	for i := range big {
+		big[i] = order(10000 + i)
+	}
+	if res, err := outbox.EnqueueBatch(ctx, pool, big); err != nil || len(res) != len(big) || res[999] != outbox.Inserted {
+		t.Fatalf("batch of 1000: %v", err)
+	}
+
 	// Ordered: the repeat takes no number.
 	a := outbox.Aggregate{Type: "order", ID: "7"}
 	o1 := order(70)
