@@ -50,3 +50,7 @@ func MigrateOnly(ctx context.Context, conn *pgx.Conn, t Table, opts MigrateOptio
 func NewMigration(version int, name, sql string) (Migration, error) {
 	return newMigration(version, name, sql, Table{}, Layout{})
 }
+
+// SetAfterDetach makes prune call f between a partition's detach and its
+// second count.
+func (s *Store) SetAfterDetach(f func(partition string)) { s.afterDetach = f }

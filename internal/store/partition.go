@@ -308,17 +308,17 @@ func (s *Store) dropPartition(ctx context.Context, v PartitionVerdict, cutoff ti
 		}
 		return v, fmt.Errorf("detach partition %s: %w", v.Name, err)
 	}
+	if s.afterDetach != nil {
+		s.afterDetach(v.Name)
+	}
 	c, err := s.countPartition(ctx, conn, v.Name, cutoff, includeCancelled)
 	if err != nil {
 		return v, err
 	}
 	if why := c.why(); why != "" {
-		_, err := conn.Exec(ctx, `ALTER TABLE `+s.table.String()+` ATTACH PARTITION `+ident+` FOR VALUES FROM ($1) TO ($2)`, v.Start, v.End)
-		if err != nil {
-			// Parameters are not allowed in partition bounds: literals.
-			_, err = conn.Exec(ctx, `ALTER TABLE `+s.table.String()+` ATTACH PARTITION `+ident+
-				` FOR VALUES FROM (`+literal(v.Start.UTC().Format(time.RFC3339Nano))+`) TO (`+literal(v.End.UTC().Format(time.RFC3339Nano))+`)`)
-		}
+		// Partition bounds take no parameters: literals.
+		_, err := conn.Exec(ctx, `ALTER TABLE `+s.table.String()+` ATTACH PARTITION `+ident+
+			` FOR VALUES FROM (`+literal(v.Start.UTC().Format(time.RFC3339Nano))+`) TO (`+literal(v.End.UTC().Format(time.RFC3339Nano))+`)`)
 		if err != nil {
 			return v, fmt.Errorf("attach partition %s back (it changed while being detached: %s): %w; its rows are not lost: attach it by hand", v.Name, why, err)
 		}

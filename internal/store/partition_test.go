@@ -375,6 +375,26 @@ func TestPrunePartitions(t *testing.T) {
 		t.Errorf("rows per partition %v, want [0 8 4 3]", got)
 	}
 
+	// A row of the partition changes between the first count and the
+	// detach (here: just after it, on the detached table, as a redrive
+	// that committed before the detach would have left it): the second
+	// count sees it and the partition is attached back, rows and all.
+	s.SetAfterDetach(func(part string) {
+		exec(t, pool, `UPDATE `+pgx.Identifier{part}.Sanitize()+` SET state = 'scheduled', published_at = NULL, stream_seq = NULL WHERE work_id = $1`, part+"-published-0")
+	})
+	res, err = s.Prune(ctx, store.PruneRequest{OlderThan: olderThan(), Batch: 10, IncludeCancelled: true})
+	s.SetAfterDetach(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v := verdicts(res); !strings.Contains(v[canc], "1 rows still owed (1 scheduled)") || !strings.Contains(v[canc], "attached back") {
+		t.Errorf("changed while detached: %s kept %q, want owed and attached back", canc, v[canc])
+	}
+	if _, ok := partitions(t, pool, "outbox")[canc]; !ok || countLike(t, pool, canc) != 3 {
+		t.Errorf("%s not attached back with its 3 rows (attached %v, %d rows)", canc, ok, countLike(t, pool, canc))
+	}
+	exec(t, pool, `UPDATE outbox SET state = 'published', published_at = created_at, stream_seq = 1 WHERE work_id = $1`, canc+"-published-0")
+
 	// --include-cancelled drops the partition whose only keeper was a
 	// cancelled row.
 	res, err = s.Prune(ctx, store.PruneRequest{OlderThan: olderThan(), Batch: 10, IncludeCancelled: true})
