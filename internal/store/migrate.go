@@ -64,6 +64,13 @@ import (
 //     cancel), which is why 0008 refuses bad times with an INSERT trigger
 //     instead.
 //
+//   - A table partitioned by created_at (migrate --partition-interval)
+//     renders the same files with .Partitioned set. There an index build on
+//     the outbox table loses CONCURRENTLY (PostgreSQL cannot build one on a
+//     partitioned table) and runs only while the table holds no rows, that
+//     is when migrate creates it; storage parameters go on each partition
+//     (0014 creates them), and a unique index must hold created_at.
+//
 // TestMigrationsDoNotBlockProducers holds the embedded migrations to these
 // rules; converting a migration written as `CREATE INDEX IF NOT EXISTS x ON
 // {{.Table}} (...)` means putting the marker on its first line, writing
@@ -217,8 +224,10 @@ func newMigration(version int, name, sql string, t Table, l Layout) (Migration, 
 // comes before it).
 var concurrently = regexp.MustCompile(`(?is)^(CREATE\s+(?:UNIQUE\s+)?INDEX\s+)CONCURRENTLY\s+`)
 
-// templateData is what migration templates see. Every method returns a
-// quoted identifier.
+// templateData is what migration templates see. Every string method
+// returns a quoted identifier, or a quoted literal (the ...Lit ones) for
+// plpgsql that builds statements with format(); Partitioned, IntervalSeconds
+// and Ahead render a partitioned table (migrate --partition-interval).
 type templateData struct {
 	t      Table
 	layout Layout
