@@ -40,6 +40,14 @@
 // work_id is accepted again as a new row; the consumer's inbox then drops the
 // repeat.
 //
+// On a table partitioned by time (migrate --partition-interval) no index
+// makes work_id unique; Enqueue and EnqueueBatch still find a repeat in any
+// partition the table holds, by waiting for the other enqueues of the same
+// work_id to end and then looking (docs/consumers.md, "Partitioned
+// table"). Under REPEATABLE READ an enqueue that had to wait for another
+// enqueue of its work_id fails with a serialization failure (40001), as a
+// unique index would make it; retry the transaction.
+//
 // # Validation
 //
 // Messages are checked before anything is sent to the database, with the
@@ -193,6 +201,17 @@ func New(opts ...Option) (*Producer, error) {
 
 // Table is the schema-qualified table name the producer writes to.
 func (p *Producer) Table() string { return p.table.Qualified() }
+
+// Prepare reads how the table is laid out, plain or partitioned
+// (migrate --partition-interval), which the statements depend on. The first
+// enqueue into a table of a database reads it otherwise: one catalog lookup
+// per process, database and table, which Prepare moves to start-up.
+func (p *Producer) Prepare(ctx context.Context, db DB) error {
+	if err := store.ReadEnqueueLayout(ctx, db, p.table); err != nil {
+		return fmt.Errorf("outbox: prepare: %w", err)
+	}
+	return nil
+}
 
 var defaultProducer = &Producer{table: store.Table{Schema: "public", Name: "outbox"}}
 

@@ -254,7 +254,16 @@ func TestEnqueueBatch(t *testing.T) {
 			msgs[i].AvailableAt = time.Now().Add(time.Hour)
 		}
 	}
+	// The table's layout is read once per database and table; Prepare
+	// does it ahead.
 	before := qc.n.Load()
+	if p, err := outbox.New(); err != nil || p.Prepare(ctx, pool) != nil {
+		t.Fatalf("prepare: %v", err)
+	}
+	if q := qc.n.Load() - before; q != 1 {
+		t.Errorf("prepare took %d statements, want 1", q)
+	}
+	before = qc.n.Load()
 	res, err := outbox.EnqueueBatch(ctx, pool, msgs)
 	if err != nil {
 		t.Fatalf("EnqueueBatch: %v", err)

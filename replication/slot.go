@@ -144,8 +144,21 @@ func EnsurePublication(ctx context.Context, q Querier, name, schema, table strin
 	if err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = $1)`, name).Scan(&exists); err != nil {
 		return Publication{}, fmt.Errorf("look up publication %s: %w", name, err)
 	}
+	// A partitioned table is published through its root
+	// (publish_via_partition_root): the relay then decodes every row as the
+	// table's, whichever partition holds it, and partitions made later are
+	// published without a change to the publication.
+	var partitioned bool
+	if err := q.QueryRow(ctx, `SELECT coalesce((SELECT c.relkind = 'p' FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+		WHERE n.nspname = $1 AND c.relname = $2), false)`, schema, table).Scan(&partitioned); err != nil {
+		return Publication{}, fmt.Errorf("look up table %s: %w", qualified, err)
+	}
+	with := `publish = 'insert'`
+	if partitioned {
+		with += `, publish_via_partition_root = true`
+	}
 	if !exists {
-		_, err := q.Exec(ctx, `CREATE PUBLICATION `+pgx.Identifier{name}.Sanitize()+` FOR TABLE `+qualified+` WHERE `+ReadyFilter+` WITH (publish = 'insert')`)
+		_, err := q.Exec(ctx, `CREATE PUBLICATION `+pgx.Identifier{name}.Sanitize()+` FOR TABLE `+qualified+` WHERE `+ReadyFilter+` WITH (`+with+`)`)
 		var pgErr *pgconn.PgError
 		switch {
 		case errors.As(err, &pgErr) && pgErr.Code == pgerrcode.DuplicateObject:
@@ -156,12 +169,12 @@ func EnsurePublication(ctx context.Context, q Querier, name, schema, table strin
 			return Publication{}, fmt.Errorf("create publication %s for %s: %w", name, qualified, err)
 		}
 	}
-	var ins, upd, del, trunc, hasTable, columnList bool
+	var ins, upd, del, trunc, hasTable, columnList, viaRoot bool
 	var filter *string
 	// The table's own entry (pg_publication_rel) holds its row filter and
 	// column list; a publication FOR ALL TABLES or FOR TABLES IN SCHEMA has
 	// none, and neither filters.
-	err := q.QueryRow(ctx, `SELECT p.pubinsert, p.pubupdate, p.pubdelete, p.pubtruncate,
+	err := q.QueryRow(ctx, `SELECT p.pubinsert, p.pubupdate, p.pubdelete, p.pubtruncate, p.pubviaroot,
 			EXISTS (SELECT 1 FROM pg_catalog.pg_publication_tables t WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = $3),
 			pg_catalog.pg_get_expr(r.prqual, r.prrelid), coalesce(r.prattrs IS NOT NULL, false)
 		FROM pg_catalog.pg_publication p
@@ -169,11 +182,17 @@ func EnsurePublication(ctx context.Context, q Querier, name, schema, table strin
 			JOIN pg_catalog.pg_class c ON c.oid = r.prrelid
 			JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace AND n.nspname = $2)
 			ON r.prpubid = p.oid AND c.relname = $3
-		WHERE p.pubname = $1`, name, schema, table).Scan(&ins, &upd, &del, &trunc, &hasTable, &filter, &columnList)
+		WHERE p.pubname = $1`, name, schema, table).Scan(&ins, &upd, &del, &trunc, &viaRoot, &hasTable, &filter, &columnList)
 	if err != nil {
 		return Publication{}, fmt.Errorf("read publication %s: %w", name, err)
 	}
 	pubName := pgx.Identifier{name}.Sanitize()
+	if partitioned && !viaRoot {
+		// Without it the slot names each row's partition, not the table,
+		// and pg_publication_tables lists the partitions.
+		return Publication{}, fmt.Errorf("publication %s publishes the partitions of %s, not the table: ALTER PUBLICATION %s SET (publish_via_partition_root = true)",
+			name, qualified, pubName)
+	}
 	if !hasTable {
 		return Publication{}, fmt.Errorf("publication %s does not include %s: ALTER PUBLICATION %s ADD TABLE %s WHERE %s, or choose another --publication",
 			name, qualified, pubName, qualified, ReadyFilter)

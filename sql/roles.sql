@@ -83,3 +83,21 @@ GRANT USAGE ON SCHEMA {{.Schema}} TO {{.Operator}};
 GRANT SELECT, UPDATE, DELETE ON {{.Table}} TO {{.Operator}};
 GRANT SELECT, INSERT ON {{.Companion "redrives"}} TO {{.Operator}};
 GRANT SELECT ON {{.Companion "slots"}} TO {{.Operator}};
+
+-- A partitioned table (migrate --partition-interval). Statements through
+-- the table need only the table's grants above, whichever partition holds
+-- the row, and every statement of the relay, the producers and the
+-- operator's commands goes through the table; no partition needs a grant of
+-- its own. The relay reads the interval and creates partitions ahead with
+-- <table>_add_partitions(), which runs as the table's owner; package outbox
+-- finds repeats with <table>_work_id_free(). Dropping a partition takes
+-- the table's owner: run `prune` of a partitioned table as the owner (the
+-- operator role above cannot). On a plain table these objects do not exist
+-- and nothing is granted.
+DO $do$ BEGIN
+    IF to_regclass({{.CompanionLit "partitioning"}}) IS NOT NULL THEN
+        EXECUTE format('GRANT SELECT ON %s TO %I, %I', {{.CompanionLit "partitioning"}}, {{.RelayLit}}, {{.OperatorLit}});
+        EXECUTE format('GRANT EXECUTE ON FUNCTION %s() TO %I', {{.CompanionLit "add_partitions"}}, {{.RelayLit}});
+        EXECUTE format('GRANT EXECUTE ON FUNCTION %s(text) TO %I', {{.CompanionLit "work_id_free"}}, {{.ProducerLit}});
+    END IF;
+END $do$;

@@ -30,6 +30,8 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	fs.BoolVar(&recordSettings, "record-settings", false, "record --ordering and --on-publish as the table's settings, which every `run` of it must use (stop every instance first: docs/operations.md, \"Changing --ordering or --on-publish\"); without it, migrate prints the recorded ones")
 	fs.StringVar(&ordering, "ordering", app.OrderingNone, "with --record-settings: the table's --ordering, none or aggregate")
 	fs.DurationVar(&lockTimeout, "lock-timeout", store.DefaultLockTimeout, "longest wait for a lock that producers' INSERTs queue behind (PostgreSQL lock_timeout); past it migrate gives up, names the session holding the table, and a rerun resumes (docs/operations.md, \"Migrating a large table\")")
+	var partitionInterval string
+	fs.StringVar(&partitionInterval, "partition-interval", "", "create a NEW table partitioned by created_at in ranges of this interval (1h, 1d, Nd, or a Go duration of at least 1h); prune then drops whole partitions. Refused on an existing plain table (docs/operations.md, \"Converting a plain table to a partitioned one\")")
 	fs.StringVar(&inboxTable, "inbox", "", "create the inbox table with this name (name or schema.name) and its <name>_fences table for consumers using package inbox, instead of the outbox table and publication")
 	fs.BoolVar(&printGrants, "print-grants", false, "print the least-privilege roles and grants (sql/roles.sql) for --table and exit; run the output as the table's owner")
 	fs.StringVar(&roles.Relay, "relay-role", "outbox_relay", "with --print-grants: the relay's role (LOGIN REPLICATION)")
@@ -63,6 +65,12 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if err != nil {
 		return err
 	}
+	var interval time.Duration
+	if partitionInterval != "" {
+		if interval, err = store.ParsePartitionInterval(partitionInterval); err != nil {
+			return err
+		}
+	}
 	if err := replication.ValidateName("publication", c.publication); err != nil {
 		return err
 	}
@@ -72,8 +80,9 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	}
 	defer conn.Close(context.Background())
 	applied, err := store.MigrateWith(ctx, conn, t, store.MigrateOptions{
-		LockTimeout: lockTimeout,
-		Progress:    func(msg string) { fmt.Fprintf(stdout, "%s: %s\n", t.Qualified(), msg) },
+		LockTimeout:       lockTimeout,
+		Progress:          func(msg string) { fmt.Fprintf(stdout, "%s: %s\n", t.Qualified(), msg) },
+		PartitionInterval: interval,
 	})
 	// Each migration is committed on its own: say which ones are in even
 	// when a later one failed, so that the rerun's output makes sense.
@@ -85,6 +94,18 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	}
 	if len(applied) == 0 {
 		fmt.Fprintf(stdout, "%s is up to date\n", t.Qualified())
+	}
+	layout, err := store.ReadLayout(ctx, conn, t)
+	if err != nil {
+		return err
+	}
+	if layout.Partitioned() {
+		made, err := store.AddPartitions(ctx, conn, t, lockTimeout)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "%s is partitioned by created_at every %s, %d intervals created ahead%s\n",
+			t.Qualified(), layout.PartitionInterval, store.PartitionsAhead(layout.PartitionInterval), made.Describe())
 	}
 	pub, err := replication.EnsurePublication(ctx, conn, c.publication, t.Schema, t.Name)
 	if err != nil {

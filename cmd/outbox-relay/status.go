@@ -47,6 +47,8 @@ type statusReport struct {
 	// which names have no slot here (they hold nothing back).
 	Standbys []replication.StandbyPosition `json:"standbys,omitempty"`
 	store.Counts
+	// Partitions is set for a partitioned table (migrate --partition-interval).
+	Partitions *store.PartitionSummary `json:"partitions,omitempty"`
 	// Stream is set when --nats-url is given; Stream.Error says why it
 	// could not be read.
 	Stream *streamReport `json:"stream,omitempty"`
@@ -143,6 +145,12 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if rep.Counts, err = st.Counts(ctx); err != nil {
 		return err
 	}
+	if rep.Partitions, err = st.PartitionSummary(ctx); err != nil {
+		return err
+	}
+	if p := rep.Partitions; p != nil && p.DefaultRows > 0 {
+		rep.Warnings = append(rep.Warnings, fmt.Sprintf("WARNING: the DEFAULT partition of %s holds about %d rows that found no partition of their own (was the relay stopped longer than the partitions made ahead?); prune never drops them (docs/operations.md, \"Partition sizing\")", t.Qualified(), p.DefaultRows))
+	}
 	if slot.Exists {
 		if rep.Slot.Failover, rep.Slot.Synced, err = replication.SlotFailover(ctx, pool, c.slot); err != nil {
 			return err
@@ -176,6 +184,10 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return enc.Encode(rep)
 	}
 	fmt.Fprintf(stdout, "table      %s\n", rep.Table)
+	if p := rep.Partitions; p != nil {
+		fmt.Fprintf(stdout, "partitions %d by created_at every %s, the last ending %s; DEFAULT partition: ~%d rows\n",
+			p.Partitions, time.Duration(p.IntervalSeconds*float64(time.Second)), p.LastEnd.UTC().Format(time.RFC3339), p.DefaultRows)
+	}
 	if !slot.Exists {
 		fmt.Fprintf(stdout, "slot       %s: missing (created by `outbox-relay run`)\n", c.slot)
 	} else {

@@ -552,6 +552,32 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 			}
 		}
 	})
+	layout, err := st.Layout(ctx)
+	if err != nil {
+		return err
+	}
+	if layout.Partitioned() {
+		// Keeps the partitions producers will insert into created ahead
+		// (store.PartitionKeeper); migrate made the first ones.
+		kl := log.With().Str("component", "partitions").Logger()
+		g.Go(func() error {
+			st.PartitionKeeper(gctx, store.PartitionKeeperInterval, func(made store.PartitionsMade, err error) {
+				switch {
+				case err != nil:
+					m.DefaultPartitionRows.Set(-1)
+					kl.Warn().Err(err).Msg("could not create partitions ahead; retrying in a minute (producers insert into partitions made earlier, then into the DEFAULT partition)")
+					return
+				case made.DefaultRows > 0:
+					kl.Warn().Int64("default_rows", made.DefaultRows).Msgf("the DEFAULT partition of %s holds rows that found no partition of their own; prune never drops them (docs/operations.md, \"Partition sizing\")", o.Table.Qualified())
+				}
+				m.DefaultPartitionRows.Set(float64(made.DefaultRows))
+				if len(made.Created) > 0 {
+					kl.Info().Strs("created", made.Created).Msg("created partitions ahead")
+				}
+			})
+			return nil
+		})
+	}
 	if o.StatsInterval > 0 {
 		g.Go(func() error {
 			tableStats(gctx, store.New(obs, o.Table, o.Policy), m, o.StatsInterval, log)

@@ -10,6 +10,7 @@ import (
 	"io"
 	"os"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/mattn/go-isatty"
@@ -132,9 +133,14 @@ func (l *Logging) Logger(w io.Writer) (zerolog.Logger, error) {
 	default:
 		return zerolog.Nop(), fmt.Errorf("--log-format %q: want json or console", l.Format)
 	}
-	zerolog.TimeFieldFormat = time.RFC3339Nano
+	setTimeFormat()
 	return zerolog.New(w).Level(level).With().Timestamp().Logger(), nil
 }
+
+// setTimeFormat sets zerolog's process-wide time format once: a second
+// command run in the same process (tests run two relays side by side)
+// would otherwise write it while the first one's goroutines read it.
+var setTimeFormat = sync.OnceFunc(func() { zerolog.TimeFieldFormat = time.RFC3339Nano })
 
 // colour reports whether console output to w may carry ANSI colour codes:
 // only on a terminal, where they render, and not when NO_COLOR is set to

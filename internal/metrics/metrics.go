@@ -13,34 +13,37 @@ import (
 type Metrics struct {
 	Registry *prometheus.Registry
 
-	Published         *prometheus.CounterVec // path (cdc, poller), result (ok, duplicate, rejected, error)
-	Duplicates        prometheus.Counter
-	CommitToAck       prometheus.Histogram
-	ConfirmedLSN      prometheus.Gauge
-	WatermarkLSN      prometheus.Gauge
-	ServerWALEnd      prometheus.Gauge
-	SlotLagBytes      prometheus.Gauge
-	InFlight          prometheus.Gauge
-	InFlightBytes     prometheus.Gauge
-	BufferedBytes     prometheus.Gauge
-	Handoffs          *prometheus.CounterVec // reason (delayed, rejected, deadline, held): the values internal/relay passes
-	SettleRetries     prometheus.Counter
-	Sessions          *prometheus.CounterVec // result (started, error)
-	SlotOwner         prometheus.Gauge
-	Claims            prometheus.Counter
-	StaleCompletions  *prometheus.CounterVec // op (complete, renew, reschedule, fail)
-	Failures          *prometheus.CounterVec // class (rejected, uncertain), reason
-	RowsByState       *prometheus.GaugeVec
-	OldestEligible    prometheus.Gauge
-	SlotLagSeconds    prometheus.Gauge
-	Role              *prometheus.GaugeVec // role: 1 for the CDC path's current role
-	SlotsCreated      prometheus.Counter
-	DeadLetters       *prometheus.CounterVec // class: rows the poller moved to failed
-	LeaseRenewals     prometheus.Counter
-	BackfilledRows    prometheus.Counter
-	SlotInvalidations prometheus.Counter
-	Expired           *prometheus.CounterVec // path: rows that ended expired (G13)
-	BlockedAggregates prometheus.Gauge       // aggregates whose rows wait behind a row with the poller or dead-lettered (G12)
+	Published        *prometheus.CounterVec // path (cdc, poller), result (ok, duplicate, rejected, error)
+	Duplicates       prometheus.Counter
+	CommitToAck      prometheus.Histogram
+	ConfirmedLSN     prometheus.Gauge
+	WatermarkLSN     prometheus.Gauge
+	ServerWALEnd     prometheus.Gauge
+	SlotLagBytes     prometheus.Gauge
+	InFlight         prometheus.Gauge
+	InFlightBytes    prometheus.Gauge
+	BufferedBytes    prometheus.Gauge
+	Handoffs         *prometheus.CounterVec // reason (delayed, rejected, deadline, held): the values internal/relay passes
+	SettleRetries    prometheus.Counter
+	Sessions         *prometheus.CounterVec // result (started, error)
+	SlotOwner        prometheus.Gauge
+	Claims           prometheus.Counter
+	StaleCompletions *prometheus.CounterVec // op (complete, renew, reschedule, fail)
+	Failures         *prometheus.CounterVec // class (rejected, uncertain), reason
+	RowsByState      *prometheus.GaugeVec
+	OldestEligible   prometheus.Gauge
+	SlotLagSeconds   prometheus.Gauge
+	// DefaultPartitionRows: rows in a partitioned table's DEFAULT partition
+	// (-1 while the keeper could not create partitions).
+	DefaultPartitionRows prometheus.Gauge
+	Role                 *prometheus.GaugeVec // role: 1 for the CDC path's current role
+	SlotsCreated         prometheus.Counter
+	DeadLetters          *prometheus.CounterVec // class: rows the poller moved to failed
+	LeaseRenewals        prometheus.Counter
+	BackfilledRows       prometheus.Counter
+	SlotInvalidations    prometheus.Counter
+	Expired              *prometheus.CounterVec // path: rows that ended expired (G13)
+	BlockedAggregates    prometheus.Gauge       // aggregates whose rows wait behind a row with the poller or dead-lettered (G12)
 
 	StandbyLagBytes    *prometheus.GaugeVec   // slot: WAL the standby has not flushed yet (G14)
 	StandbySlotMissing *prometheus.GaugeVec   // slot: 1 when --standby-slot names no slot here
@@ -116,6 +119,9 @@ func New() *Metrics {
 	m.SlotLagSeconds = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "outbox_relay_slot_lag_seconds", Help: "Age (from its commit time) of the oldest outbox transaction streamed and not yet confirmed; 0 when caught up.",
 	})
+	m.DefaultPartitionRows = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "outbox_relay_default_partition_rows", Help: "Partitioned table: rows in its DEFAULT partition, rows that found no partition of their own (0 normally; prune never drops them); -1 when the last attempt to create partitions ahead failed.",
+	})
 	m.Role = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "outbox_relay_role", Help: "1 for the CDC path's current role (starting, active, standby, reconnecting), 0 for the others.",
 	}, []string{"role"})
@@ -150,7 +156,7 @@ func New() *Metrics {
 	m.FailoverPath = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "outbox_relay_failover_path_total", Help: "Sessions that found the slot a synced failover slot after a promotion (slot_survived); a slot re-created instead counts in outbox_relay_slots_created_total.",
 	}, []string{"path"})
-	for _, c := range []prometheus.Collector{m.FailoverPath, m.StandbyLagBytes, m.StandbySlotMissing, m.StandbyGated, m.Expired, m.BlockedAggregates, m.SlotLagSeconds, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.WatermarkLSN, m.ServerWALEnd,
+	for _, c := range []prometheus.Collector{m.FailoverPath, m.StandbyLagBytes, m.StandbySlotMissing, m.StandbyGated, m.Expired, m.BlockedAggregates, m.SlotLagSeconds, m.DefaultPartitionRows, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.WatermarkLSN, m.ServerWALEnd,
 		m.SlotLagBytes, m.InFlight, m.InFlightBytes, m.BufferedBytes, m.Handoffs, m.SettleRetries, m.Sessions, m.SlotOwner, m.Claims,
 		m.StaleCompletions, m.Failures, m.RowsByState, m.OldestEligible} {
 		f(c)

@@ -57,15 +57,34 @@ func (r EnqueueRow) availableAt() *time.Time {
 // whether it inserted. ON CONFLICT DO NOTHING, rather than letting the
 // primary key fail, keeps the caller's transaction usable: the caller decides
 // what a repeat means (CompareEnqueued).
+//
+// On a partitioned table no index makes work_id unique: the row is inserted
+// only where <table>_work_id_free($1) says no row has the work_id, after
+// waiting for every other enqueue of it to end (migration 0014 says why
+// that is sound). The statement is the same round trip.
 func EnqueueOne(ctx context.Context, db DBTX, t Table, r EnqueueRow) (bool, error) {
-	if r.Ordered() {
-		return enqueueOrdered(ctx, db, t, r)
-	}
-	tag, err := db.Exec(ctx, `INSERT INTO `+t.String()+` (work_id, kind, subject, payload, headers, available_at, expires_at)
-		VALUES ($1, $2, NULLIF($3::text, ''), $4::text::jsonb, $5::text::jsonb, COALESCE($6::timestamptz, clock_timestamp()), $7)
-		ON CONFLICT (work_id) DO NOTHING`,
-		r.WorkID, r.Kind, r.Subject, r.Payload, r.Headers, r.availableAt(), r.expiresAt())
+	part, key, err := isPartitioned(ctx, db, t)
 	if err != nil {
+		return false, err
+	}
+	if r.Ordered() {
+		ok, err := enqueueOrdered(ctx, db, t, r, part)
+		if err != nil {
+			forgetLayout(key)
+		}
+		return ok, err
+	}
+	q := `INSERT INTO ` + t.String() + ` (work_id, kind, subject, payload, headers, available_at, expires_at)
+		VALUES ($1, $2, NULLIF($3::text, ''), $4::text::jsonb, $5::text::jsonb, COALESCE($6::timestamptz, clock_timestamp()), $7)
+		ON CONFLICT (work_id) DO NOTHING`
+	if part {
+		q = `INSERT INTO ` + t.String() + ` (work_id, kind, subject, payload, headers, available_at, expires_at)
+		SELECT $1, $2, NULLIF($3::text, ''), $4::text::jsonb, $5::text::jsonb, COALESCE($6::timestamptz, clock_timestamp()), $7
+		WHERE ` + t.derived("work_id_free", true) + `($1)`
+	}
+	tag, err := db.Exec(ctx, q, r.WorkID, r.Kind, r.Subject, r.Payload, r.Headers, r.availableAt(), r.expiresAt())
+	if err != nil {
+		forgetLayout(key)
 		return false, fmt.Errorf("insert %q into %s: %w", r.WorkID, t.Qualified(), err)
 	}
 	return tag.RowsAffected() == 1, nil
@@ -82,18 +101,26 @@ func EnqueueOne(ctx context.Context, db DBTX, t Table, r EnqueueRow) (bool, erro
 // <table>_give_back_seq acts only for the transaction that took the number
 // and only while no row has it (migration 0009), so a producer cannot lower
 // another transaction's counter with it.
-func enqueueOrdered(ctx context.Context, db DBTX, t Table, r EnqueueRow) (bool, error) {
+func enqueueOrdered(ctx context.Context, db DBTX, t Table, r EnqueueRow, partitioned bool) (bool, error) {
 	var seq *int64
 	var inserted bool
+	// On a partitioned table the look for a repeat is <table>_work_id_free,
+	// which waits for the other enqueues of the work_id and looks after
+	// they ended; then no insert can conflict, and there is no index to
+	// name in ON CONFLICT.
+	free, conflict := `NOT EXISTS (SELECT 1 FROM `+t.String()+` WHERE work_id = $1)`, `ON CONFLICT (work_id) DO NOTHING`
+	if partitioned {
+		free, conflict = t.derived("work_id_free", true)+`($1)`, ``
+	}
 	err := db.QueryRow(ctx, `WITH s AS (
 			SELECT CASE WHEN $9::bigint > 0 THEN $9::bigint ELSE `+t.derived("next_seq", true)+`($7, $8) END AS seq
-			WHERE NOT EXISTS (SELECT 1 FROM `+t.String()+` WHERE work_id = $1)),
+			WHERE `+free+`),
 		ins AS (
 			INSERT INTO `+t.String()+` (work_id, kind, subject, payload, headers, available_at, expires_at,
 				aggregate_type, aggregate_id, aggregate_seq)
 			SELECT $1, $2, NULLIF($3::text, ''), $4::text::jsonb, $5::text::jsonb, COALESCE($6::timestamptz, clock_timestamp()), $10,
 				$7, $8, s.seq FROM s
-			ON CONFLICT (work_id) DO NOTHING
+			`+conflict+`
 			RETURNING 1)
 		SELECT (SELECT seq FROM s), EXISTS (SELECT 1 FROM ins)`,
 		r.WorkID, r.Kind, r.Subject, r.Payload, r.Headers, r.availableAt(), r.AggregateType, r.AggregateID, r.AggregateSeq, r.expiresAt()).
@@ -112,7 +139,16 @@ func enqueueOrdered(ctx context.Context, db DBTX, t Table, r EnqueueRow) (bool, 
 // EnqueueRows inserts rows in one statement, skipping every work_id that
 // exists, and returns the work_ids it inserted. The caller makes sure no
 // work_id appears twice in rows.
+//
+// On a partitioned table each row goes in only where
+// <table>_work_id_free says so (EnqueueOne); the rows are taken in work_id
+// order, so that two batches sharing work_ids wait for each other's locks
+// in the same order instead of deadlocking.
 func EnqueueRows(ctx context.Context, db DBTX, t Table, rows []EnqueueRow) (map[string]bool, error) {
+	part, key, err := isPartitioned(ctx, db, t)
+	if err != nil {
+		return nil, err
+	}
 	ids := make([]string, len(rows))
 	kinds := make([]string, len(rows))
 	subjects := make([]string, len(rows))
@@ -122,17 +158,29 @@ func EnqueueRows(ctx context.Context, db DBTX, t Table, rows []EnqueueRow) (map[
 	for i, r := range rows {
 		ids[i], kinds[i], subjects[i], payloads[i], headers[i], avail[i] = r.WorkID, r.Kind, r.Subject, r.Payload, r.Headers, r.availableAt()
 	}
-	res, err := db.Query(ctx, `INSERT INTO `+t.String()+` (work_id, kind, subject, payload, headers, available_at)
+	q := `INSERT INTO ` + t.String() + ` (work_id, kind, subject, payload, headers, available_at)
 		SELECT w, k, NULLIF(s, ''), p::jsonb, h::jsonb, COALESCE(a, clock_timestamp())
 		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::timestamptz[]) AS u(w, k, s, p, h, a)
 		ON CONFLICT (work_id) DO NOTHING
-		RETURNING work_id`,
-		ids, kinds, subjects, payloads, headers, avail)
+		RETURNING work_id`
+	if part {
+		// The function is volatile, so the planner keeps it above the
+		// sort: it is called in work_id order.
+		q = `INSERT INTO ` + t.String() + ` (work_id, kind, subject, payload, headers, available_at)
+		SELECT w, k, NULLIF(s, ''), p::jsonb, h::jsonb, COALESCE(a, clock_timestamp())
+		FROM (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::timestamptz[]) AS u(w, k, s, p, h, a)
+			ORDER BY w) AS u
+		WHERE ` + t.derived("work_id_free", true) + `(w)
+		RETURNING work_id`
+	}
+	res, err := db.Query(ctx, q, ids, kinds, subjects, payloads, headers, avail)
 	if err != nil {
+		forgetLayout(key)
 		return nil, fmt.Errorf("insert %d rows into %s: %w", len(rows), t.Qualified(), err)
 	}
 	inserted, err := pgx.CollectRows(res, pgx.RowTo[string])
 	if err != nil {
+		forgetLayout(key)
 		return nil, fmt.Errorf("insert %d rows into %s: %w", len(rows), t.Qualified(), err)
 	}
 	out := make(map[string]bool, len(inserted))
@@ -169,13 +217,23 @@ func CompareEnqueued(ctx context.Context, db DBTX, t Table, rows []EnqueueRow) (
 	for i, r := range rows {
 		ids[i], kinds[i], subjects[i], payloads[i] = r.WorkID, r.Kind, r.Subject, r.Payload
 	}
+	part, _, err := isPartitioned(ctx, db, t)
+	if err != nil {
+		return nil, err
+	}
+	// On a partitioned table a raw INSERT (not package outbox) can have put
+	// a work_id in twice: the first row stands for it.
+	join := `LEFT JOIN ` + t.String() + ` o ON o.work_id = u.w`
+	if part {
+		join = `LEFT JOIN LATERAL (SELECT x.work_id, x.kind, x.subject, x.payload FROM ` + t.String() + ` x WHERE x.work_id = u.w LIMIT 1) o ON true`
+	}
 	res, err := db.Query(ctx, `SELECT u.w, o.work_id IS NOT NULL,
 			COALESCE(o.kind = u.k, false),
 			COALESCE(o.subject IS NOT DISTINCT FROM NULLIF(u.s, ''), false),
 			COALESCE(o.payload = u.p::jsonb, false),
 			COALESCE(o.kind, ''), COALESCE(o.subject, ''), COALESCE(o.payload::text, '')
 		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS u(w, k, s, p, n)
-		LEFT JOIN `+t.String()+` o ON o.work_id = u.w
+		`+join+`
 		ORDER BY u.n`,
 		ids, kinds, subjects, payloads)
 	if err != nil {

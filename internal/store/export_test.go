@@ -48,8 +48,12 @@ func MigrateOnly(ctx context.Context, conn *pgx.Conn, t Table, opts MigrateOptio
 // NewMigration reads a rendered migration as Migrations reads the embedded
 // ones.
 func NewMigration(version int, name, sql string) (Migration, error) {
-	return newMigration(version, name, sql)
+	return newMigration(version, name, sql, Table{}, Layout{})
 }
 
 // ParseLSN is parseLSN, for the watermark's position.
 var ParseLSN = parseLSN
+
+// SetAfterDetach makes prune call f between a partition's detach and its
+// second count.
+func (s *Store) SetAfterDetach(f func(partition string)) { s.afterDetach = f }

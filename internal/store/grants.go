@@ -44,7 +44,7 @@ func Grants(t Table, r Roles) (string, error) {
 		return "", fmt.Errorf("parse roles.sql: %w", err)
 	}
 	var buf bytes.Buffer
-	if err := tmpl.Execute(&buf, grantsData{templateData{t}, r}); err != nil {
+	if err := tmpl.Execute(&buf, grantsData{templateData{t: t}, r}); err != nil {
 		return "", fmt.Errorf("render roles.sql: %w", err)
 	}
 	return buf.String(), nil

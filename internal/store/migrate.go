@@ -64,6 +64,13 @@ import (
 //     cancel), which is why 0008 refuses bad times with an INSERT trigger
 //     instead.
 //
+//   - A table partitioned by created_at (migrate --partition-interval)
+//     renders the same files with .Partitioned set. There an index build on
+//     the outbox table loses CONCURRENTLY (PostgreSQL cannot build one on a
+//     partitioned table) and runs only while the table holds no rows, that
+//     is when migrate creates it; storage parameters go on each partition
+//     (0014 creates them), and a unique index must hold created_at.
+//
 // TestMigrationsDoNotBlockProducers holds the embedded migrations to these
 // rules; converting a migration written as `CREATE INDEX IF NOT EXISTS x ON
 // {{.Table}} (...)` means putting the marker on its first line, writing
@@ -89,13 +96,67 @@ type Migration struct {
 	Statements    []string
 }
 
-// Migrations renders the embedded migrations for table t.
+// Migrations renders the embedded migrations for table t, a plain table.
 func Migrations(t Table) ([]Migration, error) {
+	return MigrationsFor(t, Layout{})
+}
+
+// Layout is how the outbox table is laid out: plain (the zero value) or
+// partitioned by created_at in ranges of PartitionInterval (DESIGN.md,
+// Partitioned table).
+type Layout struct {
+	PartitionInterval time.Duration
+}
+
+// Partitioned reports whether the table is partitioned.
+func (l Layout) Partitioned() bool { return l.PartitionInterval > 0 }
+
+// MinPartitionInterval is the shortest --partition-interval: each partition
+// is one more index probe for every statement that finds a row by work_id
+// (docs/operations.md, Partition sizing).
+const MinPartitionInterval = time.Hour
+
+// PartitionsAhead is how many intervals past the current one are kept
+// created for interval d: enough to cover a day and one interval more, so a
+// relay (and migrate) stopped for a day still leaves producers a partition
+// for their rows, and at least two.
+func PartitionsAhead(d time.Duration) int {
+	n := int((24*time.Hour+d-1)/d) + 1
+	return max(n, 2)
+}
+
+// ParsePartitionInterval reads --partition-interval: a Go duration of at
+// least an hour in whole minutes, or Nd for N days.
+func ParsePartitionInterval(s string) (time.Duration, error) {
+	var d time.Duration
+	if days, ok := strings.CutSuffix(s, "d"); ok {
+		n, err := strconv.Atoi(days)
+		if err != nil || n <= 0 {
+			return 0, fmt.Errorf("--partition-interval %q: want 1h, 1d, Nd or a Go duration of at least 1h", s)
+		}
+		d = time.Duration(n) * 24 * time.Hour
+	} else {
+		var err error
+		if d, err = time.ParseDuration(s); err != nil {
+			return 0, fmt.Errorf("--partition-interval %q: want 1h, 1d, Nd or a Go duration of at least 1h: %w", s, err)
+		}
+	}
+	if d < MinPartitionInterval {
+		return 0, fmt.Errorf("--partition-interval %s: at least %s (every partition costs each lookup by work_id an index probe)", s, MinPartitionInterval)
+	}
+	if d%time.Minute != 0 {
+		return 0, fmt.Errorf("--partition-interval %s: want whole minutes", s)
+	}
+	return d, nil
+}
+
+// MigrationsFor renders the embedded migrations for table t laid out as l.
+func MigrationsFor(t Table, l Layout) ([]Migration, error) {
 	entries, err := fs.ReadDir(outboxsql.Migrations, "migrations")
 	if err != nil {
 		return nil, fmt.Errorf("read embedded migrations: %w", err)
 	}
-	data := templateData{t}
+	data := templateData{t: t, layout: l}
 	var out []Migration
 	for _, e := range entries {
 		file := e.Name()
@@ -116,7 +177,7 @@ func Migrations(t Table) ([]Migration, error) {
 		if err := tmpl.Execute(&buf, data); err != nil {
 			return nil, fmt.Errorf("render migration %s: %w", file, err)
 		}
-		m, err := newMigration(version, rest, buf.String())
+		m, err := newMigration(version, rest, buf.String(), t, l)
 		if err != nil {
 			return nil, fmt.Errorf("migration %s: %w", file, err)
 		}
@@ -129,7 +190,13 @@ func Migrations(t Table) ([]Migration, error) {
 // newMigration reads a rendered migration's kind and, for a no-transaction
 // one, its statements, refusing an index build that a retry could not
 // repeat or that would block producers.
-func newMigration(version int, name, sql string) (Migration, error) {
+//
+// On a partitioned table an index build on the table itself is run as a
+// plain CREATE INDEX IF NOT EXISTS on the partitioned table: PostgreSQL
+// cannot build one CONCURRENTLY there, and it builds one per partition.
+// That is what a new table's migrations do, on no rows; the migrator
+// refuses it on a table that holds rows (see statement).
+func newMigration(version int, name, sql string, t Table, l Layout) (Migration, error) {
 	m := Migration{Version: version, Name: name, SQL: sql}
 	first, _, _ := strings.Cut(sql, "\n")
 	if strings.TrimSpace(first) != noTransactionMarker {
@@ -140,24 +207,43 @@ func newMigration(version int, name, sql string) (Migration, error) {
 	if err != nil {
 		return Migration{}, err
 	}
-	for _, s := range stmts {
+	for i, s := range stmts {
 		head := stripLeadingComments(s)
 		if createIndex.MatchString(head) && !indexBuild.MatchString(head) {
 			return Migration{}, fmt.Errorf("in a no-transaction migration an index is built with CREATE [UNIQUE] INDEX CONCURRENTLY IF NOT EXISTS <name> ON <table>, so that a retry repeats it and producers keep inserting: %.80q", head)
+		}
+		if sub := indexBuild.FindStringSubmatch(head); l.Partitioned() && sub != nil && sub[2] == t.String() {
+			stmts[i] = concurrently.ReplaceAllString(head, "$1")
 		}
 	}
 	m.Statements = stmts
 	return m, nil
 }
 
-// templateData is what migration templates see. Every method returns a
-// quoted identifier.
-type templateData struct{ t Table }
+// concurrently is the word a build on a partitioned table drops (1: what
+// comes before it).
+var concurrently = regexp.MustCompile(`(?is)^(CREATE\s+(?:UNIQUE\s+)?INDEX\s+)CONCURRENTLY\s+`)
 
-func (d templateData) Table() string                  { return d.t.String() }
-func (d templateData) Schema() string                 { return pgx.Identifier{d.t.Schema}.Sanitize() }
-func (d templateData) Name(suffix string) string      { return d.t.derived(suffix, false) }
-func (d templateData) Companion(suffix string) string { return d.t.derived(suffix, true) }
+// templateData is what migration templates see. Every string method
+// returns a quoted identifier, or a quoted literal (the ...Lit ones) for
+// plpgsql that builds statements with format(); Partitioned, IntervalSeconds
+// and Ahead render a partitioned table (migrate --partition-interval).
+type templateData struct {
+	t      Table
+	layout Layout
+}
+
+func (d templateData) Table() string                     { return d.t.String() }
+func (d templateData) SchemaLit() string                 { return literal(d.t.Schema) }
+func (d templateData) NameLit() string                   { return literal(d.t.Name) }
+func (d templateData) CompanionLit(suffix string) string { return literal(d.t.derived(suffix, true)) }
+func (d templateData) QualifiedLit() string              { return literal(d.t.Qualified()) }
+func (d templateData) Partitioned() bool                 { return d.layout.Partitioned() }
+func (d templateData) IntervalSeconds() int64            { return int64(d.layout.PartitionInterval / time.Second) }
+func (d templateData) Ahead() int                        { return PartitionsAhead(d.layout.PartitionInterval) }
+func (d templateData) Schema() string                    { return pgx.Identifier{d.t.Schema}.Sanitize() }
+func (d templateData) Name(suffix string) string         { return d.t.derived(suffix, false) }
+func (d templateData) Companion(suffix string) string    { return d.t.derived(suffix, true) }
 
 // MigrateOptions tunes MigrateWith; the zero value is Migrate's.
 type MigrateOptions struct {
@@ -167,7 +253,16 @@ type MigrateOptions struct {
 	// Progress, when set, is told about each step that can take long: an
 	// index build, a validation, waiting for another migrate.
 	Progress func(msg string)
+	// PartitionInterval, for a table that does not exist yet, creates it
+	// partitioned by created_at in ranges of this interval (at least
+	// MinPartitionInterval, whole minutes). On a partitioned table it must
+	// be the recorded interval or 0; on a plain table it is refused.
+	PartitionInterval time.Duration
 }
+
+// ErrConvertPlain refuses --partition-interval on a table that exists as a
+// plain table.
+var ErrConvertPlain = errors.New("the table exists and is not partitioned: migrate --partition-interval only creates a new table partitioned; convert an existing one with the procedure in docs/operations.md, \"Converting a plain table to a partitioned one\" (a new partitioned table beside it, producers switched to it, the old one drained by a relay and dropped)")
 
 // Migrate is MigrateWith with the default options.
 func Migrate(ctx context.Context, conn *pgx.Conn, t Table) ([]Migration, error) {
@@ -182,11 +277,78 @@ func Migrate(ctx context.Context, conn *pgx.Conn, t Table) ([]Migration, error) 
 // it fails after some. Every wait for a lock that blocks producers is
 // bounded by opts.LockTimeout (see the rules at the top of this file).
 func MigrateWith(ctx context.Context, conn *pgx.Conn, t Table, opts MigrateOptions) ([]Migration, error) {
-	migs, err := Migrations(t)
+	if opts.PartitionInterval != 0 && (opts.PartitionInterval < MinPartitionInterval || opts.PartitionInterval%time.Minute != 0) {
+		return nil, fmt.Errorf("migrate %s: partition interval %s: want at least %s in whole minutes", t.Qualified(), opts.PartitionInterval, MinPartitionInterval)
+	}
+	// The layout is read under the lock, so that two migrates of a new
+	// table, one with --partition-interval and one without, cannot render
+	// the migrations for different layouts. The lock is reentrant:
+	// applyMigrations takes it again.
+	r := &migrator{conn: conn, t: t, opts: opts}
+	if r.opts.Progress == nil {
+		r.opts.Progress = func(string) {}
+	}
+	if err := r.lock(ctx); err != nil {
+		return nil, err
+	}
+	defer r.unlock()
+	layout, err := ReadLayout(ctx, conn, t)
+	if err != nil {
+		return nil, fmt.Errorf("migrate %s: %w", t.Qualified(), err)
+	}
+	switch {
+	case layout.Exists && !layout.Partitioned() && opts.PartitionInterval > 0:
+		return nil, fmt.Errorf("migrate %s --partition-interval %s: %w", t.Qualified(), opts.PartitionInterval, ErrConvertPlain)
+	case layout.Exists && layout.Partitioned() && opts.PartitionInterval > 0 && layout.PartitionInterval != opts.PartitionInterval:
+		return nil, fmt.Errorf("migrate %s --partition-interval %s: the table is partitioned by %s already; the interval of an existing table does not change (a new table with the procedure in docs/operations.md, \"Converting a plain table to a partitioned one\")", t.Qualified(), opts.PartitionInterval, layout.PartitionInterval)
+	case !layout.Exists:
+		layout.Layout = Layout{PartitionInterval: opts.PartitionInterval}
+	}
+	migs, err := MigrationsFor(t, layout.Layout)
 	if err != nil {
 		return nil, err
 	}
 	return applyMigrations(ctx, conn, t, opts, migs)
+}
+
+// FoundLayout is ReadLayout's answer with whether the table exists.
+type FoundLayout struct {
+	Layout
+	Exists bool
+}
+
+// ReadLayout reads how table t is laid out: partitioned when pg_class says
+// so, with the interval recorded in <table>_partitioning (migration 0014).
+// A partitioned table whose record is missing (0014 not applied yet) reads
+// as partitioned by MinPartitionInterval until migrate records it; no
+// statement but 0014's own uses the interval before then.
+func ReadLayout(ctx context.Context, q DBTX, t Table) (FoundLayout, error) {
+	var kind string
+	err := q.QueryRow(ctx, `SELECT c.relkind::text FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+		WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('r', 'p')`, t.Schema, t.Name).Scan(&kind)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return FoundLayout{}, nil
+	}
+	if err != nil {
+		return FoundLayout{}, fmt.Errorf("read the layout of %s: %w", t.Qualified(), err)
+	}
+	if kind != "p" {
+		return FoundLayout{Exists: true}, nil
+	}
+	var secs *int64
+	err = q.QueryRow(ctx, `SELECT (SELECT interval_seconds FROM `+t.derived("partitioning", true)+`)`).Scan(&secs)
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42P01" {
+		err = nil
+	}
+	if err != nil {
+		return FoundLayout{}, fmt.Errorf("read the partition interval of %s: %w", t.Qualified(), err)
+	}
+	l := FoundLayout{Exists: true, Layout: Layout{PartitionInterval: MinPartitionInterval}}
+	if secs != nil {
+		l.PartitionInterval = time.Duration(*secs) * time.Second
+	}
+	return l, nil
 }
 
 // migrateLockKey is one lock per database: schema creation in two processes
@@ -341,6 +503,8 @@ var (
 	// 2: constraint): with another subcommand beside it, ALTER TABLE would
 	// take that one's lock for the whole scan.
 	validate = regexp.MustCompile(`(?is)^ALTER\s+TABLE\s+(?:ONLY\s+)?(` + identRE + `(?:\.` + identRE + `)?)\s+VALIDATE\s+CONSTRAINT\s+(` + identRE + `)\s*$`)
+	// indexOnTable is the table of a plain index build (1: table).
+	indexOnTable = regexp.MustCompile(`(?is)^CREATE\s+(?:UNIQUE\s+)?INDEX\s+IF\s+NOT\s+EXISTS\s+` + identRE + `\s+ON\s+(?:ONLY\s+)?(` + identRE + `(?:\.` + identRE + `)?)`)
 	// dropIndexConcurrently takes what an index build takes.
 	dropIndexConcurrently = regexp.MustCompile(`(?is)^DROP\s+INDEX\s+CONCURRENTLY\b`)
 )
@@ -349,6 +513,20 @@ var (
 func (r *migrator) statement(ctx context.Context, s string) error {
 	head := stripLeadingComments(s)
 	switch {
+	case createIndex.MatchString(head) && !indexBuild.MatchString(head):
+		// A build on a partitioned table (newMigration): refused on a
+		// populated one, where it would hold producers for the whole build.
+		sub := indexOnTable.FindStringSubmatch(head)
+		if sub == nil {
+			break
+		}
+		var populated bool
+		if err := r.conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+sub[1]+`)`).Scan(&populated); err != nil {
+			return fmt.Errorf("look for rows in %s before building an index on it: %w", sub[1], err)
+		}
+		if populated {
+			return fmt.Errorf("%s is partitioned and holds rows: an index cannot be built on it without blocking producers for the whole build; build it by hand (CREATE INDEX ... ON ONLY the table, CREATE INDEX CONCURRENTLY on each partition, ALTER INDEX ... ATTACH PARTITION) and run migrate again: %.80q", sub[1], head)
+		}
 	case indexBuild.MatchString(head):
 		sub := indexBuild.FindStringSubmatch(head)
 		name, table := unquoteIdent(sub[1]), sub[2]

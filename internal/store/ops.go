@@ -579,6 +579,9 @@ type PruneRequest struct {
 	IncludeCancelled bool
 	// DryRun counts what would be deleted.
 	DryRun bool
+	// LockTimeout bounds the wait for the table's lock to detach a
+	// partition (a partitioned table; 0: DefaultLockTimeout).
+	LockTimeout time.Duration
 }
 
 // PruneResult is what a prune deleted (or would delete).
@@ -591,6 +594,13 @@ type PruneResult struct {
 	Cancelled int64
 	Expired   int64
 	Batches   int
+	// Partitioned: the table is partitioned, and prune dropped whole
+	// partitions instead of deleting rows. Partitions are the ones that
+	// end before Cutoff (and the DEFAULT partition when it holds rows):
+	// those dropped (or, in a dry run, that would be) and those kept, with
+	// why.
+	Partitioned bool
+	Partitions  []PartitionVerdict
 }
 
 // Prune deletes published rows (and, if asked, cancelled and expired ones)
@@ -604,6 +614,11 @@ type PruneResult struct {
 // created_at, since nothing records when it was published; the watermark
 // only grows, so a row covered when the batch reads it stays covered. The history table is left alone: it is the audit
 // trail, and small.
+//
+// On a partitioned table it deletes no row: it drops whole partitions that
+// end before the cutoff and hold none of the rows it would keep on a plain
+// table (prunePartitions), and res.Partitions says which it dropped and
+// which it kept and why; Batch does not apply.
 func (s *Store) Prune(ctx context.Context, r PruneRequest) (PruneResult, error) {
 	var res PruneResult
 	if r.OlderThan <= 0 {
@@ -617,6 +632,17 @@ func (s *Store) Prune(ctx context.Context, r PruneRequest) (PruneResult, error) 
 	if err := s.pool.QueryRow(ctx, `SELECT clock_timestamp() - $1::bigint * interval '1 microsecond'`, micros(r.OlderThan)).
 		Scan(&res.Cutoff); err != nil {
 		return res, fmt.Errorf("prune %s: read the database clock: %w", s.table.Qualified(), err)
+	}
+	layout, err := s.Layout(ctx)
+	if err != nil {
+		return res, fmt.Errorf("prune %s: %w", s.table.Qualified(), err)
+	}
+	if layout.Partitioned() {
+		res.Partitioned = true
+		if r.LockTimeout <= 0 {
+			r.LockTimeout = DefaultLockTimeout
+		}
+		return s.prunePartitions(ctx, r, res, r.LockTimeout)
 	}
 	if r.DryRun {
 		return s.pruneCount(ctx, r, res)

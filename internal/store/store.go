@@ -56,6 +56,10 @@ type Store struct {
 	policy Policy
 
 	settleSQL string
+
+	// afterDetach, in tests, runs between a partition's detach and its
+	// second count (prunePartitions).
+	afterDetach func(partition string)
 }
 
 // New returns a Store for table t.

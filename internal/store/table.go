@@ -24,7 +24,7 @@ const maxIdentifier = 63
 
 // goSuffixes are the suffixes this package's statements derive names with
 // (TestDerivedNamesFit checks the list against the code).
-var goSuffixes = []string{"slots", "redrives", "next_seq", "give_back_seq", "settings"}
+var goSuffixes = []string{"slots", "redrives", "next_seq", "give_back_seq", "settings", "work_id_free", "partitioning", "add_partitions"}
 
 // templateSuffix finds the names the migrations derive, {{.Name "x"}} and
 // {{.Companion "x"}}.

@@ -8,7 +8,7 @@
 -- business change; the relay streams the committed INSERTs from a logical
 -- replication slot and falls back to a leased-claim poller for retries.
 CREATE TABLE IF NOT EXISTS {{.Table}} (
-    work_id          text        PRIMARY KEY CHECK (work_id <> ''),
+    work_id          text        NOT NULL CHECK (work_id <> ''),
     kind             text        NOT NULL CHECK (kind <> ''),
     subject          text,
     payload          jsonb       NOT NULL,
@@ -37,8 +37,18 @@ CREATE TABLE IF NOT EXISTS {{.Table}} (
                      ) STORED,
     CONSTRAINT {{.Name "lease_check"}} CHECK (
         (state = 'running') = (claimed_by IS NOT NULL AND lease_until IS NOT NULL)
-    )
+    ),
+{{- if .Partitioned}}
+    -- Partitioned by created_at (migrate --partition-interval): a primary
+    -- key must hold the partition key, so work_id alone is not unique here;
+    -- package outbox finds repeats across the partitions instead
+    -- (docs/consumers.md). The partitions come with 0014.
+    PRIMARY KEY (work_id, created_at)
+) PARTITION BY RANGE (created_at);
+{{- else}}
+    PRIMARY KEY (work_id)
 );
+{{- end}}
 
 -- Serves exactly the poller's claim: scheduled or running rows by due time.
 CREATE INDEX CONCURRENTLY IF NOT EXISTS {{.Name "poll_idx"}} ON {{.Table}} (poll_at) WHERE poll_at IS NOT NULL;

@@ -45,7 +45,11 @@ ALTER TABLE {{.Table}} VALIDATE CONSTRAINT {{.Name "state_check"}};
 
 -- One row per position of an aggregate. Partial: unordered rows do not pay
 -- for it, and the CDC path's marks change none of its columns (HOT).
-CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS {{.Name "aggregate_idx"}} ON {{.Table}} (aggregate_type, aggregate_id, aggregate_seq)
+-- On a partitioned table a unique index must hold created_at, which would
+-- make it unique per partition only: there it is a plain index, and a
+-- position taken twice (an explicit Sequence used twice) is not refused
+-- (docs/consumers.md).
+CREATE {{if not .Partitioned}}UNIQUE {{end}}INDEX CONCURRENTLY IF NOT EXISTS {{.Name "aggregate_idx"}} ON {{.Table}} (aggregate_type, aggregate_id, aggregate_seq)
     WHERE aggregate_type IS NOT NULL;
 
 -- The counter behind the sequence: one row per aggregate. Producers of one
