@@ -73,7 +73,9 @@ test: setup pg-versions
 ## its load) and mostly waits on its servers, so two at a time is the
 ## concurrency the first two steps already have (go test -p, two packages
 ## at once), which their deadlines are sized for. They used to run one
-## after another.
+## after another. Measured on the 2-core machine beside other sessions'
+## tests (load 2 to 8): the six steps' own times add up to 768 s; two at a
+## time they took 410 s, every one passing (1.07 cores busy on average).
 LANE_STEPS = $(addprefix test-pg-version-,$(PG_VERSIONS)) test-proof-pg17 chaos-short chaos-short-17
 test-lanes: setup pg-versions
 	@$(MAKE) --no-print-directory -j2 -k --output-sync=target $(LANE_STEPS)
