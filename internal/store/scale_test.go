@@ -2,7 +2,6 @@ package store_test
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"strings"
 	"sync"
@@ -15,9 +14,6 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
-
-// scaleRows is the size of the table TestObserverStatementsAtScale loads.
-const scaleRows = 1_000_000
 
 // recorder keeps the statements a pool runs, with their arguments.
 type recorder struct {
@@ -47,33 +43,6 @@ func (r *recorder) take() []recorded {
 	return out
 }
 
-// planNode is a node of EXPLAIN (FORMAT JSON).
-type planNode struct {
-	NodeType  string     `json:"Node Type"`
-	Relation  string     `json:"Relation Name"`
-	Index     string     `json:"Index Name"`
-	HitBlocks int64      `json:"Shared Hit Blocks"`
-	ReadBlock int64      `json:"Shared Read Blocks"`
-	Plans     []planNode `json:"Plans"`
-}
-
-type explained struct {
-	Plan planNode `json:"Plan"`
-	JIT  *struct {
-		Functions int `json:"Functions"`
-	} `json:"JIT"`
-	Planning  float64 `json:"Planning Time"`
-	Execution float64 `json:"Execution Time"`
-}
-
-// walk calls f on n and every node below it.
-func (n planNode) walk(f func(planNode)) {
-	f(n)
-	for _, c := range n.Plans {
-		c.walk(f)
-	}
-}
-
 // G16: every statement the table metrics, the console, status and prune run
 // on a table of a million rows (mostly published, a fifth of them in
 // aggregates, a few hundred ready, scheduled, running, failed, cancelled and
@@ -83,11 +52,8 @@ func (n planNode) walk(f func(planNode)) {
 // Scan of it, and none reads more than a small part of the table's pages.
 // The latencies it logs are in docs/benchmarks.md.
 func TestObserverStatementsAtScale(t *testing.T) {
-	if testing.Short() {
-		t.Skip("loads a million rows")
-	}
 	ctx := context.Background()
-	url := testenv.Shared(t).PG.CreateOutboxDatabase(t)
+	url := scaleDatabase(t)
 	tbl := testenv.OutboxTable
 
 	// The store's statements run on one connection, so that the statistics
@@ -108,35 +74,9 @@ func TestObserverStatementsAtScale(t *testing.T) {
 	ex := connect(t, url)
 
 	start := time.Now()
-	// The migrations' indexes (other than the primary key) are built after
-	// the load, from their own definitions: faster than a million inserts
-	// into each.
-	rows, err := ex.Query(ctx, `SELECT indexrelid::regclass::text, pg_get_indexdef(indexrelid) FROM pg_index
-		WHERE indrelid = 'outbox'::regclass AND NOT indisprimary`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var drop, build []string
-	var name, def string
-	if _, err := pgx.ForEachRow(rows, []any{&name, &def}, func() error {
-		drop, build = append(drop, `DROP INDEX `+name), append(build, def)
-		return nil
-	}); err != nil {
-		t.Fatal(err)
-	}
-	if len(build) < 4 {
-		t.Fatalf("indexes of the outbox table: %v", build)
-	}
-	load := append(drop, []string{
-		// created 30 days ago, one row a millisecond, each published a
-		// second after it was created; every fifth row is in one of 1,000
-		// aggregates.
-		`INSERT INTO outbox (work_id, kind, payload, state, created_at, available_at, published_at, stream_seq, stream_name,
-			aggregate_type, aggregate_id, aggregate_seq)
-		SELECT 'w-' || g, 'k' || (g % 7), '{"n":1}', 'published', b.t + g * interval '1 ms', b.t + g * interval '1 ms',
-			b.t + g * interval '1 ms' + interval '1 s', g, 'OUTBOX',
-			CASE WHEN g % 5 = 0 THEN 'order' END, CASE WHEN g % 5 = 0 THEN ((g / 5) % 1000)::text END, CASE WHEN g % 5 = 0 THEN (g / 5) / 1000 + 1 END
-		FROM generate_series(1, ` + fmt.Sprint(scaleRows) + `) g, (SELECT clock_timestamp() - interval '30 days' AS t) b`,
+	// The million published rows are the shared table's (scaleDatabase);
+	// the rows of the other states are this test's.
+	load := []string{
 		`INSERT INTO outbox (work_id, kind, payload, state) SELECT 'ready-' || g, 'k1', '{}', 'ready' FROM generate_series(1, 200) g`,
 		`INSERT INTO outbox (work_id, kind, payload, state, created_at, available_at)
 		SELECT 'sched-' || g, 'k2', '{}', 'scheduled', clock_timestamp() - interval '2 days', clock_timestamp() - g * interval '1 s'
@@ -158,9 +98,7 @@ func TestObserverStatementsAtScale(t *testing.T) {
 		VALUES ('held-1', 'k5', '{}', 'failed', 'rejected: max_payload: too big', 'order', 'held', 1)`,
 		`INSERT INTO outbox (work_id, kind, payload, state, last_error, aggregate_type, aggregate_id, aggregate_seq)
 		SELECT 'held-' || g, 'k5', '{}', 'scheduled', 'held: waiting for held-1', 'order', 'held', g FROM generate_series(2, 6) g`,
-		`SET maintenance_work_mem = '128MB'`,
-	}...)
-	load = append(load, build...)
+	}
 	load = append(load, `VACUUM (ANALYZE) outbox`)
 	for _, q := range load {
 		if _, err := ex.Exec(ctx, q); err != nil {
@@ -211,39 +149,19 @@ func TestObserverStatementsAtScale(t *testing.T) {
 			if !strings.Contains(s.sql, tbl.String()) {
 				continue // the clock, the catalog
 			}
-			tx, err := ex.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
+			// The statement as the store ran it, its arguments included.
+			p := explainAnalyze(ctx, t, ex, s.sql, s.args...)
+			if scans := p.seqScans("outbox"); len(scans) > 0 {
+				t.Errorf("%s: statement %d scans the outbox table sequentially:\n%s", name, i, s.sql)
 			}
-			var js string
-			err = tx.QueryRow(ctx, `EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) `+s.sql, s.args...).Scan(&js)
-			tx.Rollback(ctx) //nolint:errcheck // the plan only: a prune's DELETE must not happen twice
-			if err != nil {
-				t.Fatalf("%s: explain statement %d: %v\n%s", name, i, err, s.sql)
-			}
-			var e []explained
-			if err := json.Unmarshal([]byte(js), &e); err != nil || len(e) != 1 {
-				t.Fatalf("%s: plan: %v %s", name, err, js)
-			}
-			var used []string
-			var blocks int64
-			e[0].Plan.walk(func(n planNode) {
-				if n.Relation == "outbox" && n.NodeType == "Seq Scan" {
-					t.Errorf("%s: statement %d scans the outbox table sequentially:\n%s", name, i, s.sql)
-				}
-				if n.Index != "" {
-					used = append(used, n.Index)
-				}
-			})
-			blocks = e[0].Plan.HitBlocks + e[0].Plan.ReadBlock
-			if blocks > maxBlocks {
-				t.Errorf("%s: statement %d touched %d pages, more than %d (a twentieth of the table):\n%s", name, i, blocks, maxBlocks, s.sql)
+			if p.buffers > maxBlocks {
+				t.Errorf("%s: statement %d touched %d pages, more than %d (a twentieth of the table):\n%s", name, i, p.buffers, maxBlocks, s.sql)
 			}
 			jit := ""
-			if e[0].JIT != nil {
-				jit = fmt.Sprintf(", JIT (%d functions)", e[0].JIT.Functions)
+			if p.jitFunctions > 0 {
+				jit = fmt.Sprintf(", JIT (%d functions)", p.jitFunctions)
 			}
-			t.Logf("%-28s stmt %d: %7.2f ms (planning %.2f ms), %5d pages, indexes %v%s", name, i, e[0].Execution, e[0].Planning, blocks, used, jit)
+			t.Logf("%-28s stmt %d: %7.2f ms (planning %.2f ms), %5d pages, indexes %v%s", name, i, p.execMs, p.planMs, p.buffers, p.indexes(), jit)
 		}
 	}
 

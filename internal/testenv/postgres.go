@@ -47,6 +47,20 @@ var (
 // tests.
 func (p *Postgres) CreateDatabase(t testing.TB) string {
 	t.Helper()
+	return p.createDatabase(t, "")
+}
+
+// CreateDatabaseFrom is CreateDatabase with a copy of database template
+// (CREATE DATABASE ... TEMPLATE, STRATEGY FILE_COPY): a table that takes
+// long to load is loaded once and each test gets its own copy, in the time
+// it takes to copy its files. Nothing may be connected to template.
+func (p *Postgres) CreateDatabaseFrom(t testing.TB, template string) string {
+	t.Helper()
+	return p.createDatabase(t, template)
+}
+
+func (p *Postgres) createDatabase(t testing.TB, template string) string {
+	t.Helper()
 	suffix := fmt.Sprintf("_%d", dbSeq.Add(1))
 	san := strings.Trim(dbUnsafe.ReplaceAllString(strings.ToLower(t.Name()), "_"), "_")
 	name := "t_" + san
@@ -55,14 +69,24 @@ func (p *Postgres) CreateDatabase(t testing.TB) string {
 	}
 	name += suffix
 
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	timeout := 30 * time.Second
+	if template != "" {
+		timeout = 2 * time.Minute // a copy of hundreds of MB on a loaded machine
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	conn, err := pgx.Connect(ctx, p.URL("postgres"))
 	if err != nil {
 		t.Fatalf("testenv: create database %s: connect: %v", name, err)
 	}
 	defer conn.Close(context.Background())
-	if _, err := conn.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
+	create := "CREATE DATABASE " + pgx.Identifier{name}.Sanitize()
+	if template != "" {
+		// FILE_COPY copies the files instead of writing every page to the
+		// WAL (WAL_LOG, the default since PostgreSQL 15).
+		create += " TEMPLATE " + pgx.Identifier{template}.Sanitize() + " STRATEGY FILE_COPY"
+	}
+	if _, err := conn.Exec(ctx, create); err != nil {
 		t.Fatalf("testenv: create database %s: %v", name, err)
 	}
 	t.Cleanup(func() { p.dropDatabase(t, name) })

@@ -27,6 +27,10 @@ import (
 // row ends published, and on 17 the failover slot survived (no new slot,
 // no backfill).
 func TestPromotionUnderLoad(t *testing.T) {
+	// Beside the kill tests (at most -parallel of them at once), not
+	// before them: on its own it took two minutes of the package's run,
+	// mostly waiting (the standby's slot sync, the promotion).
+	t.Parallel()
 	for _, v := range []int{15, 17} {
 		t.Run(fmt.Sprintf("pg%d", v), func(t *testing.T) {
 			if _, err := devenv.PostgresBinDir(v); err != nil {
