@@ -297,6 +297,23 @@ func countLike(t *testing.T, pool *pgxpool.Pool, prefix string) int {
 	return n
 }
 
+// newHourlyTable migrates a fresh database's outbox table partitioned by the
+// hour and returns it with a pool on that database, and the database's URL.
+func newHourlyTable(t *testing.T) (store.Table, *pgxpool.Pool, string) {
+	t.Helper()
+	url := testenv.Shared(t).PG.CreateDatabase(t)
+	tbl := store.Table{Schema: "public", Name: "outbox"}
+	if _, err := store.MigrateWith(context.Background(), connect(t, url), tbl, store.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
+		t.Fatal(err)
+	}
+	pool, err := pgxpool.New(context.Background(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return tbl, pool, url
+}
+
 // prune --older-than on a partitioned table drops whole partitions that
 // end before the cutoff and hold nothing it must keep, keeps the others
 // saying why (rows still owed, dead letters, cancelled rows without
@@ -304,16 +321,7 @@ func countLike(t *testing.T, pool *pgxpool.Pool, prefix string) int {
 // one: n_tup_del stays 0 in every partition.
 func TestPrunePartitions(t *testing.T) {
 	ctx := context.Background()
-	url := testenv.Shared(t).PG.CreateDatabase(t)
-	tbl := store.Table{Schema: "public", Name: "outbox"}
-	if _, err := store.MigrateWith(ctx, connect(t, url), tbl, store.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
-		t.Fatal(err)
-	}
-	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
+	tbl, pool, url := newHourlyTable(t)
 	base := time.Now().UTC().Truncate(time.Hour)
 	done := seedPartition(t, pool, base.Add(-6*time.Hour), map[string]int{"published": 10})
 	owed := seedPartition(t, pool, base.Add(-5*time.Hour), map[string]int{"published": 5, "scheduled": 2, "ready": 1})
@@ -437,16 +445,7 @@ func TestPrunePartitions(t *testing.T) {
 // (in flight), and drops that one too once a later watermark covers it.
 func TestPrunePartitionsUnderNone(t *testing.T) {
 	ctx := context.Background()
-	url := testenv.Shared(t).PG.CreateDatabase(t)
-	tbl := store.Table{Schema: "public", Name: "outbox"}
-	if _, err := store.MigrateWith(ctx, connect(t, url), tbl, store.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
-		t.Fatal(err)
-	}
-	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
+	tbl, pool, _ := newHourlyTable(t)
 	record := func() {
 		t.Helper()
 		exec(t, pool, `INSERT INTO outbox_slots (slot_name) VALUES ('s') ON CONFLICT DO NOTHING`)
