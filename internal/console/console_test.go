@@ -429,6 +429,21 @@ func TestHostileValuesEscaped(t *testing.T) {
 	}
 }
 
+// health reads /ui/api/health and its counts by state.
+func (c *client) health(t *testing.T) (console.Health, map[string]int64) {
+	t.Helper()
+	var h console.Health
+	_, j := c.get("/ui/api/health")
+	if err := json.Unmarshal([]byte(j), &h); err != nil {
+		t.Fatal(err)
+	}
+	counts := map[string]int64{}
+	for _, s := range h.ByState {
+		counts[s.Name] = s.N
+	}
+	return h, counts
+}
+
 var hiddenIDRe = regexp.MustCompile(`<input type="hidden" name="id" value="([A-Za-z0-9_-]+)">`)
 
 // confirmIDs reads the work IDs a preview's confirmation carries.
@@ -685,15 +700,7 @@ func TestOverview(t *testing.T) {
 			t.Errorf("overview lacks %q", want)
 		}
 	}
-	var h console.Health
-	_, j := b.get("/ui/api/health")
-	if err := json.Unmarshal([]byte(j), &h); err != nil {
-		t.Fatal(err)
-	}
-	counts := map[string]int64{}
-	for _, c := range h.ByState {
-		counts[c.Name] = c.N
-	}
+	h, counts := b.health(t)
 	if counts["failed"] != 2 || counts["scheduled"] != 1 || len(h.Problems) != 0 {
 		t.Errorf("health: %+v", h)
 	}

@@ -2,7 +2,6 @@ package console_test
 
 import (
 	"context"
-	"encoding/json"
 	"slices"
 	"strings"
 	"testing"
@@ -73,15 +72,7 @@ func TestCoveredRowsShowAsPublished(t *testing.T) {
 		t.Errorf("cov1 is %s", s)
 	}
 
-	var h console.Health
-	_, j := b.get("/ui/api/health")
-	if err := json.Unmarshal([]byte(j), &h); err != nil {
-		t.Fatal(err)
-	}
-	counts := map[string]int64{}
-	for _, c := range h.ByState {
-		counts[c.Name] = c.N
-	}
+	h, counts := b.health(t)
 	if counts["published"] != 3 || counts["ready"] != 1 || h.PublishedByWatermark.N != 2 || h.Watermark == nil ||
 		h.Watermark.LSN != lsn || h.Watermark.Slot != "outbox_relay" {
 		t.Errorf("health: by state %v, by the watermark %+v, watermark %+v", counts, h.PublishedByWatermark, h.Watermark)
