@@ -31,7 +31,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	fs.StringVar(&ordering, "ordering", app.OrderingNone, "with --record-settings: the table's --ordering, none or aggregate")
 	fs.DurationVar(&lockTimeout, "lock-timeout", store.DefaultLockTimeout, "longest wait for a lock that producers' INSERTs queue behind (PostgreSQL lock_timeout); past it migrate gives up, names the session holding the table, and a rerun resumes (docs/operations.md, \"Migrating a large table\")")
 	var partitionInterval string
-	fs.StringVar(&partitionInterval, "partition-interval", "", "create a NEW table partitioned by created_at in ranges of this interval (1h, 1d, Nd, or a Go duration of at least 1h); prune then drops whole partitions. Refused on an existing plain table (docs/operations.md, \"Converting a plain table to a partitioned one\")")
+	fs.StringVar(&partitionInterval, "partition-interval", "", "create a NEW table partitioned by created_at in ranges of this interval (1h, 1d, Nd, or a Go duration of at least 5m in whole minutes); prune then drops whole partitions. Refused on an existing plain table (docs/operations.md, \"Converting a plain table to a partitioned one\")")
 	fs.StringVar(&inboxTable, "inbox", "", "create the inbox table with this name (name or schema.name) and its <name>_fences table for consumers using package inbox, instead of the outbox table and publication")
 	fs.BoolVar(&printGrants, "print-grants", false, "print the least-privilege roles and grants (sql/roles.sql) for --table and exit; run the output as the table's owner")
 	fs.StringVar(&roles.Relay, "relay-role", "outbox_relay", "with --print-grants: the relay's role (LOGIN REPLICATION)")

@@ -205,7 +205,7 @@ func TestConvertPlainToPartitioned(t *testing.T) {
 func TestPartitionIntervalFlagAndPrune(t *testing.T) {
 	url, pool := migrated(t)
 	for _, c := range []struct{ flag, want string }{
-		{"30m", "at least 1h0m0s"},
+		{"4m", "at least 5m0s"},
 		{"90m30s", "whole minutes"},
 		{"0d", "want 1h, 1d, Nd"},
 		{"1d", `"Converting a plain table to a partitioned one"`},

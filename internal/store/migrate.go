@@ -111,34 +111,38 @@ type Layout struct {
 // Partitioned reports whether the table is partitioned.
 func (l Layout) Partitioned() bool { return l.PartitionInterval > 0 }
 
-// MinPartitionInterval is the shortest --partition-interval: each partition
-// is one more index probe for every statement that finds a row by work_id
-// (docs/operations.md, Partition sizing).
-const MinPartitionInterval = time.Hour
+// MinPartitionInterval is the shortest --partition-interval. Short
+// intervals suit high volume with retention of hours; each partition is one
+// more index probe for every statement that finds a row by work_id
+// (docs/operations.md, Partition sizing), which PartitionsAhead bounds.
+const MinPartitionInterval = 5 * time.Minute
 
 // PartitionsAhead is how many intervals past the current one are kept
 // created for interval d: enough to cover a day and one interval more, so a
 // relay (and migrate) stopped for a day still leaves producers a partition
-// for their rows, and at least two.
+// for their rows, and at least two. Below an hour a day would be hundreds
+// of partitions, each a probe per lookup by work_id, so the cover is 24
+// intervals and one more (two hours at 5m): a longer stop sends rows to the
+// DEFAULT partition, which status and the metric report.
 func PartitionsAhead(d time.Duration) int {
-	n := int((24*time.Hour+d-1)/d) + 1
+	n := min(int((24*time.Hour+d-1)/d), 24) + 1
 	return max(n, 2)
 }
 
 // ParsePartitionInterval reads --partition-interval: a Go duration of at
-// least an hour in whole minutes, or Nd for N days.
+// least MinPartitionInterval in whole minutes, or Nd for N days.
 func ParsePartitionInterval(s string) (time.Duration, error) {
 	var d time.Duration
 	if days, ok := strings.CutSuffix(s, "d"); ok {
 		n, err := strconv.Atoi(days)
 		if err != nil || n <= 0 {
-			return 0, fmt.Errorf("--partition-interval %q: want 1h, 1d, Nd or a Go duration of at least 1h", s)
+			return 0, fmt.Errorf("--partition-interval %q: want 1h, 1d, Nd or a Go duration of at least 5m", s)
 		}
 		d = time.Duration(n) * 24 * time.Hour
 	} else {
 		var err error
 		if d, err = time.ParseDuration(s); err != nil {
-			return 0, fmt.Errorf("--partition-interval %q: want 1h, 1d, Nd or a Go duration of at least 1h: %w", s, err)
+			return 0, fmt.Errorf("--partition-interval %q: want 1h, 1d, Nd or a Go duration of at least 5m: %w", s, err)
 		}
 	}
 	if d < MinPartitionInterval {
@@ -344,7 +348,7 @@ func ReadLayout(ctx context.Context, q DBTX, t Table) (FoundLayout, error) {
 	if err != nil {
 		return FoundLayout{}, fmt.Errorf("read the partition interval of %s: %w", t.Qualified(), err)
 	}
-	l := FoundLayout{Exists: true, Layout: Layout{PartitionInterval: MinPartitionInterval}}
+	l := FoundLayout{Exists: true, Layout: Layout{PartitionInterval: time.Hour}}
 	if secs != nil {
 		l.PartitionInterval = time.Duration(*secs) * time.Second
 	}

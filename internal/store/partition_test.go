@@ -176,6 +176,66 @@ func TestMigratePartitioned(t *testing.T) {
 	}
 }
 
+// migrate --partition-interval 5m (the floor) names partitions to the
+// minute and makes 25 ahead, not a day's 289: below an hour the cover is
+// 24 intervals, so the probes per lookup stay in the tens. A table made
+// when the floor was an hour (0014's CHECK of 3600 seconds) is relaxed by
+// 0015: its interval may then be set to 5 minutes.
+func TestShortPartitionInterval(t *testing.T) {
+	ctx := context.Background()
+	conn := connect(t, testenv.Shared(t).PG.CreateDatabase(t))
+	if got := store.PartitionsAhead(5 * time.Minute); got != 25 {
+		t.Fatalf("PartitionsAhead(5m) = %d, want 25 (24 intervals and one more)", got)
+	}
+	if _, err := store.ParsePartitionInterval("4m"); err == nil || !strings.Contains(err.Error(), "at least 5m0s") {
+		t.Errorf("--partition-interval 4m: %v, want refused", err)
+	}
+	tbl := store.Table{Schema: "public", Name: "short"}
+	before := time.Now().UTC().Truncate(5 * time.Minute)
+	if _, err := store.MigrateWith(ctx, conn, tbl, store.MigrateOptions{PartitionInterval: 5 * time.Minute}); err != nil {
+		t.Fatalf("migrate --partition-interval 5m: %v", err)
+	}
+	parts := partitions(t, conn, "short")
+	if len(parts) != 27 {
+		t.Errorf("%d partitions, want 27 (this interval, 25 ahead, DEFAULT): %v", len(parts), parts)
+	}
+	// The interval may have turned during migrate.
+	name := func(at time.Time) string { return "short_p" + at.Format("200601021504") }
+	if _, ok := parts[name(before.Add(5*time.Minute))]; !ok {
+		t.Errorf("no partition %s: %v", name(before.Add(5*time.Minute)), parts)
+	}
+	if _, ok := parts[name(before.Add(26*5*time.Minute))]; ok {
+		t.Errorf("partition %s is past the 25 ahead: %v", name(before.Add(26*5*time.Minute)), parts)
+	}
+
+	// A table from before 0015: restore 0014's CHECK and forget 0015.
+	old := store.Table{Schema: "public", Name: "hourly"}
+	if _, err := store.MigrateWith(ctx, conn, old, store.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
+		t.Fatal(err)
+	}
+	for _, q := range []string{
+		`ALTER TABLE hourly_partitioning DROP CONSTRAINT hourly_partitioning_interval_seconds_check`,
+		`ALTER TABLE hourly_partitioning ADD CONSTRAINT hourly_partitioning_interval_seconds_check CHECK (interval_seconds >= 3600 AND interval_seconds % 60 = 0)`,
+		`DELETE FROM outbox_relay_migrations WHERE target = 'public.hourly' AND version = 15`,
+	} {
+		if _, err := conn.Exec(ctx, q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	if _, err := conn.Exec(ctx, `UPDATE hourly_partitioning SET interval_seconds = 300`); err == nil {
+		t.Fatal("the old CHECK took an interval of 300 s: the test does not restore it")
+	}
+	if migs, err := store.Migrate(ctx, conn, old); err != nil || len(migs) != 1 || migs[0].Version != 15 {
+		t.Fatalf("migrate the old table: %v, %v; want 0015 alone", migs, err)
+	}
+	if _, err := conn.Exec(ctx, `UPDATE hourly_partitioning SET interval_seconds = 300`); err != nil {
+		t.Errorf("after 0015, an interval of 300 s: %v", err)
+	}
+	if _, err := conn.Exec(ctx, `UPDATE hourly_partitioning SET interval_seconds = 240`); err == nil {
+		t.Errorf("after 0015, an interval of 240 s was accepted")
+	}
+}
+
 // The partitions ahead are kept by the running relay: PartitionKeeper
 // creates the ones missing (here, the three furthest ahead, dropped), and an
 // interval whose rows already sit in the DEFAULT partition gets no

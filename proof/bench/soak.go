@@ -46,10 +46,10 @@ func (c *SoakConfig) Flags(fs *flag.FlagSet) {
 	fs.DurationVar(&c.Duration, "soak-duration", time.Hour, "soak: how long each variant runs")
 	fs.DurationVar(&c.Every, "soak-every", 5*time.Minute, "soak: prune, then sample, this often")
 	fs.DurationVar(&c.OlderThan, "soak-older-than", 5*time.Minute, "soak: prune --older-than")
-	// migrate takes intervals of an hour or more, so a partition is first
-	// dropped an hour plus -soak-older-than after the soak starts: a
-	// shorter run shows the plain table's growth and vacuum, not the drops.
-	fs.DurationVar(&c.PartitionInterval, "soak-partition-interval", time.Hour, "soak: migrate --partition-interval of the partitioned variants (at least 1h)")
+	// With the interval equal to -soak-every and -soak-older-than, each
+	// prune after the first drops the partition that ended one interval
+	// ago, so the table holds the same span at every sample.
+	fs.DurationVar(&c.PartitionInterval, "soak-partition-interval", 5*time.Minute, "soak: migrate --partition-interval of the partitioned variants (at least 5m)")
 	fs.IntVar(&c.Rate, "soak-rate", 2000, "soak: rows per second over all producers (open loop)")
 	fs.IntVar(&c.RowsPerTx, "soak-rows-per-tx", 10, "soak: rows per producer transaction")
 	fs.StringVar(&c.Variants, "soak-variants", "partitioned-none,plain-mark", "soak: variants, run one after another: {plain,partitioned}-{mark,none}")
@@ -127,6 +127,20 @@ func (b *bench) soakVariant(ctx context.Context, variant string, partitioned boo
 	}
 	defer pool.Close()
 
+	if partitioned {
+		// Start just after a partition begins: a soak that starts s into
+		// an interval holds s more than -soak-older-than after each drop,
+		// and its first sample, before any drop, would be that much
+		// smaller than the rest.
+		iv := c.PartitionInterval
+		wait := iv - time.Duration(time.Now().UnixNano())%iv + 2*time.Second
+		b.cfg.logf("%s %s: waiting %s for the next partition to begin", Soak, variant, wait.Round(time.Second))
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(wait):
+		}
+	}
 	w := &commitWindow{}
 	lctx, stop := context.WithCancel(ctx)
 	var wg sync.WaitGroup

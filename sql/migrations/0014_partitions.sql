@@ -8,12 +8,14 @@
 -- Unix epoch in UTC (a 1d interval starts each partition at 00:00 UTC), and
 -- named <table>_pYYYYMMDD (whole days), _pYYYYMMDDHH (whole hours) or
 -- _pYYYYMMDDHHMI. ahead is how many intervals past the current one are kept
--- created: at least a day and an interval, so that a relay stopped for a
--- day leaves producers partitions to insert into (the operator may raise
--- it: UPDATE <table>_partitioning SET ahead = ...).
+-- created: at least a day and an interval (below an hour, 25 intervals;
+-- store.PartitionsAhead), so that a relay stopped for a day leaves
+-- producers partitions to insert into (the operator may raise it: UPDATE
+-- <table>_partitioning SET ahead = ...). Intervals from 5 minutes; 0015
+-- relaxes the CHECK of tables made when the floor was an hour.
 CREATE TABLE IF NOT EXISTS {{.Companion "partitioning"}} (
     singleton        boolean     PRIMARY KEY DEFAULT true CHECK (singleton),
-    interval_seconds bigint      NOT NULL CHECK (interval_seconds >= 3600 AND interval_seconds % 60 = 0),
+    interval_seconds bigint      NOT NULL CHECK (interval_seconds >= 300 AND interval_seconds % 60 = 0),
     ahead            integer     NOT NULL CHECK (ahead >= 2),
     recorded_at      timestamptz NOT NULL DEFAULT clock_timestamp()
 );
