@@ -257,6 +257,7 @@ func (b *bench) ceilingPG(ctx context.Context, p *path) (Result, error) {
 	}
 	machine := newCPUMeter(MachineBusy)
 	pgCPU := newCPUMeter(b.serverCPU)
+	self := newCPUMeter(pidCPU(os.Getpid()))
 	l := b.newLoad(p, b.cfg.Rows, 0)
 	el, err := l.run(ctx)
 	if err != nil {
@@ -265,6 +266,7 @@ func (b *bench) ceilingPG(ctx context.Context, p *path) (Result, error) {
 	rate := float64(l.rows) / el.Seconds()
 	r := Result{Case: CeilingPG, Rows: l.rows, Seconds: el.Seconds(), MsgsPerSec: rate, InsertRate: rate,
 		MachineBusy: machine.delta(), PGCPU: pgCPU.delta()}
+	r.Extra = insertWindow(el, map[string]float64{"machine": r.MachineBusy, "pg": r.PGCPU, "bench": self.delta()})
 	return r, b.recordWAL(ctx, &r, wal0, l.rows)
 }
 
@@ -489,10 +491,13 @@ func (b *bench) live(ctx context.Context, p *path) (Result, error) {
 	natsCPU := newCPUMeter(pidCPU(b.s.nats.PID()))
 	machine := newCPUMeter(MachineBusy)
 	pgCPU := newCPUMeter(b.serverCPU)
+	self := newCPUMeter(pidCPU(os.Getpid()))
 	el, err := l.run(ctx)
 	if err != nil {
 		return Result{}, err
 	}
+	window := insertWindow(el, map[string]float64{"machine": machine.delta(), "pg": pgCPU.delta(), "walsender": wsCPU.delta(),
+		"pub": pubCPU.delta(), "nats": natsCPU.delta(), "bench": self.delta()})
 	if err := col.wait(ctx, drainTimeout(n)); err != nil {
 		return Result{}, err
 	}
@@ -504,7 +509,8 @@ func (b *bench) live(ctx context.Context, p *path) (Result, error) {
 	r := Result{Rows: n, InsertRate: float64(n) / el.Seconds()}
 	// Rows not settled after their ack: the marks (or deletes) lagging, or
 	// under none the watermark (unsettledSQL).
-	r.Extra = map[string]float64{"settled_seconds": settled.Sub(l.base).Seconds()}
+	r.Extra = window
+	r.Extra["settled_seconds"] = settled.Sub(l.base).Seconds()
 	r.Seconds = time.Duration(last).Seconds()
 	r.MsgsPerSec = float64(n) / r.Seconds
 	lat := latencies(l.commitNs, col.recvNs)
@@ -535,4 +541,18 @@ func (b *bench) live(ctx context.Context, p *path) (Result, error) {
 		return r, err
 	}
 	return r, pr.stop()
+}
+
+// insertWindow records where the machine's CPU went while the producers
+// inserted (the window their insert rate is measured over), by process, as
+// Extra entries insert_<name>_cpu_s beside insert_seconds: the figures that
+// split the producers' lost share beside the relay (docs/benchmarks.md,
+// "Where the producers' share goes"). The counters go on past the window
+// (the meters are read again at the case's end); these are read at its end.
+func insertWindow(el time.Duration, cpu map[string]float64) map[string]float64 {
+	out := map[string]float64{"insert_seconds": el.Seconds()}
+	for k, v := range cpu {
+		out["insert_"+k+"_cpu_s"] = v
+	}
+	return out
 }

@@ -64,6 +64,7 @@ func Render(rep Report) string {
 	fmt.Fprintf(&b, "machine: %s, %s CPUs, %s; load at start %s\n\n", rep.Machine["cpu"], rep.Machine["cpus"], rep.Machine["memory"], rep.Machine["loadavg_at_start"])
 	b.WriteString(FormatTable(header, rows))
 	b.WriteString(renderWALCPU(rep))
+	b.WriteString(renderInsertWindow(rep))
 	b.WriteString(renderDecode(rep))
 	if ir := rep.Idle; ir != nil {
 		fmt.Fprintf(&b, "\nidle (%.0f s, no traffic, poller paused): %d transactions in the relay's database, %d of %d relay backends active; relay CPU %.2f s, walsender CPU %.2f s\n",
@@ -150,3 +151,33 @@ func renderWALCPU(rep Report) string {
 
 // signed formats a difference, which may be negative or zero (noise).
 func signed(x float64) string { return fmt.Sprintf("%+.1f", x) }
+
+// renderInsertWindow says where the two cores went while the producers
+// inserted (insertWindow): cores busy on average, and each process's
+// cores, so that the producers' rate beside a publisher can be set against
+// what the publisher's processes took from them. "pg" is every PostgreSQL
+// process (the producers' backends, the walsender, the publisher's
+// backends); "bench" is this process (the producers' client side and the
+// consumer of the stream); "other" is what is left (the kernel's threads,
+// anything else running).
+func renderInsertWindow(rep Report) string {
+	header := []string{"case", "insert rows/s", "insert s", "cores busy", "pg", "of it walsender", "pub", "nats", "bench", "other", "machine µs/row"}
+	var rows [][]string
+	for _, r := range rep.Medians {
+		e := r.Extra
+		secs, ok := e["insert_seconds"]
+		if !ok || secs <= 0 {
+			continue
+		}
+		cores := func(k string) float64 { return e["insert_"+k+"_cpu_s"] / secs }
+		other := cores("machine") - cores("pg") - cores("pub") - cores("nats") - cores("bench")
+		rows = append(rows, []string{r.Case, num(r.InsertRate), num(secs), num(cores("machine")), num(cores("pg")), num(cores("walsender")),
+			num(cores("pub")), num(cores("nats")), num(cores("bench")), signed(other),
+			num(e["insert_machine_cpu_s"] / (secs * r.InsertRate) * 1e6)})
+	}
+	if len(rows) == 0 {
+		return ""
+	}
+	return "\nwhile the producers inserted (median round): cores busy on average, by process; machine µs/row = all CPU over the rows inserted\n\n" +
+		FormatTable(header, rows)
+}
