@@ -35,8 +35,27 @@ type StreamConfig struct {
 	// WAL, and keeps taking confirmations and sending status updates so the
 	// server does not time it out. nil: rows are bounded by count only.
 	Budget *Budget
-	Logger zerolog.Logger
+	// RecordBound, when set, is called before a status update would
+	// confirm a position more than BoundSlack past Bound, the highest
+	// position recorded so far: it records pos durably (the relay's
+	// <table>_slots.confirm_bound), so that a slot found later with a
+	// confirmed position past the record was moved by someone else. An
+	// error ends the stream without confirming past the record.
+	RecordBound func(ctx context.Context, pos pglogrepl.LSN) error
+	Bound       pglogrepl.LSN
+	Logger      zerolog.Logger
 }
+
+// BoundSlack is how far past its recorded bound (StreamConfig.RecordBound)
+// the stream confirms without recording a new one. The record's own WAL
+// (a small UPDATE and its commit, a page image after a checkpoint) moves
+// the server's position; an idle stream that confirmed that keepalive
+// position, and recorded it first, would write again at every status
+// update; past this slack it writes again only when the record itself
+// carried a page image (the first change of the page after a checkpoint).
+// A slot confirmed at most this far past the record is taken as the
+// relay's: a hand advance by less than that goes unnoticed.
+const BoundSlack = 2 << 10
 
 // Stats are the stream's positions, readable from any goroutine.
 type Stats struct {
@@ -58,6 +77,7 @@ type Stream struct {
 
 	confirmed pglogrepl.LSN // what the server was told
 	acked     pglogrepl.LSN // what the relay confirmed (may be ahead of confirmed until the next update)
+	bound     pglogrepl.LSN // the recorded bound of what may be confirmed (StreamConfig.RecordBound)
 	lastEnd   pglogrepl.LSN // end LSN of the last COMMIT handed to the relay
 
 	interruptDone chan struct{} // closed once Run's stop watcher has exited
@@ -123,7 +143,7 @@ func Start(ctx context.Context, conn *pgconn.PgConn, cfg StreamConfig, slotConfi
 	stats.Confirmed.Store(uint64(slotConfirmed))
 	return &Stream{
 		conn: conn, cfg: cfg, dec: NewDecoder(cfg.Table), log: cfg.Logger, stats: stats,
-		confirmed: slotConfirmed, acked: slotConfirmed, lastEnd: slotConfirmed,
+		confirmed: slotConfirmed, acked: slotConfirmed, lastEnd: slotConfirmed, bound: cfg.Bound,
 	}, nil
 }
 
@@ -602,6 +622,12 @@ func (s *Stream) sendStatus(ctx context.Context, replyRequested bool) error {
 	pos := s.acked
 	if pos < s.confirmed {
 		pos = s.confirmed
+	}
+	if s.cfg.RecordBound != nil && pos > s.bound+BoundSlack {
+		if err := s.cfg.RecordBound(ctx, pos); err != nil {
+			return fmt.Errorf("slot %s: confirm %s: %w", s.cfg.Slot, pos, err)
+		}
+		s.bound = pos
 	}
 	err := pglogrepl.SendStandbyStatusUpdate(ctx, s.conn, pglogrepl.StandbyStatusUpdate{
 		WALWritePosition: pos,

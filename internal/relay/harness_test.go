@@ -280,9 +280,11 @@ func (h *harness) countState(state string) int {
 	return n
 }
 
-// coveredSQL: the row o's transaction is finished in the newest watermark.
+// coveredSQL: the row o's transaction is finished in the newest watermark
+// recorded on this cluster.
 const coveredSQL = `coalesce(pg_visible_in_snapshot(o.xact_id, (SELECT watermark_snapshot FROM outbox_slots
-	WHERE watermark_lsn IS NOT NULL ORDER BY watermark_lsn DESC LIMIT 1)), false)`
+	WHERE watermark_lsn IS NOT NULL AND watermark_system_identifier = (SELECT system_identifier FROM pg_control_system())
+	ORDER BY watermark_lsn DESC LIMIT 1)), false)`
 
 // waitPublished waits until n rows are published.
 func (h *harness) waitPublished(n int, timeout time.Duration) {

@@ -57,6 +57,9 @@ type loop struct {
 	// acks counts the broker's acks of this session's rows, for the
 	// watermark's recorder (watermark.go), which rests while it stands.
 	acks atomic.Int64
+	// slotLSN is the consistent point of the slot this session streams,
+	// as recorded: its watermark candidates are bound to it.
+	slotLSN store.LSN
 
 	cur           *checkpoint.Txn
 	curCommitTime time.Time

@@ -290,6 +290,9 @@ func (r *Relay) Preflight(ctx context.Context) error {
 	if err := r.checkSlotOwner(ctx); err != nil {
 		return err
 	}
+	if err := r.reportIgnoredWatermarks(ctx); err != nil {
+		return err
+	}
 	r.preflighted.Store(true)
 	return nil
 }
@@ -309,8 +312,24 @@ func (r *Relay) checkSlotOwner(ctx context.Context) error {
 		return err
 	}
 	return fmt.Errorf("slot %s exists but was not created for table %s (it is not recorded in %s): another relay (another --table) may own it, and sharing a slot loses rows. "+
-		"Choose another --slot, or, if this slot was created by hand for %s, record it: INSERT INTO %s (slot_name) VALUES ('%s')",
-		r.cfg.Slot, r.cfg.Table.Qualified(), r.store.SlotsTable(), r.cfg.Table.Qualified(), r.store.SlotsTable(), r.cfg.Slot)
+		"Choose another --slot; or, if this slot was created by hand for %s, drop it (SELECT pg_drop_replication_slot('%s')) and let the relay create its own (a failover slot on PostgreSQL 17+, with --failover-slot), "+
+		"or keep it and have every ready row handed to the poller at the next start: INSERT INTO %s (slot_name, backfill_pending) VALUES ('%s', true)",
+		r.cfg.Slot, r.cfg.Table.Qualified(), r.store.SlotsTable(), r.cfg.Table.Qualified(), r.cfg.Slot, r.store.SlotsTable(), r.cfg.Slot)
+}
+
+// reportIgnoredWatermarks says at start which recorded watermarks count for
+// nothing here (issue 30): a copy from another cluster covers no row of
+// this one, and the rows it seems to cover are handed over and published.
+func (r *Relay) reportIgnoredWatermarks(ctx context.Context) error {
+	ignored, err := r.store.IgnoredWatermarks(ctx)
+	if err != nil {
+		return err
+	}
+	for _, w := range ignored {
+		r.log.Warn().Str("watermark_slot", w.Slot).Str("lsn", w.LSN).Str("reason", w.Reason).
+			Msg("ignoring the watermark recorded in " + r.store.SlotsTable() + ": it covers no row here; rows it seemed to cover are handed over again at the next backfill")
+	}
+	return nil
 }
 
 // Run streams until ctx is cancelled, then shuts down gracefully: stop
@@ -380,7 +399,7 @@ func (r *Relay) session(ctx context.Context) error {
 	if _, err := replication.EnsurePublication(ctx, r.pool, r.cfg.Publication, r.cfg.Table.Schema, r.cfg.Table.Name); err != nil {
 		return err
 	}
-	slot, err := r.ensureSlot(ctx, conn)
+	slot, ident, err := r.ensureSlot(ctx, conn)
 	if err != nil {
 		return err
 	}
@@ -398,7 +417,14 @@ func (r *Relay) session(ctx context.Context) error {
 		StatusInterval: r.cfg.StatusInterval,
 		Linger:         max(r.cfg.Linger, 0),
 		Budget:         budget,
-		Logger:         r.log,
+		// Nothing is confirmed to the slot past what its record allows
+		// (issue 30, item 3): the next session tells a slot moved by
+		// someone else by a confirmed position past the record.
+		RecordBound: func(ctx context.Context, pos replication.LSN) error {
+			return r.store.RaiseConfirmBound(ctx, r.cfg.Slot, ident.SlotLSN, store.LSN(pos))
+		},
+		Bound:  replication.LSN(ident.ConfirmBound),
+		Logger: r.log,
 	}, slot.ConfirmedFlush, &r.stats)
 	if err != nil {
 		return err
@@ -425,6 +451,7 @@ func (r *Relay) session(ctx context.Context) error {
 		}
 	}
 	l := newLoop(r, slot.ConfirmedFlush, held, budget)
+	l.slotLSN = ident.SlotLSN
 	l.stream = stream
 	l.keeper = r.newRestartKeeper(ctx)
 	events := make(chan []replication.Event, 16)
@@ -446,14 +473,17 @@ func (r *Relay) session(ctx context.Context) error {
 }
 
 // ensureSlot returns the slot to stream, creating it when missing and
-// handing the rows it can never stream to the poller (G9).
-func (r *Relay) ensureSlot(ctx context.Context, conn replication.PgConn) (replication.SlotInfo, error) {
+// handing the rows it can never stream to the poller (G9), and the
+// relay's record of it. A slot that is not the one the relay created, or
+// that someone else moved, is treated as missing (issue 30, item 3).
+func (r *Relay) ensureSlot(ctx context.Context, conn replication.PgConn) (replication.SlotInfo, store.SlotState, error) {
+	var none store.SlotState
 	slot, err := replication.LookupSlot(ctx, r.pool, r.cfg.Slot)
 	if err != nil {
-		return slot, err
+		return slot, none, err
 	}
 	if slot.Exists && slot.Plugin != "pgoutput" {
-		return slot, fmt.Errorf("slot %s uses plugin %q, not pgoutput: drop it (SELECT pg_drop_replication_slot('%s')) or choose another --slot", r.cfg.Slot, slot.Plugin, r.cfg.Slot)
+		return slot, none, fmt.Errorf("slot %s uses plugin %q, not pgoutput: drop it (SELECT pg_drop_replication_slot('%s')) or choose another --slot", r.cfg.Slot, slot.Plugin, r.cfg.Slot)
 	}
 	if slot.Exists && slot.WALStatus == "lost" {
 		// The WAL after its last confirmation is gone: the slot can never
@@ -464,10 +494,10 @@ func (r *Relay) ensureSlot(ctx context.Context, conn replication.PgConn) (replic
 				"re-creating it and handing every row still ready to the poller. Raise max_slot_wal_keep_size or alert on slot lag to avoid this")
 		r.metrics.SlotInvalidations.Inc()
 		if err := r.store.RecordInvalidation(ctx, r.cfg.Slot); err != nil {
-			return slot, err
+			return slot, none, err
 		}
 		if err := replication.DropSlot(ctx, r.pool, r.cfg.Slot); err != nil {
-			return slot, err
+			return slot, none, err
 		}
 		slot = replication.SlotInfo{}
 	} else if slot.Exists && slot.WALStatus == "unreserved" {
@@ -476,31 +506,49 @@ func (r *Relay) ensureSlot(ctx context.Context, conn replication.PgConn) (replic
 	}
 	fs, err := replication.ReadFailoverSupport(ctx, r.pool)
 	if err != nil {
-		return slot, err
+		return slot, none, err
 	}
 	failover := r.cfg.FailoverSlot && fs.Supported
 	if slot.Exists {
-		if err := r.checkFailoverSlot(ctx, conn, fs); err != nil {
-			return slot, err
+		why, err := r.foreignSlot(ctx, slot, fs)
+		if err != nil {
+			return slot, none, err
 		}
-		return slot, r.finishBackfill(ctx)
+		if why == "" {
+			if err := r.checkFailoverSlot(ctx, conn, fs); err != nil {
+				return slot, none, err
+			}
+			ident, err := r.finishBackfill(ctx, slot)
+			return slot, ident, err
+		}
+		// Its confirmed position says nothing about what was published:
+		// the rows between the relay's last confirmation and it would
+		// never be streamed. A slot of the relay's own, created now,
+		// exports the snapshot that hands them over.
+		r.log.Warn().Str("confirmed_lsn", slot.ConfirmedFlush.String()).Str("reason", why).
+			Msg("the slot was not created by this relay, or was moved behind its back: dropping it, creating the relay's own and handing the rows committed before it to the poller (G9)")
+		if err := replication.DropSlot(ctx, r.pool, r.cfg.Slot); err != nil {
+			return slot, none, err
+		}
+		slot = replication.SlotInfo{}
 	}
 
 	// The marker is committed before the slot exists, so a crash anywhere
 	// from here to the handoff's commit leaves it set for the next session.
 	if err := r.store.MarkBackfillPending(ctx, r.cfg.Slot); err != nil {
-		return slot, err
+		return slot, none, err
 	}
 	created, err := replication.CreateSlot(ctx, conn, r.cfg.Slot, failover)
 	if replication.IsDuplicateObject(err) {
 		// Another instance created it first; its backfill may not be done.
 		if slot, err = replication.LookupSlot(ctx, r.pool, r.cfg.Slot); err != nil {
-			return slot, err
+			return slot, none, err
 		}
-		return slot, r.finishBackfill(ctx)
+		ident, err := r.finishBackfill(ctx, slot)
+		return slot, ident, err
 	}
 	if err != nil {
-		return slot, err
+		return slot, none, err
 	}
 	r.log.Info().Str("lsn", created.ConsistentPoint.String()).Bool("failover", failover).Msg("created replication slot")
 	r.metrics.SlotsCreated.Inc()
@@ -511,13 +559,68 @@ func (r *Relay) ensureSlot(ctx context.Context, conn replication.PgConn) (replic
 	case err != nil:
 		// The next session finds the slot with the marker set and hands
 		// over every ready row.
-		return slot, err
+		return slot, none, err
 	default:
 		r.metrics.BackfilledRows.Add(float64(n))
 		r.log.Info().Int64("rows", n).Str("lsn", created.ConsistentPoint.String()).
 			Msg("handed rows committed before the slot to the poller (backfill)")
 	}
-	return replication.SlotInfo{Exists: true, Plugin: "pgoutput", Active: true, ConfirmedFlush: created.ConsistentPoint}, nil
+	ident, _, err := r.store.SlotState(ctx, r.cfg.Slot)
+	return replication.SlotInfo{Exists: true, Plugin: "pgoutput", Active: true, ConfirmedFlush: created.ConsistentPoint}, ident, err
+}
+
+// foreignSlot says why an existing slot is not the one the relay created
+// and may not be streamed as it is, "" when it is (issue 30, item 3). The
+// relay recorded, when it created the slot, the cluster and the slot's
+// consistent point, and records before each confirmation how far it may
+// have confirmed (replication.StreamConfig.RecordBound). A slot confirmed
+// before where the relay's began, or past what the relay confirmed, was
+// re-created or advanced by someone else: the rows committed between the
+// relay's last confirmation and its position would never be streamed.
+func (r *Relay) foreignSlot(ctx context.Context, slot replication.SlotInfo, fs replication.FailoverSupport) (string, error) {
+	st, found, err := r.store.SlotState(ctx, r.cfg.Slot)
+	if err != nil {
+		return "", err
+	}
+	if !found {
+		// Preflight refused it; the record was deleted since.
+		return "", r.checkSlotOwner(ctx)
+	}
+	confirmed := store.LSN(slot.ConfirmedFlush)
+	switch {
+	case st.BackfillPending:
+		// A slot created after the marker: finishBackfill hands every
+		// ready row over, whoever created it.
+		return "", nil
+	case st.SystemIdentifier == 0:
+		return fmt.Sprintf("its record in %s was not written by the relay on this cluster (inserted by hand, or copied from elsewhere): nothing says which rows it skipped", r.store.SlotsTable()), nil
+	case st.SystemIdentifier != st.System:
+		return fmt.Sprintf("its record was written on another cluster (system identifier %d, this one is %d: a copy by pg_dump, a restore, pg_upgrade): this slot was not created by this relay here", st.SystemIdentifier, st.System), nil
+	case st.SlotLSN == 0:
+		// Recorded before migration 0016: trusted as before, and from
+		// now on known by its position.
+		if err := r.store.AdoptSlot(ctx, r.cfg.Slot, confirmed); err != nil {
+			return "", err
+		}
+		r.log.Info().Str("lsn", slot.ConfirmedFlush.String()).Msg("recorded the identity of a slot created before migration 0016")
+		return "", nil
+	case confirmed < st.SlotLSN:
+		return fmt.Sprintf("its confirmed position %s is before %s, where the slot this relay created began: it was re-created by hand or restored", confirmed, st.SlotLSN), nil
+	}
+	if fs.Supported {
+		if _, synced, err := replication.SlotFailover(ctx, r.pool, r.cfg.Slot); err != nil {
+			return "", err
+		} else if synced {
+			// A standby's copy of the relay's failover slot, at most as
+			// far as the WAL the standby received; the record of the
+			// bound may trail it by the last confirmation's write.
+			return "", nil
+		}
+	}
+	if confirmed > st.ConfirmBound+replication.BoundSlack {
+		return fmt.Sprintf("its confirmed position %s is past %s, the highest position this relay confirmed to it: it was advanced (pg_replication_slot_advance) or dropped and re-created by hand", confirmed, st.ConfirmBound), nil
+	}
+	return "", nil
 }
 
 // checkFailoverSlot reports what an existing slot does across a promotion
@@ -552,18 +655,20 @@ func (r *Relay) checkFailoverSlot(ctx context.Context, conn replication.PgConn, 
 // finishBackfill completes a handoff that a crash (or an instance that lost
 // the race to create the slot) left pending. The snapshot is gone, so it
 // hands over every ready row; the ones the slot also streams are published
-// twice under one Nats-Msg-Id and stored once.
-func (r *Relay) finishBackfill(ctx context.Context) error {
+// twice under one Nats-Msg-Id and stored once. It returns the record of the
+// slot, with the identity the handoff recorded.
+func (r *Relay) finishBackfill(ctx context.Context, slot replication.SlotInfo) (store.SlotState, error) {
 	n, pending, err := r.store.BackfillAllReady(ctx, r.cfg.Slot)
 	if err != nil {
-		return err
+		return store.SlotState{}, err
 	}
 	if pending {
 		r.metrics.BackfilledRows.Add(float64(n))
-		r.log.Warn().Int64("rows", n).
+		r.log.Warn().Int64("rows", n).Str("lsn", slot.ConfirmedFlush.String()).
 			Msg("found an unfinished backfill (the relay stopped between creating the slot and handing over older rows): handed every ready row to the poller")
 	}
-	return nil
+	st, _, err := r.store.SlotState(ctx, r.cfg.Slot)
+	return st, err
 }
 
 var errOutage = errors.New("broker outage")

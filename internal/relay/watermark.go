@@ -49,7 +49,7 @@ func (l *loop) recordWatermarks(ctx context.Context) {
 			continue
 		}
 		taking := cand.Snapshot == ""
-		rec, next, err := r.store.AdvanceWatermark(ctx, r.cfg.Slot, cand)
+		rec, next, err := r.store.AdvanceWatermark(ctx, r.cfg.Slot, l.slotLSN, cand)
 		switch {
 		case err != nil:
 			if ctx.Err() != nil {

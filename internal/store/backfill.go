@@ -24,6 +24,16 @@ type SlotState struct {
 	BackfillMode     string
 	CreatedCount     int
 	InvalidatedCount int
+
+	// The identity of the slot the relay created (migration 0016): the
+	// cluster it was created on (0: not recorded, a record from before
+	// 0016), its consistent point (0: not recorded) and the highest
+	// position the relay may have confirmed to it. System is this
+	// cluster's identifier, read with the record.
+	SystemIdentifier int64
+	SlotLSN          LSN
+	ConfirmBound     LSN
+	System           int64
 }
 
 // SlotsTable is the quoted name of the table's slot record.
@@ -32,11 +42,12 @@ func (s *Store) SlotsTable() string { return s.table.derived("slots", true) }
 // SlotState reads the record of slot; a slot the relay never created has
 // none (zero value, found false).
 func (s *Store) SlotState(ctx context.Context, slot string) (st SlotState, found bool, err error) {
-	var rows *int64
-	var mode *string
-	err = s.pool.QueryRow(ctx, `SELECT backfill_pending, backfilled_rows, backfill_mode, created_count, invalidated_count
+	var rows, sysid *int64
+	var mode, slotLSN, bound *string
+	err = s.pool.QueryRow(ctx, `SELECT backfill_pending, backfilled_rows, backfill_mode, created_count, invalidated_count,
+			system_identifier, slot_lsn::text, confirm_bound::text, `+systemSQL+`
 		FROM `+s.SlotsTable()+` WHERE slot_name = $1`, slot).
-		Scan(&st.BackfillPending, &rows, &mode, &st.CreatedCount, &st.InvalidatedCount)
+		Scan(&st.BackfillPending, &rows, &mode, &st.CreatedCount, &st.InvalidatedCount, &sysid, &slotLSN, &bound, &st.System)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return SlotState{Slot: slot}, false, nil
 	}
@@ -50,17 +61,69 @@ func (s *Store) SlotState(ctx context.Context, slot string) (st SlotState, found
 	if mode != nil {
 		st.BackfillMode = *mode
 	}
+	if sysid != nil {
+		st.SystemIdentifier = *sysid
+	}
+	for _, l := range []struct {
+		dst *LSN
+		src *string
+	}{{&st.SlotLSN, slotLSN}, {&st.ConfirmBound, bound}} {
+		if l.src == nil {
+			continue
+		}
+		if *l.dst, err = parseLSN(*l.src); err != nil {
+			return st, false, fmt.Errorf("read state of slot %s: %w", slot, err)
+		}
+	}
 	return st, true, nil
 }
 
+// ErrSlotReplaced says the record no longer names the slot the session
+// streams: another instance marked a new slot's backfill or created one.
+var ErrSlotReplaced = errors.New("the slot record names another slot now")
+
+// AdoptSlot records the identity of a slot the relay found recorded
+// without one (a record from before migration 0016): this cluster, lsn as
+// its consistent point and the bound of what was confirmed. It changes
+// nothing once another session recorded an identity.
+func (s *Store) AdoptSlot(ctx context.Context, slot string, lsn LSN) error {
+	_, err := s.pool.Exec(ctx, `UPDATE `+s.SlotsTable()+` SET system_identifier = `+systemSQL+`, slot_lsn = $2::pg_lsn,
+			confirm_bound = greatest(confirm_bound, $2::pg_lsn)
+		WHERE slot_name = $1 AND NOT backfill_pending AND (system_identifier IS NULL OR slot_lsn IS NULL)`, slot, lsn.String())
+	if err != nil {
+		return fmt.Errorf("record the identity of slot %s: %w", slot, err)
+	}
+	return nil
+}
+
+// RaiseConfirmBound records, before the relay confirms pos to the slot
+// whose consistent point is slotLSN, that it may have confirmed up to pos
+// (confirm_bound, migration 0016). A slot found later with a confirmed
+// position past the bound was moved by someone else. ErrSlotReplaced: the
+// record names another slot now, and the session must not confirm.
+func (s *Store) RaiseConfirmBound(ctx context.Context, slot string, slotLSN, pos LSN) error {
+	tag, err := s.pool.Exec(ctx, `UPDATE `+s.SlotsTable()+` SET confirm_bound = greatest(confirm_bound, $3::pg_lsn)
+		WHERE slot_name = $1 AND slot_lsn = $2::pg_lsn AND NOT backfill_pending AND system_identifier = `+systemSQL,
+		slot, slotLSN.String(), pos.String())
+	if err != nil {
+		return fmt.Errorf("record the confirmation bound %s of slot %s: %w", pos, slot, err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("record the confirmation bound %s of slot %s: %w", pos, slot, ErrSlotReplaced)
+	}
+	return nil
+}
+
 // MarkBackfillPending records, durably and before the slot is created, that
-// the rows committed before it still have to be handed over.
+// the rows committed before it still have to be handed over. It forgets the
+// identity of the slot it replaces: from its commit no session of that
+// slot records a watermark or confirms past its bound.
 func (s *Store) MarkBackfillPending(ctx context.Context, slot string) error {
-	_, err := s.pool.Exec(ctx, `INSERT INTO `+s.SlotsTable()+` AS t (slot_name, backfill_pending, pending_since, created_count)
-		VALUES ($1, true, clock_timestamp(), 1)
+	_, err := s.pool.Exec(ctx, `INSERT INTO `+s.SlotsTable()+` AS t (slot_name, backfill_pending, pending_since, created_count, system_identifier)
+		VALUES ($1, true, clock_timestamp(), 1, `+systemSQL+`)
 		ON CONFLICT (slot_name) DO UPDATE SET backfill_pending = true,
 			pending_since = CASE WHEN t.backfill_pending THEN t.pending_since ELSE clock_timestamp() END,
-			created_count = t.created_count + 1`, slot)
+			created_count = t.created_count + 1, system_identifier = excluded.system_identifier, slot_lsn = NULL, confirm_bound = NULL`, slot)
 	if err != nil {
 		return fmt.Errorf("mark backfill pending for slot %s: %w", slot, err)
 	}
@@ -145,7 +208,10 @@ func (s *Store) BackfillAllReady(ctx context.Context, slot string) (n int64, pen
 }
 
 // backfillTx moves the 'ready' rows the transaction sees to 'scheduled',
-// keeping available_at (a delayed row stays delayed), and clears the marker.
+// keeping available_at (a delayed row stays delayed), clears the marker and
+// records the slot's identity: its consistent point (for the all-ready
+// fallback, which has none, the slot's confirmed position now: no session
+// streamed it while the marker was set) on this cluster.
 // A 'ready' row the newest watermark covers was published (--on-publish
 // none, G17) and stays as it is: after a slot loss only the rows the last
 // watermark does not cover are handed over.
@@ -158,9 +224,12 @@ func (s *Store) backfillTx(ctx context.Context, tx pgx.Tx, slot, mode, consisten
 	if err != nil {
 		return 0, fmt.Errorf("backfill slot %s: hand ready rows of %s to the poller: %w", slot, s.table.Qualified(), err)
 	}
-	tag, err := tx.Exec(ctx, `UPDATE `+s.SlotsTable()+` SET backfill_pending = false, backfilled_at = clock_timestamp(),
-			backfilled_rows = $2, backfill_mode = $3, consistent_lsn = nullif($4, '')::pg_lsn
-		WHERE slot_name = $1 AND backfill_pending`, slot, n, mode, consistentLSN)
+	tag, err := tx.Exec(ctx, `UPDATE `+s.SlotsTable()+` AS t SET backfill_pending = false, backfilled_at = clock_timestamp(),
+			backfilled_rows = $2, backfill_mode = $3, consistent_lsn = nullif($4, '')::pg_lsn,
+			system_identifier = `+systemSQL+`,
+			slot_lsn = coalesce(nullif($4, '')::pg_lsn, (SELECT r.confirmed_flush_lsn FROM pg_catalog.pg_replication_slots AS r WHERE r.slot_name = $1)),
+			confirm_bound = coalesce(nullif($4, '')::pg_lsn, (SELECT r.confirmed_flush_lsn FROM pg_catalog.pg_replication_slots AS r WHERE r.slot_name = $1))
+		WHERE t.slot_name = $1 AND t.backfill_pending`, slot, n, mode, consistentLSN)
 	if err != nil {
 		return 0, fmt.Errorf("backfill slot %s: clear marker: %w", slot, err)
 	}

@@ -20,7 +20,8 @@ func recordWatermark(t *testing.T, pool *pgxpool.Pool, slot string) {
 	t.Helper()
 	exec(t, pool, `INSERT INTO outbox_slots (slot_name) VALUES ($1) ON CONFLICT DO NOTHING`, slot)
 	exec(t, pool, `UPDATE outbox_slots SET watermark_snapshot = pg_current_snapshot(), watermark_lsn = pg_current_wal_insert_lsn(),
-		watermark_at = clock_timestamp() WHERE slot_name = $1`, slot)
+		watermark_at = clock_timestamp(), watermark_system_identifier = (SELECT system_identifier FROM pg_control_system()),
+		watermark_timeline = (SELECT timeline_id FROM pg_control_checkpoint()) WHERE slot_name = $1`, slot)
 }
 
 // seedWatermarked inserts, under --on-publish none: two ready rows a
