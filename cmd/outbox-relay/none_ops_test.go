@@ -18,7 +18,7 @@ func TestOpsCommandsUnderNone(t *testing.T) {
 		('cov-new', 'k', '{}', 'ready',     NULL, NULL, clock_timestamp()),
 		('pub-old', 'k', '{}', 'published', clock_timestamp() - interval '8 days', 3, clock_timestamp() - interval '9 days')`)
 	mustExec(t, pool, `INSERT INTO outbox_slots (slot_name) VALUES ('outbox_relay')`)
-	mustExec(t, pool, `UPDATE outbox_slots SET watermark_snapshot = pg_current_snapshot(), watermark_lsn = pg_current_wal_insert_lsn(), watermark_at = clock_timestamp()`)
+	mustExec(t, pool, `UPDATE outbox_slots SET watermark_snapshot = pg_current_snapshot(), watermark_lsn = pg_current_wal_insert_lsn(), watermark_system_identifier = (SELECT system_identifier FROM pg_control_system()), watermark_timeline = (SELECT timeline_id FROM pg_control_checkpoint()), watermark_at = clock_timestamp()`)
 	// Inserted after the watermark: in flight, however old it claims to be.
 	mustExec(t, pool, `INSERT INTO outbox (work_id, kind, payload, created_at) VALUES ('fly-old', 'k', '{}', clock_timestamp() - interval '9 days')`)
 	var lsn string
@@ -83,7 +83,7 @@ func TestStatusReadyInFlightIsALowerBound(t *testing.T) {
 	url, pool := migrated(t)
 	mustExec(t, pool, `INSERT INTO outbox (work_id, kind, payload) SELECT 'old-' || g, 'k', '{}' FROM generate_series(1, 5000) g`)
 	mustExec(t, pool, `INSERT INTO outbox_slots (slot_name) VALUES ('outbox_relay')`)
-	watermark := `UPDATE outbox_slots SET watermark_snapshot = pg_current_snapshot(), watermark_lsn = pg_current_wal_insert_lsn(), watermark_at = clock_timestamp()`
+	watermark := `UPDATE outbox_slots SET watermark_snapshot = pg_current_snapshot(), watermark_lsn = pg_current_wal_insert_lsn(), watermark_system_identifier = (SELECT system_identifier FROM pg_control_system()), watermark_timeline = (SELECT timeline_id FROM pg_control_checkpoint()), watermark_at = clock_timestamp()`
 	mustExec(t, pool, watermark)
 	mustExec(t, pool, `INSERT INTO outbox (work_id, kind, payload, available_at) SELECT 'new-' || g, 'k', '{}', clock_timestamp() - interval '1 hour' FROM generate_series(1, 10000) g`)
 	code, out, _ := run(t, "status", "--database-url", url)

@@ -25,7 +25,7 @@ func TestCoveredRowsShowAsPublished(t *testing.T) {
 	)
 	for _, q := range []string{
 		`INSERT INTO public.outbox_slots (slot_name) VALUES ('outbox_relay')`,
-		`UPDATE public.outbox_slots SET watermark_snapshot = pg_current_snapshot(), watermark_lsn = pg_current_wal_insert_lsn(), watermark_at = clock_timestamp()`,
+		`UPDATE public.outbox_slots SET watermark_snapshot = pg_current_snapshot(), watermark_lsn = pg_current_wal_insert_lsn(), watermark_system_identifier = (SELECT system_identifier FROM pg_control_system()), watermark_timeline = (SELECT timeline_id FROM pg_control_checkpoint()), watermark_at = clock_timestamp()`,
 	} {
 		if _, err := f.Pool.Exec(ctx, q); err != nil {
 			t.Fatalf("%s: %v", q, err)

@@ -509,7 +509,7 @@ func TestPrunePartitionsUnderNone(t *testing.T) {
 	record := func() {
 		t.Helper()
 		exec(t, pool, `INSERT INTO outbox_slots (slot_name) VALUES ('s') ON CONFLICT DO NOTHING`)
-		exec(t, pool, `UPDATE outbox_slots SET watermark_snapshot = pg_current_snapshot(), watermark_lsn = pg_current_wal_insert_lsn()`)
+		exec(t, pool, `UPDATE outbox_slots SET watermark_snapshot = pg_current_snapshot(), watermark_lsn = pg_current_wal_insert_lsn(), watermark_system_identifier = (SELECT system_identifier FROM pg_control_system()), watermark_timeline = (SELECT timeline_id FROM pg_control_checkpoint())`)
 	}
 	base := time.Now().UTC().Truncate(time.Hour)
 	covered := seedPartition(t, pool, base.Add(-6*time.Hour), map[string]int{"ready": 10})

@@ -309,7 +309,7 @@ func TestObserverStatementsAtScale(t *testing.T) {
 		for _, q := range []string{
 			`INSERT INTO outbox (work_id, kind, payload) SELECT 'none-' || g, 'k1', '{}' FROM generate_series(1, 20000) g`,
 			`INSERT INTO outbox_slots (slot_name) VALUES ('outbox_relay')`,
-			`UPDATE outbox_slots SET watermark_snapshot = pg_current_snapshot(), watermark_lsn = pg_current_wal_insert_lsn(), watermark_at = clock_timestamp()`,
+			`UPDATE outbox_slots SET watermark_snapshot = pg_current_snapshot(), watermark_lsn = pg_current_wal_insert_lsn(), watermark_system_identifier = (SELECT system_identifier FROM pg_control_system()), watermark_timeline = (SELECT timeline_id FROM pg_control_checkpoint()), watermark_at = clock_timestamp()`,
 			`INSERT INTO outbox (work_id, kind, payload) SELECT 'fly-' || g, 'k1', '{}' FROM generate_series(1, 200) g`,
 			`ANALYZE outbox`,
 		} {

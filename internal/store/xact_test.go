@@ -56,7 +56,7 @@ func TestXactIDIsTheTopLevelTransaction(t *testing.T) {
 		t.Fatalf("copy: %v", err)
 	}
 	// A watermark recorded while the transaction is open (another session).
-	exec(t, pool, `UPDATE outbox_slots SET watermark_snapshot = pg_current_snapshot(), watermark_lsn = pg_current_wal_insert_lsn()`)
+	exec(t, pool, `UPDATE outbox_slots SET watermark_snapshot = pg_current_snapshot(), watermark_lsn = pg_current_wal_insert_lsn(), watermark_system_identifier = (SELECT system_identifier FROM pg_control_system()), watermark_timeline = (SELECT timeline_id FROM pg_control_checkpoint())`)
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -93,7 +93,7 @@ func TestXactIDIsTheTopLevelTransaction(t *testing.T) {
 	}
 
 	// Once a watermark is taken after the commit, every row is covered.
-	exec(t, pool, `UPDATE outbox_slots SET watermark_snapshot = pg_current_snapshot(), watermark_lsn = pg_current_wal_insert_lsn()`)
+	exec(t, pool, `UPDATE outbox_slots SET watermark_snapshot = pg_current_snapshot(), watermark_lsn = pg_current_wal_insert_lsn(), watermark_system_identifier = (SELECT system_identifier FROM pg_control_system()), watermark_timeline = (SELECT timeline_id FROM pg_control_checkpoint())`)
 	var covered int
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE pg_visible_in_snapshot(xact_id, (SELECT watermark_snapshot FROM outbox_slots))`).
 		Scan(&covered); err != nil {
