@@ -477,8 +477,13 @@ func (l *loop) finish(ctx context.Context, confirms chan replication.LSN, stream
 		return errors.New("final confirmation: stream did not finish")
 	}
 	l.r.log.Info().Str("lsn", final.String()).Msg("stopped; slot confirmed")
-	if record {
+	switch {
+	case record:
 		l.recordAtStop(ctx, max(time.Second, l.r.cfg.DrainTimeout/stopReachShare))
+	case l.cover != nil && l.cover.owes() && l.stopReached:
+		// Reached, but a transaction was left open or unsettled (the
+		// drain timed out, or one past the candidate came through first).
+		l.r.log.Warn().Msg("stopped; no watermark recorded at the stop (a transaction before its candidate was not settled in time): the rows acked since the last recorded watermark count as in flight, and would be handed over again after a slot loss")
 	}
 	return nil
 }
