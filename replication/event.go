@@ -20,6 +20,10 @@ const (
 	// record: the position the slot may be confirmed to once every row of this
 	// transaction (and of every earlier one) is settled.
 	EventCommit
+	// EventPosition says that every transaction committing before EndLSN
+	// was handed over before it. The stream sends it between transactions,
+	// only after StopAt, once the server's answer reaches that position.
+	EventPosition
 )
 
 func (t EventType) String() string {
@@ -30,6 +34,8 @@ func (t EventType) String() string {
 		return "row"
 	case EventCommit:
 		return "commit"
+	case EventPosition:
+		return "position"
 	}
 	return "unknown"
 }
@@ -42,7 +48,7 @@ type Event struct {
 	Type       EventType
 	Xid        uint32
 	CommitLSN  pglogrepl.LSN // start of the commit record (pgoutput's "final LSN")
-	EndLSN     pglogrepl.LSN // end of the commit record; set on EventCommit only
+	EndLSN     pglogrepl.LSN // end of the commit record on EventCommit; the position on EventPosition
 	CommitTime time.Time
 	Row        *Row // set on EventRow only
 }

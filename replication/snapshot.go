@@ -64,6 +64,20 @@ func WALInsertPosition(ctx context.Context, q Querier) (LSN, error) {
 	return lsn, nil
 }
 
+// WriteCommitRecord commits an empty transaction that has a transaction id,
+// so that the server writes and flushes a commit record: the WAL, and the
+// walsender's position once it decoded it, then lie past every position
+// read before the call, even in an idle database, where the last record may
+// not be flushed or may end just before a page header that a position read
+// from pg_current_wal_insert_lsn() counts. pgoutput skips the empty
+// transaction. The commit waits for no synchronous standby.
+func WriteCommitRecord(ctx context.Context, q Querier) error {
+	if _, err := q.Exec(ctx, `SELECT set_config('synchronous_commit', 'local', true), pg_current_xact_id()`); err != nil {
+		return fmt.Errorf("write a commit record: %w", err)
+	}
+	return nil
+}
+
 // LogSnapshotByTemporarySlot writes running-transactions records where
 // pg_log_standby_snapshot() is missing (PostgreSQL 15) or not granted, with
 // the REPLICATION attribute the relay already holds: creating a logical

@@ -86,6 +86,15 @@ type Stream struct {
 	// prompt: send a status update as soon as the relay's confirmation
 	// moves, not at the next status interval (ConfirmPromptly).
 	prompt atomic.Bool
+	// want: the caller wants the server's confirmed position at or past
+	// it (ConfirmThrough). stopAt: hand over an EventPosition once every
+	// transaction committing before it is handed over (StopAt). Both are
+	// set from any goroutine; positionSent and nextAsk belong to Run.
+	want, stopAt atomic.Uint64
+	positionSent bool
+	nextAsk      time.Time
+	asks         int           // asks since the wanted position last changed
+	askedFor     pglogrepl.LSN // the wanted position then
 }
 
 // promptWait is how long a receive waits in prompt mode before the stream
@@ -99,6 +108,40 @@ const promptWait = 10 * time.Millisecond
 // would otherwise wait up to a status interval per step. Safe from any
 // goroutine.
 func (s *Stream) ConfirmPromptly() { s.prompt.Store(true) }
+
+// ConfirmThrough asks the stream to get the server's confirmed position to
+// lsn or past it as soon as it safely can, instead of waiting for the next
+// status interval and for a keepalive the server sends when it pleases:
+// whenever everything handed over is confirmed and no transaction is open,
+// it sends a status update that requests a reply, and the reply's position
+// is confirmed (G10) and sent at once. A position the relay confirms past
+// lsn is sent at once too. It never confirms past a row not settled (G3).
+// The watermark of --on-publish none waits for this (G17). Safe from any
+// goroutine; a lower lsn than one asked for before changes nothing.
+func (s *Stream) ConfirmThrough(lsn pglogrepl.LSN) { atomicMax(&s.want, uint64(lsn)) }
+
+// StopAt asks the stream to say when it has handed over every transaction
+// that commits before lsn: between transactions, once the server's answer
+// to a status update (which the stream requests until then) is at lsn or
+// past it, the next batch carries an EventPosition with that answer. A
+// transaction committing at or after lsn is handed over as usual; its Begin
+// carries its CommitLSN. Safe from any goroutine; once only.
+func (s *Stream) StopAt(lsn pglogrepl.LSN) { s.stopAt.CompareAndSwap(0, uint64(lsn)) }
+
+func atomicMax(a *atomic.Uint64, v uint64) {
+	for {
+		old := a.Load()
+		if v <= old || a.CompareAndSwap(old, v) {
+			return
+		}
+	}
+}
+
+// askEvery paces the status updates that request the server's position
+// (ConfirmThrough, StopAt): the server answers at once, so this bounds
+// only the repeats while its position is still short of the one wanted,
+// doubling up to the status interval.
+const askEvery = 50 * time.Millisecond
 
 // MaxBatch is the most events the stream hands over at once.
 const MaxBatch = 128
@@ -248,10 +291,27 @@ func (r *run) step() error {
 		return nil
 	default:
 	}
-	if !time.Now().Before(r.nextStatus) || s.prompt.Load() && s.acked > s.confirmed {
+	if !time.Now().Before(r.nextStatus) || s.acked > s.confirmed && (s.prompt.Load() || s.acked >= s.wanted()) {
 		if err := s.sendStatus(r.ctx, false); err != nil {
 			return err
 		}
+		r.nextStatus = time.Now().Add(s.cfg.StatusInterval)
+	}
+	if r.askDue() && !time.Now().Before(s.nextAsk) {
+		if err := s.sendStatus(r.ctx, true); err != nil {
+			return err
+		}
+		// Backing off: a position the server does not reach soon waits
+		// for WAL that is not written or flushed yet.
+		w := s.wanted()
+		if at := pglogrepl.LSN(s.stopAt.Load()); at != 0 && !s.positionSent {
+			w = at
+		}
+		if w != s.askedFor {
+			s.askedFor, s.asks = w, 0
+		}
+		s.nextAsk = time.Now().Add(min(askEvery<<min(s.asks, 8), s.cfg.StatusInterval))
+		s.asks++
 		r.nextStatus = time.Now().Add(s.cfg.StatusInterval)
 	}
 	if again, err := r.linger(); again || err != nil {
@@ -265,6 +325,32 @@ func (r *run) step() error {
 		return r.receiveFailed(err)
 	}
 	return r.handle(msg)
+}
+
+// wanted is the position ConfirmThrough asked for, or past every position
+// when none is wanted beyond what the server has.
+func (s *Stream) wanted() pglogrepl.LSN {
+	if w := pglogrepl.LSN(s.want.Load()); w > s.confirmed {
+		return w
+	}
+	return ^pglogrepl.LSN(0)
+}
+
+// askDue reports whether the server's answer to a status update could give
+// what ConfirmThrough or StopAt wait for: never inside a transaction (the
+// answer's position is then inside it); for a confirmation, only while
+// everything handed over is confirmed (the answer's position is then safe
+// to confirm, G10).
+func (r *run) askDue() bool {
+	s := r.s
+	if s.dec.InTransaction() {
+		return false
+	}
+	if s.stopAt.Load() != 0 && !s.positionSent {
+		return true
+	}
+	w := s.wanted()
+	return w != ^pglogrepl.LSN(0) && s.acked < w && s.acked >= s.lastEnd
 }
 
 // linger waits, at a trickle, until the batch's first commit has waited
@@ -314,6 +400,9 @@ func (r *run) setDeadline() error {
 		if p := time.Now().Add(promptWait); p.Before(wake) {
 			wake = p
 		}
+	}
+	if r.askDue() && r.s.nextAsk.Before(wake) {
+		wake = r.s.nextAsk
 	}
 	if !wake.Equal(r.deadline) {
 		r.deadline = wake
@@ -390,6 +479,17 @@ func (r *run) keepalive(data []byte) error {
 			return err
 		}
 		r.nextStatus = time.Now().Add(s.cfg.StatusInterval)
+	}
+	// The answer comes in order after every message sent before it: no
+	// transaction committing before its position is still to come.
+	if at := pglogrepl.LSN(s.stopAt.Load()); at != 0 && !s.positionSent && !s.dec.InTransaction() && pkm.ServerWALEnd >= at {
+		s.positionSent = true
+		if s.batch == nil {
+			s.batch = newBatch()
+		}
+		s.batch = append(s.batch, Event{Type: EventPosition, EndLSN: pkm.ServerWALEnd})
+		r.trickle, r.draining = false, false
+		return r.flush()
 	}
 	return nil
 }

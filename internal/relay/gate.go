@@ -176,6 +176,9 @@ func (g *gateState) full(events, bytes int) bool {
 // transaction too large for the gate, all of it read so far once it is
 // known to be on the standbys.
 func (g *gateState) passable(capEvents, capBytes int) int {
+	if len(g.events) > 0 && g.events[0].Type == replication.EventPosition {
+		return 1 // between transactions: nothing of it is to flush
+	}
 	for i, ev := range g.events {
 		if ev.Type != replication.EventCommit {
 			continue

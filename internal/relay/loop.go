@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -54,12 +53,17 @@ type loop struct {
 	// budget counts the decoded rows the session holds (G15): the stream
 	// takes a row's bytes, the loop gives them back in free.
 	budget *replication.Budget
-	// acks counts the broker's acks of this session's rows, for the
-	// watermark's recorder (watermark.go), which rests while it stands.
-	acks atomic.Int64
 	// slotLSN is the consistent point of the slot this session streams,
 	// as recorded: its watermark candidates are bound to it.
 	slotLSN store.LSN
+	// cover is what the watermark still owes (--on-publish none,
+	// watermark.go); nil under the other policies.
+	cover *coverage
+	// A clean stop under --on-publish none: its watermark candidate, and
+	// whether every transaction committing before the candidate's
+	// position was handed over before the stop stopped reading.
+	stopCand    store.WatermarkCandidate
+	stopReached bool
 
 	cur           *checkpoint.Txn
 	curCommitTime time.Time
@@ -85,6 +89,11 @@ type loop struct {
 	gated    *gateState  // nil without --standby-slot
 	refresh  chan heldRefresh
 	stopping bool
+	// stop is closed when the stream is to stop reading WAL; stopBegan is
+	// when the shutdown began, and drainDeadline ends the drain.
+	stop          chan struct{}
+	stopBegan     time.Time
+	drainDeadline <-chan time.Time
 
 	stream *replication.Stream
 	// keeper writes running-transactions records so the slot's
@@ -123,6 +132,9 @@ func newLoop(r *Relay, confirmed replication.LSN, held map[store.AggregateKey]st
 	if r.cfg.Standby != nil {
 		l.gated = newGateState(r.cfg.Standby, r.metrics.StandbyGated, &r.gatePeak, budget)
 	}
+	if r.store.Policy() == store.PolicyNone {
+		l.cover = &coverage{}
+	}
 	return l
 }
 
@@ -140,18 +152,33 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Eve
 	l.retryTimer.Stop()
 	l.settleTimer = time.NewTimer(time.Hour)
 	l.settleTimer.Stop()
-	var drainDeadline <-chan time.Time
+	l.stop = stop
 	shutdown := ctx.Done()
 	// passed: a clean stop keeps streaming until the slot's restart
 	// position is past the WAL written before it (restart.go), for at most
-	// 1/stopPassShare of the drain timeout; the drain gets the rest.
+	// 1/stopPassShare of the drain timeout; then, under --on-publish none,
+	// until every transaction before its watermark candidate is handed
+	// over (watermark.go), until 3/4 of it; the drain gets the rest.
 	var passed chan struct{}
-	var stopAt time.Time
-	beginStop := func() {
-		l.stopping = true
-		close(stop)
-		drainDeadline = time.After(l.r.cfg.DrainTimeout - time.Since(stopAt))
-		l.r.log.Info().Int("in_flight", l.inflight).Msg("shutting down: draining in-flight messages")
+	var candTaken chan stopCandidate
+	var reachBy <-chan time.Time
+	afterPass := func() {
+		if l.cover == nil || !l.cover.owes() && l.inflight == 0 && l.cp.Open() == 0 {
+			// Nothing acked is owed, and nothing more will be.
+			l.beginStop()
+			return
+		}
+		left := l.r.cfg.DrainTimeout*(stopReachShare-1)/stopReachShare - time.Since(l.stopBegan)
+		reachBy = time.After(left)
+		candTaken = make(chan stopCandidate, 1)
+		l.wg.Add(1)
+		go func() {
+			defer l.wg.Done()
+			cctx, cancel := context.WithTimeout(sessCtx, left)
+			defer cancel()
+			c, err := l.takeStopCandidate(cctx)
+			candTaken <- stopCandidate{cand: c, err: err}
+		}()
 	}
 
 	for {
@@ -160,7 +187,7 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Eve
 		}
 		l.settleDue()
 		if l.stopping && l.inflight == 0 && !l.settling && len(l.pending) == 0 && len(l.retry) == 0 {
-			return l.finish(confirms, streamDone)
+			return l.finish(sessCtx, confirms, streamDone)
 		}
 		var err error
 		select {
@@ -188,9 +215,9 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Eve
 			return err
 		case <-shutdown:
 			shutdown = nil
-			stopAt = time.Now()
+			l.stopBegan = time.Now()
 			if l.keeper == nil {
-				beginStop()
+				afterPass()
 				break
 			}
 			passed = make(chan struct{})
@@ -204,16 +231,64 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Eve
 			}()
 		case <-passed:
 			passed = nil
-			beginStop()
-		case <-drainDeadline:
+			afterPass()
+		case res := <-candTaken:
+			candTaken = nil
+			if res.err != nil {
+				l.r.log.Warn().Err(res.err).Msg("stopping: could not take the watermark's candidate; the rows acked since the last recorded watermark count as in flight, and would be handed over again after a slot loss")
+				l.beginStop()
+				break
+			}
+			l.stopCand = res.cand
+			if l.pastStop(l.curCommitLSN) {
+				// A transaction committed after the candidate was
+				// taken came through meanwhile: its rows are past the
+				// candidate's snapshot, and nothing more should be.
+				l.reachedStop()
+				break
+			}
+			l.stream.StopAt(replication.LSN(res.cand.LSN))
+		case <-reachBy:
+			reachBy, candTaken = nil, nil
+			if !l.stopping {
+				l.r.log.Warn().Str("lsn", l.stopCand.LSN.String()).
+					Msg("stopping: the stream did not reach the watermark's candidate in time (a backlog, a large transaction or a lagging standby); the rows acked since the last recorded watermark count as in flight, and would be handed over again after a slot loss")
+				l.beginStop()
+			}
+		case <-l.drainDeadline:
 			l.r.log.Warn().Int("in_flight", l.inflight).Int("unsettled", len(l.pending)+len(l.retry)).
 				Msg("drain timeout: leaving the rest to the next start (the broker drops the repeats)")
-			return l.finish(confirms, streamDone)
+			return l.finish(sessCtx, confirms, streamDone)
 		}
 		if err != nil {
 			return err
 		}
 	}
+}
+
+// beginStop stops reading WAL and starts the drain.
+func (l *loop) beginStop() {
+	if l.stopping {
+		return
+	}
+	l.stopping = true
+	close(l.stop)
+	l.drainDeadline = time.After(l.r.cfg.DrainTimeout - time.Since(l.stopBegan))
+	l.r.log.Info().Int("in_flight", l.inflight).Msg("shutting down: draining in-flight messages")
+}
+
+// reachedStop is called at the first event past the stop's watermark
+// candidate: every transaction committing before it has gone through the
+// loop. The event and the rest are left to the next session.
+func (l *loop) reachedStop() {
+	l.stopReached = true
+	l.beginStop()
+}
+
+// pastStop reports whether a transaction committing at lsn, or the stream's
+// position lsn, is at or past the stop's watermark candidate.
+func (l *loop) pastStop(lsn replication.LSN) bool {
+	return l.stopCand.Snapshot != "" && store.LSN(lsn) >= l.stopCand.LSN
 }
 
 // startHelpers starts the goroutines of the session: the collector of
@@ -362,10 +437,20 @@ func (l *loop) settleDue() {
 
 // handleResults takes a group of acks from the collector.
 func (l *loop) handleResults(ctx context.Context, its []*item) error {
+	var lo, hi uint64
 	for _, it := range its {
 		if err := l.handleResult(ctx, it); err != nil {
 			return err
 		}
+		if x := it.settle.XactID; x != 0 && it.settle.Outcome == store.Published {
+			if lo == 0 || x < lo {
+				lo = x
+			}
+			hi = max(hi, x)
+		}
+	}
+	if l.cover != nil && lo != 0 {
+		l.cover.add(lo, hi)
 	}
 	l.r.metrics.InFlight.Set(float64(l.inflight))
 	l.r.metrics.InFlightBytes.Set(float64(l.inflightBytes))
@@ -374,9 +459,17 @@ func (l *loop) handleResults(ctx context.Context, its []*item) error {
 }
 
 // finish sends the final confirmation and lets the stream send its last
-// status update and return.
-func (l *loop) finish(confirms chan replication.LSN, streamDone <-chan error) error {
-	sendConfirm(confirms, l.cp.Confirmed())
+// status update and return. After a stop that reached its watermark
+// candidate with every transaction before it settled, the confirmation is
+// the candidate's position (watermark.go), and the candidate is recorded.
+func (l *loop) finish(ctx context.Context, confirms chan replication.LSN, streamDone <-chan error) error {
+	final := l.cp.Confirmed()
+	reached := l.stopReached && l.cp.Open() == 0
+	if reached && !l.pastStop(final) {
+		final = replication.LSN(l.stopCand.LSN)
+	}
+	record := reached && l.cover.owes()
+	sendConfirm(confirms, final)
 	close(confirms)
 	select {
 	case err := <-streamDone:
@@ -386,7 +479,15 @@ func (l *loop) finish(confirms chan replication.LSN, streamDone <-chan error) er
 	case <-time.After(max(10*time.Second, 2*l.r.cfg.StatusInterval)):
 		return errors.New("final confirmation: stream did not finish")
 	}
-	l.r.log.Info().Str("lsn", l.cp.Confirmed().String()).Msg("stopped; slot confirmed")
+	l.r.log.Info().Str("lsn", final.String()).Msg("stopped; slot confirmed")
+	switch {
+	case record:
+		l.recordAtStop(ctx, max(time.Second, l.r.cfg.DrainTimeout/stopReachShare))
+	case l.cover != nil && l.cover.owes() && l.stopReached:
+		// Reached, but a transaction was left open or unsettled (the
+		// drain timed out, or one past the candidate came through first).
+		l.r.log.Warn().Msg("stopped; no watermark recorded at the stop (a transaction before its candidate was not settled in time): the rows acked since the last recorded watermark count as in flight, and would be handed over again after a slot loss")
+	}
 	return nil
 }
 
@@ -400,6 +501,10 @@ func (l *loop) hasRoom(size int) bool {
 func (l *loop) handleEvent(ctx context.Context, ev replication.Event, confirms chan replication.LSN) error {
 	switch ev.Type {
 	case replication.EventBegin:
+		if l.pastStop(ev.CommitLSN) {
+			l.reachedStop()
+			return nil
+		}
 		l.cur = l.cp.Begin(ev.Xid, ev.CommitLSN)
 		l.cur.CommitTime = ev.CommitTime
 		l.curCommitTime = ev.CommitTime
@@ -420,6 +525,10 @@ func (l *loop) handleEvent(ctx context.Context, ev replication.Event, confirms c
 		l.cp.Commit(l.cur, ev.EndLSN)
 		l.cur = nil
 		l.advance(confirms)
+	case replication.EventPosition:
+		if l.pastStop(ev.EndLSN) {
+			l.reachedStop()
+		}
 	}
 	return nil
 }
@@ -615,7 +724,6 @@ func (l *loop) handleResult(ctx context.Context, it *item) error {
 	}
 	l.r.metrics.CommitToAck.Observe(time.Since(it.commitTime).Seconds())
 	it.settle.Outcome = store.Published
-	l.acks.Add(1)
 	it.settle.Seq = it.ack.Sequence
 	it.settle.Stream = it.ack.Stream
 	// Only what the mark needs stays: the message (payload and headers)

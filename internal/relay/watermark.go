@@ -2,19 +2,73 @@ package relay
 
 import (
 	"context"
+	"sync"
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/replication"
 )
 
 // DefaultWatermarkEvery is how often a streaming relay with --on-publish
 // none records its watermark (G17): one small UPDATE of <table>_slots,
 // instead of one write per published row. A published row shows as
 // published in status and the console, and is no longer handed over after
-// a slot loss, once a watermark covers it: a second or two after its ack,
-// plus the stream's status interval (the server learns the relay's
-// confirmed position only from its status updates).
+// a slot loss, once a watermark covers it: one or two of these intervals
+// after its ack, also when the outbox goes quiet (the stream asks the
+// server for its position rather than wait for a keepalive).
 const DefaultWatermarkEvery = time.Second
+
+// coverage is what the watermark still owes: the transaction ids (xact_id)
+// of the rows this session acked that no recorded watermark is known to
+// cover, as a range. A range loses nothing: a recorded snapshot's verdict on
+// every id in it is exact, so the range only shrinks by ids known to be
+// covered, and an id outside the rows acked can only keep the recorder
+// going a little longer (an unrelated transaction still running inside the
+// range), never let it rest early.
+type coverage struct {
+	mu     sync.Mutex
+	lo, hi uint64
+	owed   bool
+}
+
+// add owes the ids lo..hi.
+func (c *coverage) add(lo, hi uint64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.owed {
+		c.lo, c.hi, c.owed = lo, hi, true
+		return
+	}
+	c.lo, c.hi = min(c.lo, lo), max(c.hi, hi)
+}
+
+// owes reports whether an acked row is not known to be covered.
+func (c *coverage) owes() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.owed
+}
+
+// recorded takes a watermark just recorded with snapshot snap: every owed
+// id below the first one snap does not see as ended is covered. It reports
+// whether anything is still owed.
+func (c *coverage) recorded(snap string) (owed bool, err error) {
+	s, err := store.ParseSnapshot(snap)
+	if err != nil {
+		return c.owes(), err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.owed {
+		return false, nil
+	}
+	if first, running := s.FirstRunning(c.lo, c.hi); running {
+		c.lo = first
+	} else {
+		c.owed = false
+	}
+	return c.owed, nil
+}
 
 // recordWatermarks keeps the table's watermark moving while this session
 // streams. A candidate (snapshot, position) is kept until the slot has
@@ -22,30 +76,46 @@ const DefaultWatermarkEvery = time.Second
 // load the confirmed position always trails the newest position, and a
 // candidate replaced every tick would never be recorded.
 //
-// With no ack since the last two recorded candidates were taken, the
-// recorder rests and runs no statement: an idle relay queries nothing
-// (docs/benchmarks.md, idle). Two, because a row acked just before a
-// candidate was taken may not be visible in its snapshot yet (a commit is
-// streamed before it is visible, design.md): the next candidate, a tick
-// later, sees it.
+// It runs while a row acked in this session is not covered by a recorded
+// watermark (coverage), and rests, running no statement, once all are: an
+// idle relay queries nothing (docs/benchmarks.md, idle). Covered is read
+// from the recorded snapshot itself, not guessed from the number of
+// candidates since the last ack: a row is streamed and acked before its
+// transaction is visible (design.md), and a synchronous standby can hold
+// it invisible for as long as it lags; every candidate taken meanwhile
+// misses it, and the recorder keeps taking them until one covers it. For
+// each candidate it asks the stream to get the server's confirmation past
+// its position (ConfirmThrough): when the outbox goes quiet nothing else
+// would move the slot past it before a keepalive the server sends when it
+// pleases.
 func (l *loop) recordWatermarks(ctx context.Context) {
 	r := l.r
 	t := time.NewTicker(r.cfg.WatermarkEvery)
 	defer t.Stop()
 	var cand store.WatermarkCandidate
 	var lastWarn time.Time
-	candAcks := int64(-1)        // acks when cand was taken
-	recorded := [2]int64{-1, -2} // acks when the last two recorded candidates were taken
-	for first := true; ; first = false {
-		if !first {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
+	// poll: a candidate that a tick's statement took, or could not record
+	// yet, is recorded as soon as the stream has confirmed past it,
+	// instead of at the next tick: still at most one write per tick, and a
+	// quiet outbox is covered about a tick after its last ack.
+	var poll <-chan time.Time
+	tries := 0
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			poll, tries = nil, 0
+		case <-poll:
+			if store.LSN(r.stats.Confirmed.Load()) < cand.LSN {
+				poll = time.After(watermarkPoll)
+				continue
 			}
+			poll = nil
 		}
-		acks := l.acks.Load()
-		if acks == recorded[0] && acks == recorded[1] {
+		if !l.cover.owes() {
+			// A candidate taken before the next ack cannot cover it.
+			cand, poll = store.WatermarkCandidate{}, nil
 			continue
 		}
 		taking := cand.Snapshot == ""
@@ -60,11 +130,127 @@ func (l *loop) recordWatermarks(ctx context.Context) {
 				r.log.Warn().Err(err).Msg("recording the watermark failed; published rows keep showing as in flight, and would be handed over again after a slot loss, until it succeeds")
 			}
 		case rec:
-			r.metrics.WatermarkLSN.Set(float64(cand.LSN))
-			recorded = [2]int64{candAcks, recorded[0]}
-			cand, candAcks = next, acks
-		case taking:
-			cand, candAcks = next, acks
+			l.noteRecorded(cand)
+			cand = next
+		case cand.Snapshot == "":
+			cand = next
 		}
+		if cand.Snapshot != "" {
+			l.stream.ConfirmThrough(replication.LSN(cand.LSN))
+		}
+		switch {
+		case err == nil && taking:
+			poll, tries = time.After(watermarkPoll), 0
+		case err == nil && !rec && tries < 5:
+			// Not confirmed past yet, or sent but not taken in by the
+			// server yet.
+			poll = time.After(watermarkPoll)
+			tries++
+		}
+	}
+}
+
+// watermarkPoll paces the recorder's look at the stream's confirmed
+// position while a fresh candidate waits for it.
+const watermarkPoll = 20 * time.Millisecond
+
+// noteRecorded takes a candidate that became the watermark.
+func (l *loop) noteRecorded(c store.WatermarkCandidate) (owed bool) {
+	l.r.metrics.WatermarkLSN.Set(float64(c.LSN))
+	owed, err := l.cover.recorded(c.Snapshot)
+	if err != nil {
+		l.r.log.Warn().Err(err).Msg("could not read the recorded watermark's snapshot; recording on")
+	}
+	return owed
+}
+
+// A clean stop under --on-publish none records a watermark that covers
+// every row the session acked, so that a slot lost after the stop hands
+// none of them to the poller again (issue 30). Recording one needs a
+// candidate taken after the rows became visible and the slot confirmed
+// past its position; but the position is past every commit up to the
+// moment it was read, and the slot may only be confirmed past a commit
+// whose rows are settled (G3). So the stop takes the candidate first
+// (takeStopCandidate), streams on until every transaction committing
+// before its position is handed over (the Begin of one committing at or
+// after it, or the server's answer at or past it: replication.StopAt),
+// publishing none after it, and only then stops reading WAL. Once those
+// are acked and settled, the position is safe to confirm: the restart
+// skips only transactions committing before it. The stream sends it in
+// its last status update; the candidate is recorded once the slot shows
+// it (recordAtStop). All of it within --drain-timeout: out of time, the
+// stop is as before, and the rows after the last recorded watermark wait
+// for the next session's.
+
+// stopReachShare: the stop streams up to its candidate until this share
+// of --drain-timeout (counted from the stop's start, after the restart
+// position's pass) has gone; the drain gets the rest.
+const stopReachShare = 4 // 3/4 of it
+
+// stopCandidate is takeStopCandidate's answer.
+type stopCandidate struct {
+	cand store.WatermarkCandidate
+	err  error
+}
+
+// takeStopCandidate takes the stop's candidate and writes a commit record
+// after it, so that the server's position passes the candidate's even in
+// an idle database.
+func (l *loop) takeStopCandidate(ctx context.Context) (store.WatermarkCandidate, error) {
+	_, c, err := l.r.store.AdvanceWatermark(ctx, l.r.cfg.Slot, l.slotLSN, store.WatermarkCandidate{})
+	if err != nil {
+		return c, err
+	}
+	return c, replication.WriteCommitRecord(ctx, l.r.pool)
+}
+
+// recordAtStop records the stop's candidate once the slot shows the last
+// status update's confirmation past it, within wait.
+func (l *loop) recordAtStop(ctx context.Context, wait time.Duration) {
+	r := l.r
+	c := l.stopCand
+	ctx, cancel := context.WithTimeout(ctx, wait)
+	defer cancel()
+	for {
+		si, err := replication.LookupSlot(ctx, r.pool, r.cfg.Slot)
+		if err == nil && si.Exists && store.LSN(si.ConfirmedFlush) >= c.LSN {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			r.log.Warn().Str("lsn", c.LSN.String()).Str("confirmed_lsn", si.ConfirmedFlush.String()).Err(err).
+				Msg("stopped; the slot did not show the confirmation past the watermark's candidate in time: the rows acked since the last recorded watermark count as in flight, and would be handed over again after a slot loss")
+			return
+		case <-time.After(promptPoll):
+		}
+	}
+	rec, _, err := r.store.AdvanceWatermark(ctx, r.cfg.Slot, l.slotLSN, c)
+	if err != nil {
+		r.log.Warn().Err(err).Msg("stopped; recording the watermark failed: the rows acked since the last recorded watermark count as in flight, and would be handed over again after a slot loss")
+		return
+	}
+	snap := c.Snapshot
+	if !rec {
+		// A newer one may be recorded already (the recorder's own, in
+		// the meantime): it covers at least as much.
+		w, found, err := r.store.LatestWatermark(ctx)
+		if err != nil || !found || w.LSN < c.LSN {
+			r.log.Warn().Err(err).Str("lsn", c.LSN.String()).
+				Msg("stopped; the watermark was not recorded (the slot record refused it): the rows acked since the last recorded watermark count as in flight, and would be handed over again after a slot loss")
+			return
+		}
+		snap = w.Snapshot
+	} else {
+		r.metrics.WatermarkLSN.Set(float64(c.LSN))
+	}
+	owed, err := l.cover.recorded(snap)
+	switch {
+	case err != nil:
+		r.log.Warn().Err(err).Msg("stopped; could not read the recorded watermark's snapshot")
+	case owed:
+		r.log.Warn().Str("lsn", c.LSN.String()).
+			Msg("stopped; recorded the watermark, but it does not cover some rows acked during the stop (committed after its snapshot was taken, or not visible yet then: a commit waiting for a synchronous standby?): they count as in flight until the next session's watermark, and would be handed over again after a slot loss")
+	default:
+		r.log.Info().Str("lsn", c.LSN.String()).Msg("stopped; recorded the watermark: it covers every row acked")
 	}
 }

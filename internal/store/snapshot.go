@@ -64,3 +64,36 @@ func (s Snapshot) Visible(xid uint32) bool {
 	_, running := s.xip[f]
 	return !running
 }
+
+// Finished reports whether the transaction with full (64-bit) id xid had
+// ended when the snapshot was taken, as pg_visible_in_snapshot reads it: for
+// a committed transaction, whether a watermark with this snapshot covers
+// its rows (G17).
+func (s Snapshot) Finished(xid uint64) bool {
+	if xid < s.xmin {
+		return true
+	}
+	if xid >= s.xmax {
+		return false
+	}
+	_, running := s.xip[xid]
+	return !running
+}
+
+// FirstRunning is the lowest id in [lo, hi] that had not ended when the
+// snapshot was taken; ok is false when every one in the range had.
+func (s Snapshot) FirstRunning(lo, hi uint64) (xid uint64, ok bool) {
+	if lo > hi {
+		return 0, false
+	}
+	first := uint64(0)
+	for x := range s.xip {
+		if x >= lo && x <= hi && (!ok || x < first) {
+			first, ok = x, true
+		}
+	}
+	if top := max(lo, s.xmax); top <= hi && (!ok || top < first) {
+		first, ok = top, true
+	}
+	return first, ok
+}
