@@ -6,6 +6,7 @@ import (
 	"net/url"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -163,20 +164,30 @@ func TestMigrateBySuperuserOfAnotherOwnersTable(t *testing.T) {
 // owner, and says migrate must now run as the owner; the owner's migrate
 // then reads the version table the superuser created.
 func TestMigrateGivesSuperuserFunctionsToTheOwner(t *testing.T) {
-	ctx := context.Background()
 	dbURL := testenv.Shared(t).PG.CreateDatabase(t)
 	super := connect(t, dbURL)
-	const role = "mig_owner_repair_case"
+	t.Run("plain", func(t *testing.T) {
+		giveSuperusersCompanions(t, super, dbURL, "mig_owner_repair_plain", store.Table{Schema: "public", Name: "outbox"}, 0)
+	})
+	// Its partitions too, which add_partitions made as the superuser.
+	t.Run("partitioned", func(t *testing.T) {
+		giveSuperusersCompanions(t, super, dbURL, "mig_owner_repair_part", store.Table{Schema: "public", Name: "hourly"}, time.Hour)
+	})
+}
+
+func giveSuperusersCompanions(t *testing.T, super *pgx.Conn, dbURL, role string, tbl store.Table, interval time.Duration) {
+	ctx := context.Background()
 	owner := ownerRole(t, super, dbURL, role)
-	tbl := store.Table{Schema: "public", Name: "outbox"}
-	if _, err := store.MigrateWith(ctx, super, tbl, store.MigrateOptions{}); err != nil {
+	if _, err := store.MigrateWith(ctx, super, tbl, store.MigrateOptions{PartitionInterval: interval}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := super.Exec(ctx, `ALTER TABLE outbox OWNER TO `+role); err != nil {
+	if _, err := super.Exec(ctx, `ALTER TABLE `+tbl.String()+` OWNER TO `+role); err != nil {
 		t.Fatal(err)
 	}
 	if got := foreignOwned(t, super, tbl); len(got) == 0 {
 		t.Fatal("setup: every companion is the owner's already")
+	} else {
+		t.Logf("left by the superuser's migrate: %v", got)
 	}
 
 	var progress []string
@@ -201,8 +212,13 @@ func TestMigrateGivesSuperuserFunctionsToTheOwner(t *testing.T) {
 	// Producers still use the functions, now the owner's: next_seq writes
 	// the counter table it was given with them.
 	var seq int64
-	if err := owner.QueryRow(ctx, `SELECT outbox_next_seq('order', '1')`).Scan(&seq); err != nil || seq != 1 {
+	if err := owner.QueryRow(ctx, `SELECT `+pgx.Identifier{tbl.Schema, tbl.Name + "_next_seq"}.Sanitize()+`('order', '1')`).Scan(&seq); err != nil || seq != 1 {
 		t.Errorf("next_seq after the handover: %d, %v; want 1", seq, err)
+	}
+	if interval > 0 {
+		if _, err := store.AddPartitions(ctx, super, tbl, time.Second); err != nil {
+			t.Errorf("add_partitions after the handover: %v", err)
+		}
 	}
 }
 
