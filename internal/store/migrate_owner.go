@@ -37,7 +37,7 @@ type Ownership struct {
 	Owner  string
 	// User is current_user (whom objects are created as), Session the role
 	// that logged in; they differ after SET ROLE.
-	User, Session              string
+	User, Session               string
 	Superuser, SessionSuperuser bool
 }
 
