@@ -132,12 +132,13 @@ func (t Table) companionName(suffix string) string {
 	return n
 }
 
-// foreignOwned lists the companions of t (its companion tables, its
-// partitions, its companion functions) that its owner does not own: what
-// an earlier migrate run as another role left. Each is "TABLE name" or
-// "FUNCTION signature" ready for ALTER ... OWNER TO, with its owner.
+// ownedObject is a companion for ALTER <kind> <name> OWNER TO: kind TABLE
+// or FUNCTION, name quoted (a function's with its argument types).
 type ownedObject struct{ kind, name, owner string }
 
+// foreignOwned lists the companions of t (its companion tables, its
+// partitions, its companion functions) that its owner does not own: what
+// an earlier migrate run as another role left.
 func foreignOwned(ctx context.Context, q DBTX, t Table) ([]ownedObject, error) {
 	var tables, funcs []string
 	for _, s := range companionTables {
@@ -186,33 +187,29 @@ func describeOwned(objs []ownedObject) []string {
 }
 
 // giveToOwner gives the companions that another role owns to the table's
-// owner, in one transaction, each ALTER bounded by lock_timeout (it takes
-// the companion's ACCESS EXCLUSIVE lock for a catalog change). No code of
-// the owner's runs: ALTER ... OWNER TO fires no trigger.
+// owner. Each ALTER takes the companion's ACCESS EXCLUSIVE lock for a
+// catalog change, so each is committed on its own and its wait bounded by
+// lock_timeout: producers (next_seq's counter table, a partition) queue
+// behind one wait at most. An interrupted run leaves the rest to the next
+// one. No code of the owner's runs: ALTER ... OWNER TO fires no trigger.
 func (r *migrator) giveToOwner(ctx context.Context, owner string) ([]string, error) {
 	objs, err := foreignOwned(ctx, r.conn, r.t)
 	if err != nil || len(objs) == 0 {
 		return nil, err
 	}
-	err = pgx.BeginFunc(ctx, r.conn, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `SELECT pg_catalog.set_config('lock_timeout', $1, true)`, r.timeoutSetting()); err != nil {
-			return err
-		}
+	var given []string
+	err = r.withLockTimeout(ctx, func() error {
 		for _, o := range objs {
-			if _, err := tx.Exec(ctx, `ALTER `+o.kind+` `+o.name+` OWNER TO `+pgx.Identifier{owner}.Sanitize()); err != nil {
-				return fmt.Errorf("alter %s %s owner to %s: %w", strings.ToLower(o.kind), o.name, owner, err)
+			if _, err := r.conn.Exec(ctx, `ALTER `+o.kind+` `+o.name+` OWNER TO `+pgx.Identifier{owner}.Sanitize()); err != nil {
+				return r.explain(ctx, fmt.Sprintf("give %s %s to the table's owner %s", strings.ToLower(o.kind), o.name, owner), err)
 			}
+			g := describeOwned([]ownedObject{o})[0]
+			r.opts.Progress("gave " + g + " to the table's owner " + owner)
+			given = append(given, g)
 		}
 		return nil
 	})
-	if err != nil {
-		return nil, r.explain(ctx, "give the companions to the table's owner", err)
-	}
-	given := describeOwned(objs)
-	for _, g := range given {
-		r.opts.Progress("gave " + g + " to the table's owner " + owner)
-	}
-	return given, nil
+	return given, err
 }
 
 // versionTableName is the table of applied migrations, one per schema,
