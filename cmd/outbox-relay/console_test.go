@@ -77,7 +77,7 @@ func TestConsoleCommandRefusesOpenAddress(t *testing.T) {
 // connects, by both commands that serve the console, naming the minimum
 // and never printing the token.
 func TestConsoleTokenRefusedAtStart(t *testing.T) {
-	for _, c := range []struct{ name, token string }{{"short", "hunter2-short"}, {"blank", "   "}} {
+	for _, c := range []struct{ name, token string }{{"short", "hunter2-short"}, {"blank", "   "}, {"16 spaces", strings.Repeat(" ", 16)}} {
 		for _, args := range [][]string{
 			{"console", "--http-addr", "127.0.0.1:0"},
 			{"run", "--console", "--http-addr", "127.0.0.1:0", "--nats-url", "nats://127.0.0.1:1"},

@@ -21,7 +21,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	var inboxTable string
 	var printGrants bool
 	var roles store.Roles
-	fs := newFlagSet("migrate", "Creates or upgrades the outbox table and its indexes (versioned, idempotent, safe to run concurrently and beside producers: indexes are built concurrently, and no lock their INSERTs queue behind is waited for longer than --lock-timeout) and the insert-only publication.\n"+
+	fs := newFlagSet("migrate", "Creates or upgrades the outbox table and its indexes (versioned, idempotent, safe to run concurrently and beside producers: indexes are built concurrently, and no lock their INSERTs queue behind is waited for longer than --lock-timeout) and the insert-only publication. Run it as the table's owner: any other role, a superuser included, is refused (docs/operations.md, \"migrate runs as the table's owner\").\n"+
 		"With --inbox, creates a consumer's inbox tables (package inbox) instead, usually in the consumer's own database.", stderr)
 	var recordSettings bool
 	var ordering string

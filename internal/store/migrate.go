@@ -289,6 +289,9 @@ func MigrateWith(ctx context.Context, conn *pgx.Conn, t Table, opts MigrateOptio
 	// the migrations for different layouts. The lock is reentrant:
 	// applyMigrations takes it again.
 	r := &migrator{conn: conn, t: t, opts: opts}
+	if r.opts.LockTimeout <= 0 {
+		r.opts.LockTimeout = DefaultLockTimeout
+	}
 	if r.opts.Progress == nil {
 		r.opts.Progress = func(string) {}
 	}
@@ -296,6 +299,11 @@ func MigrateWith(ctx context.Context, conn *pgx.Conn, t Table, opts MigrateOptio
 		return nil, err
 	}
 	defer r.unlock()
+	// Before anything reads the table's companions: they may be the
+	// owner's, and so may be the code they run (migrate_owner.go).
+	if _, err := r.checkOwnership(ctx); err != nil {
+		return nil, err
+	}
 	layout, err := ReadLayout(ctx, conn, t)
 	if err != nil {
 		return nil, fmt.Errorf("migrate %s: %w", t.Qualified(), err)
@@ -312,7 +320,20 @@ func MigrateWith(ctx context.Context, conn *pgx.Conn, t Table, opts MigrateOptio
 	if err != nil {
 		return nil, err
 	}
-	return applyMigrations(ctx, conn, t, opts, migs)
+	done, err := applyMigrations(ctx, conn, t, opts, migs)
+	if err != nil {
+		return done, err
+	}
+	own, err := ReadOwnership(ctx, conn, t)
+	if err != nil {
+		return done, fmt.Errorf("migrate %s: %w", t.Qualified(), err)
+	}
+	if own.Exists && own.Owner == own.User {
+		if err := r.warnForeignOwned(ctx, own.Owner); err != nil {
+			return done, fmt.Errorf("migrate %s: %w", t.Qualified(), err)
+		}
+	}
+	return done, nil
 }
 
 // FoundLayout is ReadLayout's answer with whether the table exists.
@@ -382,20 +403,9 @@ func applyMigrations(ctx context.Context, conn *pgx.Conn, t Table, opts MigrateO
 	}
 	defer func() { _ = r.setLockTimeout(context.Background(), prevTimeout) }()
 
-	ver := pgx.Identifier{t.Schema, "outbox_relay_migrations"}.Sanitize()
-	stmts := []string{
-		`CREATE SCHEMA IF NOT EXISTS ` + pgx.Identifier{t.Schema}.Sanitize(),
-		`CREATE TABLE IF NOT EXISTS ` + ver + ` (
-			target     text        NOT NULL,
-			version    integer     NOT NULL,
-			name       text        NOT NULL,
-			applied_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-			PRIMARY KEY (target, version))`,
-	}
-	for _, s := range stmts {
-		if _, err := conn.Exec(ctx, s); err != nil {
-			return nil, r.explain(ctx, "create version table", err)
-		}
+	ver, err := r.versionTable(ctx)
+	if err != nil {
+		return nil, err
 	}
 	rows, err := conn.Query(ctx, `SELECT version FROM `+ver+` WHERE target = $1`, t.Qualified())
 	if err != nil {

@@ -3,6 +3,8 @@
 // (`go tool helm`, built from the Go module proxy: no cluster and no Helm
 // install needed) and check what the rendered objects contain: two
 // instances on one slot, probes that never restart the waiting one, a
-// PodDisruptionBudget, credentials only from a Secret, the console only
-// behind its token, and the ServiceMonitor and alert rules only when asked.
+// PodDisruptionBudget, credentials only from a Secret (never shadowed by
+// extraEnv or env), the migrate hook on the table owner's URL, the console
+// only behind its token (measured trimmed, as the relay does) and a
+// NetworkPolicy, and the ServiceMonitor and alert rules only when asked.
 package helmcheck

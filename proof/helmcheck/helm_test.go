@@ -93,9 +93,10 @@ func valuesFile(t *testing.T, values map[string]any) string {
 	return p
 }
 
-// base is the least a user must give: the relay's database URL.
+// base is the least a user must give: the relay's database URL and, for
+// the migrate hook, the table owner's.
 func base() map[string]any {
-	return map[string]any{"secret": map[string]any{"databaseURL": databaseURL}}
+	return map[string]any{"secret": map[string]any{"databaseURL": databaseURL, "migrateDatabaseURL": ownerURL}}
 }
 
 // merge sets dotted keys ("console.enabled") in v.
@@ -486,7 +487,7 @@ func TestDefaultRelease(t *testing.T) {
 	if !slices.Equal(mc.Args, []string{"migrate"}) {
 		t.Errorf("migrate Job args %v, want [migrate]", mc.Args)
 	}
-	wantSecretEnv(t, "migrate", mc, "OUTBOX_RELAY_DATABASE_URL", sec, "database-url")
+	wantSecretEnv(t, "migrate", mc, "OUTBOX_RELAY_DATABASE_URL", sec, "migrate-database-url")
 	if mc.SecurityContext.ReadOnlyRootFilesystem == nil || !*mc.SecurityContext.ReadOnlyRootFilesystem {
 		t.Error("migrate Job: root filesystem not read-only")
 	}
@@ -551,7 +552,7 @@ func TestExistingSecret(t *testing.T) {
 	wantSecretEnv(t, "relay", c, "OUTBOX_RELAY_CONSOLE_TOKEN", "shop-outbox", "console-token")
 	var j job
 	r.one(t, "Job").decode(t, &j)
-	wantSecretEnv(t, "migrate", j.Spec.Template.Spec.Containers[0], "OUTBOX_RELAY_DATABASE_URL", "shop-outbox", "database-url")
+	wantSecretEnv(t, "migrate", j.Spec.Template.Spec.Containers[0], "OUTBOX_RELAY_DATABASE_URL", "shop-outbox", "migrate-database-url")
 }
 
 func TestConsole(t *testing.T) {

@@ -90,11 +90,30 @@ rather than in a crash loop.
 {{- if not .Values.secret.databaseURL }}
 {{- fail "set secret.databaseURL (the relay role's PostgreSQL URL) or secret.existingSecret (a Secret with a database-url key)" }}
 {{- end }}
-{{- if and .Values.console.enabled (lt (len .Values.secret.consoleToken) 16) }}
-{{- fail "console.enabled: set secret.consoleToken to at least 16 bytes (e.g. openssl rand -hex 32), or use secret.existingSecret with a console-token key" }}
+{{- /* The relay trims the token and refuses a blank or short one at start. */}}
+{{- if and .Values.console.enabled (lt (len (trim .Values.secret.consoleToken)) 16) }}
+{{- fail "console.enabled: set secret.consoleToken to at least 16 bytes once surrounding whitespace is trimmed (e.g. openssl rand -hex 32), or use secret.existingSecret with a console-token key" }}
+{{- end }}
+{{- if and .Values.migrate.enabled (eq .Values.migrate.databaseURLKey "migrate-database-url") (not .Values.secret.migrateDatabaseURL) }}
+{{- fail "migrate.enabled: set secret.migrateDatabaseURL to the table owner's PostgreSQL URL (migrate runs only as the table's owner; the relay's least-privilege role cannot), or migrate.databaseURLKey: database-url if the relay's role owns the table, or migrate.enabled: false to run outbox-relay migrate yourself" }}
 {{- end }}
 {{- if and .Values.secret.natsCredsFile (not .Values.secret.natsCreds) }}
 {{- fail "secret.natsCredsFile: set secret.natsCreds to the credentials file's content" }}
+{{- end }}
+{{- end }}
+{{- /* What the chart sets itself: an extraEnv or env entry of the same name
+would shadow it (for the Secret's, with a plain value in the Deployment). */}}
+{{- $own := dict "DATABASE_URL" "secret.databaseURL (the Secret's database-url key)" "NATS_USER" "secret.natsUser" "NATS_PASSWORD" "secret.natsPassword" "NATS_TOKEN" "secret.natsToken" "NATS_CREDS" "secret.natsCreds with secret.natsCredsFile" "CONSOLE_TOKEN" "secret.consoleToken (the Secret's console-token key)" "NATS_URL" "relay.natsURL" "TABLE" "relay.table" "SLOT" "relay.slot" "PUBLICATION" "relay.publication" "STREAM" "relay.stream" "SUBJECT_PREFIX" "relay.subjectPrefix" "ON_PUBLISH" "relay.onPublish" "ORDERING" "relay.ordering" "LOG_FORMAT" "relay.logFormat" "LOG_LEVEL" "relay.logLevel" "HTTP_ADDR" "relay.httpPort" "DRAIN_TIMEOUT" "relay.drainTimeout" "CONSOLE" "console.enabled" "CONSOLE_READ_ONLY" "console.readOnly" }}
+{{- range $k, $v := .Values.relay.extraEnv }}
+{{- $flag := upper $k | replace "-" "_" | trimPrefix "OUTBOX_RELAY_" }}
+{{- if hasKey $own $flag }}
+{{- fail (printf "relay.extraEnv.%s: the chart sets OUTBOX_RELAY_%s itself; set %s instead (an extraEnv entry would shadow it in plain text)" $k $flag (get $own $flag)) }}
+{{- end }}
+{{- end }}
+{{- range .Values.env }}
+{{- $flag := upper (toString .name) | trimPrefix "OUTBOX_RELAY_" }}
+{{- if and (hasPrefix "OUTBOX_RELAY_" (upper (toString .name))) (hasKey $own $flag) }}
+{{- fail (printf "env %s: the chart sets it itself; set %s instead (an env entry would shadow it)" .name (get $own $flag)) }}
 {{- end }}
 {{- end }}
 {{- if not (has .Values.relay.onPublish (list "mark" "delete" "none")) }}
