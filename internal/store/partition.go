@@ -50,21 +50,57 @@ type Beginner interface {
 }
 
 // AddPartitions creates the partitions of partitioned table t that are due,
-// waiting at most lockTimeout for the table's lock (CREATE TABLE ...
-// PARTITION OF takes ACCESS EXCLUSIVE on it for the catalog change, and
-// every INSERT queues behind the waiting request).
+// and attaches back those left detached, waiting at most lockTimeout for
+// each lock (<table>_add_partitions(), migration 0017: a partition is made
+// on its own and attached, which producers' INSERTs do not wait for; the
+// DEFAULT partition's lock, which reads through the table need, is taken
+// for a catalog change only). While the DEFAULT partition holds rows the
+// function works in steps, one per transaction, and leaves a guard on the
+// DEFAULT partition between them: it is called again while one is there,
+// a few times at most (the next round goes on).
 func AddPartitions(ctx context.Context, db Beginner, t Table, lockTimeout time.Duration) (PartitionsMade, error) {
 	var m PartitionsMade
-	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, fmt.Sprintf("%dms", max(lockTimeout.Milliseconds(), 1))); err != nil {
-			return err
+	for range 4 {
+		var made []string
+		var guarded bool
+		err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, lockTimeoutSetting(lockTimeout)); err != nil {
+				return err
+			}
+			if err := tx.QueryRow(ctx, `SELECT created, default_rows FROM `+t.derived("add_partitions", true)+`()`).Scan(&made, &m.DefaultRows); err != nil {
+				return err
+			}
+			return tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_constraint
+				WHERE conrelid = to_regclass($1) AND conname = $2)`,
+				pgx.Identifier{t.Schema, defaultName(t)}.Sanitize(), guardName(t)).Scan(&guarded)
+		})
+		if err != nil {
+			return m, fmt.Errorf("create the partitions of %s ahead of time: %w", t.Qualified(), err)
 		}
-		return tx.QueryRow(ctx, `SELECT created, default_rows FROM `+t.derived("add_partitions", true)+`()`).Scan(&m.Created, &m.DefaultRows)
-	})
-	if err != nil {
-		return m, fmt.Errorf("create the partitions of %s ahead of time: %w", t.Qualified(), err)
+		m.Created = append(m.Created, made...)
+		if !guarded {
+			break
+		}
 	}
 	return m, nil
+}
+
+// defaultName is the name of the DEFAULT partition (0014).
+func defaultName(t Table) string {
+	n := t.Name + "_default"
+	if len(n) > 63 {
+		n = n[:63]
+	}
+	return n
+}
+
+// guardName is the name of the DEFAULT partition's guard (0017).
+func guardName(t Table) string {
+	n := t.Name
+	if len(n) > 50 {
+		n = n[:50]
+	}
+	return n + "_default_guard"
 }
 
 // Layout reads how the store's table is laid out.
