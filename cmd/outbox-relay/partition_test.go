@@ -208,6 +208,8 @@ func TestPartitionIntervalFlagAndPrune(t *testing.T) {
 		{"4m", "at least 5m0s"},
 		{"90m30s", "whole minutes"},
 		{"0d", "want 1h, 1d, Nd"},
+		{"100000d", "at most 366d"},
+		{"9000h", "at most 366d"},
 		{"1d", `"Converting a plain table to a partitioned one"`},
 	} {
 		if code, _, errOut := run(t, "migrate", "--database-url", url, "--partition-interval", c.flag); code == 0 || !strings.Contains(errOut, c.want) {
@@ -227,6 +229,9 @@ func TestPartitionIntervalFlagAndPrune(t *testing.T) {
 		mustExec(t, pool, fmt.Sprintf(`INSERT INTO parts (work_id, kind, payload, state, created_at, published_at)
 			VALUES ('%s', 'k', '{}', '%s', '%s', CASE WHEN '%s' = 'published' THEN '%s'::timestamptz END)`,
 			state, state, start.Add(time.Minute).Format(time.RFC3339), state, start.Add(time.Minute).Format(time.RFC3339)))
+	}
+	if code, _, errOut := run(t, "prune", "--database-url", url, "--table", "parts", "--older-than", "3h", "--lock-timeout", "0s"); code == 0 || !strings.Contains(errOut, "--lock-timeout 0s: want more than 0") {
+		t.Errorf("prune --lock-timeout 0s: exit %d, %q; want refused", code, errOut)
 	}
 	code, out, _ = run(t, "prune", "--database-url", url, "--table", "parts", "--older-than", "3h")
 	oldest, owed := "parts_p"+base.Add(-5*time.Hour).Format("2006010215"), "parts_p"+base.Add(-4*time.Hour).Format("2006010215")

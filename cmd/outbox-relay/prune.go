@@ -36,6 +36,9 @@ and names the partitions it kept and why. Run it there as the table's owner.
 	if err != nil {
 		return err
 	}
+	if *lockTimeout <= 0 {
+		return fmt.Errorf("--lock-timeout %s: want more than 0 (PostgreSQL reads 0 as no bound: producers would queue behind prune for as long as another session holds the table)", *lockTimeout)
+	}
 	if *batch <= 0 {
 		return fmt.Errorf("--batch %d: must be positive", *batch)
 	}

@@ -778,12 +778,14 @@ func (l *loop) handleSettled(res settleResult, confirms chan replication.LSN) er
 		}
 		// Streamed before visible: the commit is flushed but the backend
 		// has not left the proc array yet (a synchronous standby can hold
-		// it there). Never confirm on a silent zero: try again.
+		// it there); or the row is not in the table while a partition of
+		// it is detached (store.goneForAReason). Never confirm on a silent
+		// zero: try again.
 		it.tries++
 		l.r.metrics.SettleRetries.Inc()
 		if it.tries == 50 || it.tries%500 == 0 {
 			l.r.log.Warn().Str("work_id", it.workID).Uint32("xid", it.settle.Xid).Int("tries", it.tries).
-				Msg("row streamed but its transaction is not visible yet (a commit waiting for a synchronous standby?); holding the checkpoint")
+				Msg("row streamed but not settled yet: its transaction is not visible yet (a commit waiting for a synchronous standby?), or it is not in the table while a partition is detached (outbox-relay status names it; prune or the relay's partition keeper attaches it back); holding the checkpoint")
 		}
 		it.retryAt = now.Add(min(time.Millisecond<<min(it.tries, 10), time.Second))
 		l.retry = append(l.retry, it)

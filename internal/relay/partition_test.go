@@ -86,3 +86,104 @@ func TestPartitionedTableStreams(t *testing.T) {
 	lsn, lag := h.slotConfirmed()
 	t.Logf("%d rows published from a partitioned table; slot confirmed at %s (%d bytes behind)", len(ids), lsn, lag)
 }
+
+// A producer's transaction open across an old partition's end commits
+// while prune's detach of that partition waits for it; the relay streams
+// its rows, which the CDC path hands off (a delayed row, a rejected one),
+// and settles them while the prune holds the partition detached (the test
+// holds it there until the slot confirms past the transaction, or 3 s).
+// No settle may count as done against a partition out of the table: the
+// rows end with the poller (the delayed one published and in the stream,
+// the rejected one scheduled with an attempt), never 'ready' behind the
+// confirmed position.
+func TestPruneRacingSettle(t *testing.T) {
+	s := sharedSetup(t)
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, s.dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	tbl := store.Table{Schema: "public", Name: "outbox"}
+	if _, err := store.MigrateWith(ctx, conn, tbl, store.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
+		t.Fatal(err)
+	}
+	base := time.Now().UTC().Truncate(time.Hour).Add(-5 * time.Hour)
+	part := "outbox_p" + base.Format("2006010215")
+	if _, err := conn.Exec(ctx, fmt.Sprintf(`CREATE TABLE %s PARTITION OF outbox FOR VALUES FROM ('%s') TO ('%s')`,
+		part, base.Format(time.RFC3339), base.Add(time.Hour).Format(time.RFC3339))); err != nil {
+		t.Fatal(err)
+	}
+	h := newHarness(t, s)
+	h.start()
+
+	producer, err := h.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer producer.Rollback(ctx) //nolint:errcheck
+	at := base.Add(30 * time.Minute)
+	if _, err := producer.Exec(ctx, `INSERT INTO outbox (work_id, kind, payload, created_at, available_at)
+		VALUES ('race-delayed', 'thing_happened', '{}', $1, clock_timestamp() + interval '1 second')`, at); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := producer.Exec(ctx, `INSERT INTO outbox (work_id, kind, subject, payload, created_at)
+		VALUES ('race-rejected', 'x', 'has space.in it', '{}', $1)`, at); err != nil {
+		t.Fatal(err)
+	}
+	st := store.New(h.pool, tbl, store.PolicyMark)
+	st.SetPruneHook(func(stage, _ string) {
+		if stage != store.PruneDetached {
+			return
+		}
+		// The detach waited for the producer: its commit is before here.
+		var end string
+		if err := h.pool.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&end); err != nil {
+			return
+		}
+		deadline := time.Now().Add(3 * time.Second)
+		for time.Now().Before(deadline) {
+			var past bool
+			if err := h.pool.QueryRow(ctx, `SELECT confirmed_flush_lsn >= $2::pg_lsn FROM pg_replication_slots WHERE slot_name = $1`,
+				h.opts.Slot, end).Scan(&past); err == nil && past {
+				return
+			}
+			time.Sleep(20 * time.Millisecond) // polling the slot with a bound, inside the prune's step
+		}
+	})
+	pruned := make(chan error, 1)
+	var res store.PruneResult
+	go func() {
+		var err error
+		res, err = st.Prune(ctx, store.PruneRequest{OlderThan: time.Since(base.Add(time.Hour)) - time.Second, Batch: 10, LockTimeout: 10 * time.Second})
+		pruned <- err
+	}()
+	testenv.WaitFor(t, 10*time.Second, "prune's detach waiting for the producer", func() (bool, error) {
+		var n int
+		err := h.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND strpos(query, 'DETACH PARTITION') > 0`).Scan(&n)
+		return n > 0, err
+	})
+	if err := producer.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-pruned; err != nil {
+		t.Fatal(err)
+	}
+	for _, v := range res.Partitions {
+		t.Logf("prune: %s kept %q", v.Name, v.Kept)
+	}
+	testenv.WaitFor(t, 20*time.Second, "the handed-off rows with the poller", func() (bool, error) {
+		var delayed, rejected string
+		var attempts int
+		if err := h.pool.QueryRow(ctx, `SELECT (SELECT state FROM outbox WHERE work_id = 'race-delayed'),
+			(SELECT state FROM outbox WHERE work_id = 'race-rejected'), (SELECT attempts FROM outbox WHERE work_id = 'race-rejected')`).
+			Scan(&delayed, &rejected, &attempts); err != nil {
+			return false, err
+		}
+		return delayed == "published" && rejected != "ready" && attempts >= 1,
+			fmt.Errorf("race-delayed %s, race-rejected %s with %d attempts", delayed, rejected, attempts)
+	})
+	if _, counts := h.streamMsgs(); counts["race-delayed"] != 1 {
+		t.Errorf("race-delayed stored %d times in the stream, want 1", counts["race-delayed"])
+	}
+}

@@ -53,7 +53,3 @@ func NewMigration(version int, name, sql string) (Migration, error) {
 
 // ParseLSN is parseLSN, for the watermark's position.
 var ParseLSN = parseLSN
-
-// SetAfterDetach makes prune call f between a partition's detach and its
-// second count.
-func (s *Store) SetAfterDetach(f func(partition string)) { s.afterDetach = f }

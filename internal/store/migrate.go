@@ -117,6 +117,11 @@ func (l Layout) Partitioned() bool { return l.PartitionInterval > 0 }
 // (docs/operations.md, Partition sizing), which PartitionsAhead bounds.
 const MinPartitionInterval = 5 * time.Minute
 
+// MaxPartitionInterval is the longest --partition-interval: a year. Far
+// longer intervals overflowed the duration (100000d) or made partitions
+// prune could never drop.
+const MaxPartitionInterval = 366 * 24 * time.Hour
+
 // PartitionsAhead is how many intervals past the current one are kept
 // created for interval d: enough to cover a day and one interval more, so a
 // relay (and migrate) stopped for a day still leaves producers a partition
@@ -135,6 +140,9 @@ func ParsePartitionInterval(s string) (time.Duration, error) {
 	var d time.Duration
 	if days, ok := strings.CutSuffix(s, "d"); ok {
 		n, err := strconv.Atoi(days)
+		if err == nil && n > int(MaxPartitionInterval/(24*time.Hour)) {
+			return 0, fmt.Errorf("--partition-interval %s: at most %dd (prune drops whole partitions: a longer one would keep rows for years)", s, int(MaxPartitionInterval/(24*time.Hour)))
+		}
 		if err != nil || n <= 0 {
 			return 0, fmt.Errorf("--partition-interval %q: want 1h, 1d, Nd or a Go duration of at least 5m", s)
 		}
@@ -150,6 +158,9 @@ func ParsePartitionInterval(s string) (time.Duration, error) {
 	}
 	if d%time.Minute != 0 {
 		return 0, fmt.Errorf("--partition-interval %s: want whole minutes", s)
+	}
+	if d > MaxPartitionInterval {
+		return 0, fmt.Errorf("--partition-interval %s: at most %dd (prune drops whole partitions: a longer one would keep rows for years)", s, int(MaxPartitionInterval/(24*time.Hour)))
 	}
 	return d, nil
 }

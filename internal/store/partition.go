@@ -50,21 +50,57 @@ type Beginner interface {
 }
 
 // AddPartitions creates the partitions of partitioned table t that are due,
-// waiting at most lockTimeout for the table's lock (CREATE TABLE ...
-// PARTITION OF takes ACCESS EXCLUSIVE on it for the catalog change, and
-// every INSERT queues behind the waiting request).
+// and attaches back those left detached, waiting at most lockTimeout for
+// each lock (<table>_add_partitions(), migration 0017: a partition is made
+// on its own and attached, which producers' INSERTs do not wait for; the
+// DEFAULT partition's lock, which reads through the table need, is taken
+// for a catalog change only). While the DEFAULT partition holds rows the
+// function works in steps, one per transaction, and leaves a guard on the
+// DEFAULT partition between them: it is called again while one is there,
+// a few times at most (the next round goes on).
 func AddPartitions(ctx context.Context, db Beginner, t Table, lockTimeout time.Duration) (PartitionsMade, error) {
 	var m PartitionsMade
-	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, fmt.Sprintf("%dms", max(lockTimeout.Milliseconds(), 1))); err != nil {
-			return err
+	for range 4 {
+		var made []string
+		var guarded bool
+		err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, lockTimeoutSetting(lockTimeout)); err != nil {
+				return err
+			}
+			if err := tx.QueryRow(ctx, `SELECT created, default_rows FROM `+t.derived("add_partitions", true)+`()`).Scan(&made, &m.DefaultRows); err != nil {
+				return err
+			}
+			return tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_constraint
+				WHERE conrelid = to_regclass($1) AND conname = $2)`,
+				pgx.Identifier{t.Schema, defaultName(t)}.Sanitize(), guardName(t)).Scan(&guarded)
+		})
+		if err != nil {
+			return m, fmt.Errorf("create the partitions of %s ahead of time: %w", t.Qualified(), err)
 		}
-		return tx.QueryRow(ctx, `SELECT created, default_rows FROM `+t.derived("add_partitions", true)+`()`).Scan(&m.Created, &m.DefaultRows)
-	})
-	if err != nil {
-		return m, fmt.Errorf("create the partitions of %s ahead of time: %w", t.Qualified(), err)
+		m.Created = append(m.Created, made...)
+		if !guarded {
+			break
+		}
 	}
 	return m, nil
+}
+
+// defaultName is the name of the DEFAULT partition (0014).
+func defaultName(t Table) string {
+	n := t.Name + "_default"
+	if len(n) > 63 {
+		n = n[:63]
+	}
+	return n
+}
+
+// guardName is the name of the DEFAULT partition's guard (0017).
+func guardName(t Table) string {
+	n := t.Name
+	if len(n) > 50 {
+		n = n[:50]
+	}
+	return n + "_default_guard"
 }
 
 // Layout reads how the store's table is laid out.
@@ -104,12 +140,29 @@ type Partition struct {
 	// partition.
 	Start, End time.Time
 	Default    bool
-	// DetachPending: a DETACH ... CONCURRENTLY was interrupted.
+	// DetachPending: a DETACH ... CONCURRENTLY was interrupted (by hand, or
+	// by a prune of an earlier version): queries no longer see it.
 	DetachPending bool
+	// Detached: a table named as the table's partitions are that is not
+	// attached, with rows outside the table: left by an interrupted prune of
+	// an earlier version, or detached by hand. Its bounds are read from its
+	// name. Prune attaches it back or drops it; the partition keeper
+	// attaches it back (0017).
+	Detached bool
 }
 
+// detachedSQL is true when the table $2 (regclass text) has a partition
+// out of it: a DETACH ... CONCURRENTLY pending, or a table of its schema
+// named as its partitions are ($3: <name>_p, then 8, 10 or 12 digits) that
+// is not attached. Catalog reads only.
+const detachedSQL = `(EXISTS (SELECT 1 FROM pg_catalog.pg_inherits i WHERE i.inhparent = $2::regclass AND i.inhdetachpending)
+	OR EXISTS (SELECT 1 FROM pg_catalog.pg_class c
+		WHERE c.relnamespace = (SELECT p.relnamespace FROM pg_catalog.pg_class p WHERE p.oid = $2::regclass AND p.relkind = 'p')
+		  AND c.relkind = 'r' AND NOT c.relispartition AND starts_with(c.relname::text, $3::text)
+		  AND substr(c.relname::text, length($3::text) + 1) ~ '^[0-9]{8}([0-9]{2}([0-9]{2})?)?$'))`
+
 // Partitions lists the table's partitions in created_at order, the DEFAULT
-// partition last.
+// partition last, then the tables left detached (Partition.Detached).
 func (s *Store) Partitions(ctx context.Context) ([]Partition, error) {
 	// The bounds are read back from the catalog's text of them, FOR VALUES
 	// FROM ('...') TO ('...') in the session's time zone, which PostgreSQL
@@ -133,6 +186,34 @@ func (s *Store) Partitions(ctx context.Context) ([]Partition, error) {
 	})
 	if err != nil {
 		return nil, fmt.Errorf("list the partitions of %s: %w", s.table.Qualified(), err)
+	}
+	prefix := s.table.Name + "_p"
+	rows, err = s.pool.Query(ctx, `SELECT c.relname::text FROM pg_catalog.pg_class c
+		WHERE c.relnamespace = (SELECT p.relnamespace FROM pg_catalog.pg_class p WHERE p.oid = $1::regclass AND p.relkind = 'p')
+		  AND c.relkind = 'r' AND NOT c.relispartition AND starts_with(c.relname::text, $2::text)
+		  AND substr(c.relname::text, length($2::text) + 1) ~ '^[0-9]{8}([0-9]{2}([0-9]{2})?)?$'
+		ORDER BY 1`, s.table.String(), prefix)
+	if err != nil {
+		return nil, fmt.Errorf("list the partitions of %s left detached: %w", s.table.Qualified(), err)
+	}
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("list the partitions of %s left detached: %w", s.table.Qualified(), err)
+	}
+	if len(names) == 0 {
+		return out, nil
+	}
+	l, err := ReadLayout(ctx, s.pool, s.table)
+	if err != nil {
+		return nil, err
+	}
+	for _, n := range names {
+		digits := strings.TrimPrefix(n, prefix)
+		start, err := time.ParseInLocation("200601021504"[:len(digits)], digits, time.UTC)
+		if err != nil || !l.Partitioned() {
+			continue
+		}
+		out = append(out, Partition{Name: n, Start: start, End: start.Add(l.PartitionInterval), Detached: true})
 	}
 	return out, nil
 }
@@ -216,24 +297,27 @@ func (s *Store) countPartition(ctx context.Context, q DBTX, part string, cutoff 
 // nothing prune must keep (partitionCounts.why). It never deletes a row:
 // a partition goes whole or stays whole.
 //
-// Each partition is read, detached, read again and dropped. The first
-// read is made without a lock that would stop the relay; the second reads
-// the partition once nothing can reach it through the table any more (every
-// statement of the relay, the operator's commands and producers goes
-// through the table), so a row that changed in between (a redrive of a
-// published row, a late settle) is seen, and the partition is attached
-// again instead of dropped. With a DEFAULT partition (0014 always makes
-// one) PostgreSQL cannot detach CONCURRENTLY; the plain DETACH takes ACCESS
-// EXCLUSIVE on the table for a catalog change, its wait bounded by
-// lockTimeout: a prune that gives up says so and the next one tries again.
+// Each partition is read, then detached, read again and dropped in ONE
+// transaction (dropPartition). The first read is made without a lock that
+// would stop anyone, and skips the partitions that are plainly kept. The
+// second runs under the detach's ACCESS EXCLUSIVE lock on the table: every
+// transaction that wrote to the partition has ended (the detach waited for
+// them), and no statement reaches the table until the transaction ends.
+// So a row that changed in between (a producer's transaction open across
+// the partition's end, a settle of its rows, a redrive) is seen, and the
+// transaction is rolled back: the partition was never out of the table
+// for anyone. The table never lacks a partition while other statements
+// run, and an interrupted prune (a signal, a lost connection) rolls back
+// with its transaction.
+//
+// Partitions left out of the table by an earlier version or by hand (a
+// DETACH ... CONCURRENTLY pending, a detached table of a partition's name)
+// are finished: finalized, then dropped when nothing keeps them and they
+// end before the cutoff, attached back otherwise (restorePartition).
 func (s *Store) prunePartitions(ctx context.Context, r PruneRequest, res PruneResult, lockTimeout time.Duration) (PruneResult, error) {
 	parts, err := s.Partitions(ctx)
 	if err != nil {
 		return res, err
-	}
-	hasDefault := false
-	for _, p := range parts {
-		hasDefault = hasDefault || p.Default
 	}
 	for _, p := range parts {
 		if err := ctx.Err(); err != nil {
@@ -249,6 +333,14 @@ func (s *Store) prunePartitions(ctx context.Context, r PruneRequest, res PruneRe
 			}
 			continue
 		}
+		if p.DetachPending || p.Detached {
+			v, err := s.restorePartition(ctx, p, res.Cutoff, r, lockTimeout)
+			if err != nil {
+				return res, fmt.Errorf("prune %s: %w", s.table.Qualified(), err)
+			}
+			res.Partitions = append(res.Partitions, v)
+			continue
+		}
 		if p.End.After(res.Cutoff) {
 			continue
 		}
@@ -262,7 +354,10 @@ func (s *Store) prunePartitions(ctx context.Context, r PruneRequest, res PruneRe
 			res.Partitions = append(res.Partitions, v)
 			continue
 		}
-		if v, err = s.dropPartition(ctx, v, res.Cutoff, r.IncludeCancelled, hasDefault, lockTimeout); err != nil {
+		if s.pruneHook != nil {
+			s.pruneHook(PruneCounted, p.Name)
+		}
+		if v, err = s.dropPartition(ctx, v, res.Cutoff, r.IncludeCancelled, lockTimeout); err != nil {
 			return res, fmt.Errorf("prune %s: %w", s.table.Qualified(), err)
 		}
 		res.Partitions = append(res.Partitions, v)
@@ -270,63 +365,127 @@ func (s *Store) prunePartitions(ctx context.Context, r PruneRequest, res PruneRe
 	return res, nil
 }
 
-// dropPartition detaches v, checks it again, and drops it or attaches it
-// back (prunePartitions).
-func (s *Store) dropPartition(ctx context.Context, v PartitionVerdict, cutoff time.Time, includeCancelled, hasDefault bool, lockTimeout time.Duration) (PartitionVerdict, error) {
+// lockTimeoutSetting is d as a lock_timeout value (at least 1ms: 0 would
+// mean no bound).
+func lockTimeoutSetting(d time.Duration) string {
+	return fmt.Sprintf("%dms", max(d.Milliseconds(), 1))
+}
+
+// isLockTimeout reports PostgreSQL's lock_not_available (55P03).
+func isLockTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "55P03"
+}
+
+// dropPartition detaches v, counts it again and drops it, in one
+// transaction that it rolls back when the count finds something that keeps
+// the partition (prunePartitions). The wait for the table's lock is bounded
+// by lockTimeout (the detach's ACCESS EXCLUSIVE request queues every
+// statement on the table behind it); once granted, the table is held for
+// the count of this one partition and the drop. Any failure, a cancel
+// included, rolls the detach back.
+func (s *Store) dropPartition(ctx context.Context, v PartitionVerdict, cutoff time.Time, includeCancelled bool, lockTimeout time.Duration) (PartitionVerdict, error) {
 	ident := pgx.Identifier{s.table.Schema, v.Name}.Sanitize()
-	conn, err := s.pool.Acquire(ctx)
-	if err != nil {
-		return v, fmt.Errorf("detach partition %s: %w", v.Name, err)
-	}
-	defer conn.Release()
-	timeout := fmt.Sprintf("%dms", max(lockTimeout.Milliseconds(), 1))
-	if v.DetachPending {
-		// An interrupted DETACH ... CONCURRENTLY: only FINALIZE completes it.
-		if _, err := conn.Exec(ctx, `ALTER TABLE `+s.table.String()+` DETACH PARTITION `+ident+` FINALIZE`); err != nil {
-			return v, fmt.Errorf("finish the interrupted detach of partition %s: %w", v.Name, err)
-		}
-	} else if !hasDefault {
-		// Waits for the transactions that might see the partition, holding
-		// only SHARE UPDATE EXCLUSIVE: producers and the relay go on. Not
-		// in a transaction block (PostgreSQL's rule).
-		if _, err := conn.Exec(ctx, `ALTER TABLE `+s.table.String()+` DETACH PARTITION `+ident+` CONCURRENTLY`); err != nil {
-			return v, fmt.Errorf("detach partition %s concurrently: %w", v.Name, err)
-		}
-	} else if err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, timeout); err != nil {
+	var kept string
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, lockTimeoutSetting(lockTimeout)); err != nil {
 			return err
 		}
-		_, err := tx.Exec(ctx, `ALTER TABLE `+s.table.String()+` DETACH PARTITION `+ident)
-		return err
-	}); err != nil {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == "55P03" {
-			v.Kept = fmt.Sprintf("gave up waiting %s (--lock-timeout) for the table's lock to detach it; the next prune tries again", lockTimeout)
-			return v, nil
+		if _, err := tx.Exec(ctx, `ALTER TABLE `+s.table.String()+` DETACH PARTITION `+ident); err != nil {
+			return err
 		}
-		return v, fmt.Errorf("detach partition %s: %w", v.Name, err)
+		if s.pruneHook != nil {
+			s.pruneHook(PruneDetached, v.Name)
+		}
+		c, err := s.countPartition(ctx, tx, v.Name, cutoff, includeCancelled)
+		if err != nil {
+			return err
+		}
+		v.Rows = c.rows
+		if kept = c.why(); kept != "" {
+			return errKeep
+		}
+		_, err = tx.Exec(ctx, `DROP TABLE `+ident)
+		return err
+	})
+	switch {
+	case err == nil:
+		return v, nil
+	case errors.Is(err, errKeep):
+		v.Kept = kept + " (changed since it was first read; the detach was rolled back, it stays attached)"
+		return v, nil
+	case isLockTimeout(err):
+		v.Kept = fmt.Sprintf("gave up waiting %s (--lock-timeout) for the table's lock to detach it; the next prune tries again", lockTimeout)
+		return v, nil
 	}
-	if s.afterDetach != nil {
-		s.afterDetach(v.Name)
+	return v, fmt.Errorf("drop partition %s: %w (the detach is rolled back with its transaction: %s stays attached, with its rows; a failure of the commit itself leaves it either attached or dropped, as `outbox-relay status` shows)", v.Name, err, v.Name)
+}
+
+// errKeep rolls back a detach whose second count found rows to keep.
+var errKeep = errors.New("partition keeps rows")
+
+// restorePartition finishes a partition left out of the table (a DETACH
+// ... CONCURRENTLY pending, a table of a partition's name not attached):
+// it drops it when it ends before the cutoff and holds nothing prune keeps,
+// and attaches it back otherwise, so that its rows are in the table again
+// (the relay holds its checkpoint at a row it does not find while such a
+// table exists: Store.goneForAReason). A dry run only says what it would do.
+func (s *Store) restorePartition(ctx context.Context, p Partition, cutoff time.Time, r PruneRequest, lockTimeout time.Duration) (PartitionVerdict, error) {
+	v := PartitionVerdict{Partition: p}
+	ident := pgx.Identifier{s.table.Schema, p.Name}.Sanitize()
+	if p.DetachPending && !r.DryRun {
+		// Only FINALIZE completes an interrupted DETACH ... CONCURRENTLY;
+		// it waits for the transactions that may still see the partition,
+		// holding SHARE UPDATE EXCLUSIVE, which blocks no producer.
+		if _, err := s.pool.Exec(ctx, `ALTER TABLE `+s.table.String()+` DETACH PARTITION `+ident+` FINALIZE`); err != nil {
+			return v, fmt.Errorf("finish the interrupted detach of partition %s: %w", p.Name, err)
+		}
+		v.DetachPending, v.Detached = false, true
 	}
-	c, err := s.countPartition(ctx, conn, v.Name, cutoff, includeCancelled)
+	c, err := s.countPartition(ctx, s.pool, p.Name, cutoff, r.IncludeCancelled)
 	if err != nil {
 		return v, err
 	}
-	if why := c.why(); why != "" {
-		// Partition bounds take no parameters: literals.
-		_, err := conn.Exec(ctx, `ALTER TABLE `+s.table.String()+` ATTACH PARTITION `+ident+
-			` FOR VALUES FROM (`+literal(v.Start.UTC().Format(time.RFC3339Nano))+`) TO (`+literal(v.End.UTC().Format(time.RFC3339Nano))+`)`)
-		if err != nil {
-			return v, fmt.Errorf("attach partition %s back (it changed while being detached: %s): %w; its rows are not lost: attach it by hand", v.Name, why, err)
+	v.Rows = c.rows
+	why := c.why()
+	if why == "" && !p.End.After(cutoff) {
+		if r.DryRun {
+			return v, nil
 		}
-		v.Rows, v.Kept = c.rows, why+" (changed while it was being detached; attached back)"
+		if _, err := s.pool.Exec(ctx, `DROP TABLE `+ident); err != nil {
+			return v, fmt.Errorf("drop partition %s, left detached with nothing to keep: %w", p.Name, err)
+		}
 		return v, nil
 	}
-	if _, err := conn.Exec(ctx, `DROP TABLE `+ident); err != nil {
-		return v, fmt.Errorf("drop the detached partition %s: %w", v.Name, err)
+	if why == "" {
+		why = "it ends after the cutoff"
 	}
-	v.Rows = c.rows
+	if r.DryRun {
+		v.Kept = why + "; it is out of the table (left detached): prune attaches it back"
+		return v, nil
+	}
+	// Partition bounds take no parameters: literals. The wait for the
+	// locks (SHARE UPDATE EXCLUSIVE on the table, ACCESS EXCLUSIVE on the
+	// DEFAULT partition, which every statement reading the table queues
+	// behind) is bounded.
+	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, lockTimeoutSetting(lockTimeout)); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, `ALTER TABLE `+s.table.String()+` ATTACH PARTITION `+ident+
+			` FOR VALUES FROM (`+literal(p.Start.UTC().Format(time.RFC3339Nano))+`) TO (`+literal(p.End.UTC().Format(time.RFC3339Nano))+`)`)
+		return err
+	})
+	if isLockTimeout(err) {
+		v.Kept = fmt.Sprintf("%s; it is out of the table (left detached) and prune gave up waiting %s (--lock-timeout) for the locks to attach it back: the next prune tries again", why, lockTimeout)
+		return v, nil
+	}
+	if err != nil {
+		return v, fmt.Errorf("attach partition %s back (left detached, %s): %w; its rows are not lost: attach it by hand (ALTER TABLE %s ATTACH PARTITION %s FOR VALUES FROM ('%s') TO ('%s'))",
+			p.Name, why, err, s.table.String(), ident, p.Start.UTC().Format(time.RFC3339), p.End.UTC().Format(time.RFC3339))
+	}
+	v.Detached, v.DetachPending = false, false
+	v.Kept = why + " (was left detached; attached back)"
 	return v, nil
 }
 
@@ -396,6 +555,11 @@ type PartitionSummary struct {
 	// (pg_stat_user_tables.n_live_tup: reading the partition would need a
 	// grant on it, and counting through the table reads every partition).
 	DefaultRows int64 `json:"default_rows_estimate"`
+	// Detached names the partitions out of the table (Partition.Detached,
+	// DetachPending): their rows are not reachable through it, and the
+	// relay holds its checkpoint at a row it cannot find until prune
+	// attaches them back or drops them.
+	Detached []string `json:"detached,omitempty"`
 }
 
 // PartitionSummary describes a partitioned table; nil for a plain one.
@@ -416,6 +580,12 @@ func (s *Store) PartitionSummary(ctx context.Context) (*PartitionSummary, error)
 				return nil, fmt.Errorf("read the statistics of the DEFAULT partition of %s: %w", s.table.Qualified(), err)
 			}
 			continue
+		}
+		if p.Detached || p.DetachPending {
+			sum.Detached = append(sum.Detached, p.Name)
+			if p.Detached {
+				continue
+			}
 		}
 		sum.Partitions++
 		if p.End.After(sum.LastEnd) {

@@ -57,10 +57,21 @@ type Store struct {
 
 	settleSQL string
 
-	// afterDetach, in tests, runs between a partition's detach and its
-	// second count (prunePartitions).
-	afterDetach func(partition string)
+	// pruneHook, in tests, runs at the steps of a partition's prune
+	// (SetPruneHook).
+	pruneHook func(stage, partition string)
 }
+
+// SetPruneHook is for tests: prune calls f(PruneCounted, partition) after
+// its first count of a partition it is about to detach, and f(PruneDetached,
+// partition) inside the detach's transaction, before the second count.
+func (s *Store) SetPruneHook(f func(stage, partition string)) { s.pruneHook = f }
+
+// The stages SetPruneHook reports.
+const (
+	PruneCounted  = "counted"
+	PruneDetached = "detached"
+)
 
 // New returns a Store for table t.
 func New(pool *pgxpool.Pool, t Table, policy Policy) *Store {
@@ -248,11 +259,68 @@ func (s *Store) SettleRows(ctx context.Context, items []Settle) (settled []bool,
 		done[id] = struct{}{}
 	}
 	settled = make([]bool, len(items))
+	var unchanged []string
 	for i, it := range items {
-		_, ok := done[it.WorkID]
-		settled[i] = ok || snap.Visible(it.Xid)
+		if _, ok := done[it.WorkID]; ok {
+			settled[i] = true
+		} else if snap.Visible(it.Xid) {
+			unchanged = append(unchanged, it.WorkID)
+		}
+	}
+	if len(unchanged) == 0 {
+		return settled, nil
+	}
+	gone, err := s.goneForAReason(ctx, unchanged)
+	if err != nil {
+		return nil, err
+	}
+	for i, it := range items {
+		if !settled[i] {
+			_, settled[i] = gone[it.WorkID]
+		}
 	}
 	return settled, nil
+}
+
+// goneForAReason says which of ids, rows a settle changed nothing of while
+// their transactions are visible, are done with: a row in another state
+// than 'ready' (a replay after a crash, the poller, an operator moved it
+// on), and a row that is not in the table while no partition of it is
+// detached: the relay deleted it (--on-publish delete), prune deleted it
+// once published, or its partition was dropped, which prune does only in
+// the transaction that detached it and found nothing owed in it
+// (dropPartition). A row not found while a partition is detached (left by
+// an interrupted prune of an earlier version, a DETACH ... CONCURRENTLY
+// pending, one detached by hand) may be in that partition: it is not
+// settled, and the checkpoint waits until prune or the partition keeper
+// attaches the partition back. A row found 'ready' has not moved on: the
+// next settle changes it.
+func (s *Store) goneForAReason(ctx context.Context, ids []string) (map[string]struct{}, error) {
+	var moved, present []string
+	var detached bool
+	err := s.pool.QueryRow(ctx, `WITH f AS (SELECT o.work_id, o.state FROM `+s.table.String()+` AS o WHERE o.work_id = ANY($1::text[]))
+		SELECT ARRAY(SELECT work_id FROM f WHERE state <> 'ready'), ARRAY(SELECT work_id FROM f), `+detachedSQL+``,
+		ids, s.table.String(), s.table.Name+"_p").Scan(&moved, &present, &detached)
+	if err != nil {
+		return nil, fmt.Errorf("settle %d rows in %s: look up the rows the settle did not change: %w", len(ids), s.table.Qualified(), err)
+	}
+	gone := make(map[string]struct{}, len(ids))
+	for _, id := range moved {
+		gone[id] = struct{}{}
+	}
+	if detached {
+		return gone, nil
+	}
+	in := make(map[string]struct{}, len(present))
+	for _, id := range present {
+		in[id] = struct{}{}
+	}
+	for _, id := range ids {
+		if _, ok := in[id]; !ok {
+			gone[id] = struct{}{}
+		}
+	}
+	return gone, nil
 }
 
 // settleUnwritten is SettleRows under --on-publish none (G17): a published
