@@ -14,6 +14,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -374,6 +375,10 @@ func poolConfig(o *Options) (*pgxpool.Config, error) {
 		app = "outbox-relay"
 	}
 	pcfg.ConnConfig.RuntimeParams["application_name"] = app
+	// Text in UTF-8, what messages carry (replication.PinClientEncoding).
+	pcfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
+		return replication.PinClientEncoding(ctx, c.PgConn())
+	}
 	return pcfg, nil
 }
 

@@ -272,6 +272,15 @@ func (r *Relay) Preflight(ctx context.Context) error {
 	if err := replication.CheckServer(ctx, r.pool); err != nil {
 		return err
 	}
+	enc, err := replication.ServerEncoding(ctx, r.pool)
+	if err != nil {
+		return err
+	}
+	if enc == "SQL_ASCII" {
+		r.log.Warn().Str("server_encoding", enc).
+			Msg("the database's encoding is SQL_ASCII: PostgreSQL stores any bytes in text and jsonb, so producers can write payloads and header values that are not UTF-8; the relay refuses each such row (rejected: invalid_payload or invalid_header, then failed), and publishes the rest. " +
+				"To have PostgreSQL refuse them at insert, move the table to a database created with ENCODING 'UTF8' (pg_dump, then restore into it)")
+	}
 	if err := r.store.Check(ctx); err != nil {
 		return err
 	}
