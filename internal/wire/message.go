@@ -189,7 +189,7 @@ func ValidatePayload(p []byte) error {
 	if utf8.Valid(p) {
 		return nil
 	}
-	return fmt.Errorf("its payload is not valid UTF-8 (byte %d of %d), and JSON must be: %s", invalidAt(p), len(p), notUTF8)
+	return fmt.Errorf("its payload is not valid UTF-8 (the byte at offset %d of %d), and JSON must be: %s", invalidAt(p), len(p), notUTF8)
 }
 
 // invalidAt is the offset of the first byte of p that is not UTF-8.
@@ -216,16 +216,19 @@ func userHeaders(raw []byte, hdr map[string][]string) error {
 	if !utf8.Valid(raw) {
 		for k, v := range user {
 			if !utf8.Valid(v) {
-				return fmt.Errorf("header %q: its value is not valid UTF-8 (byte %d of the value): %s", k, invalidAt(v), notUTF8)
+				return fmt.Errorf("header %q: its value is not valid UTF-8 (the byte at offset %d of the value): %s", k, invalidAt(bytes.TrimPrefix(v, []byte(`"`))), notUTF8)
 			}
 		}
 		// Only a name is left; the decoded name shows U+FFFD for its bytes.
-		return fmt.Errorf("its headers hold a header name that is not valid UTF-8 (byte %d of the headers): %s", invalidAt(raw), notUTF8)
+		return fmt.Errorf("its headers hold a header name that is not valid UTF-8 (the byte at offset %d of the headers): %s", invalidAt(raw), notUTF8)
 	}
 	for k, v := range user {
 		var s string
 		if kind := jsonKind(v); kind != "a string" || json.Unmarshal(v, &s) != nil {
-			return fmt.Errorf("header %q is %s (%.40s): header values must be strings; %s is not one: write it as a string, or leave the header out", k, jsonKind(v), v, jsonKind(v))
+			if kind != "null" {
+				kind += fmt.Sprintf(" (%.40s)", v)
+			}
+			return fmt.Errorf("header %q is %s: header values must be strings; %s is not one: write it as a string, or leave the header out", k, kind, jsonKind(v))
 		}
 		if err := ValidateHeader(k, s); err != nil {
 			return err

@@ -222,9 +222,9 @@ func TestBuildMessageRefusesInvalidUTF8AndNonStringHeaders(t *testing.T) {
 		reason           string
 		says             []string
 	}{
-		{"payload", "{\"a\":\"x\xffy\"}", "", "invalid_payload", []string{"payload", "not valid UTF-8", "byte 7", "SQL_ASCII"}},
-		{"payload, bare byte", "\"\xc3\"", "", "invalid_payload", []string{"byte 1"}},
-		{"header value", `{}`, "{\"traceparent\":\"00-\xfe-01\"}", wire.ReasonInvalidHeader, []string{`header "traceparent"`, "not valid UTF-8", "SQL_ASCII"}},
+		{"payload", "{\"a\":\"x\xffy\"}", "", "invalid_payload", []string{"payload", "not valid UTF-8", "offset 7 of 11", "SQL_ASCII"}},
+		{"payload, bare byte", "\"\xc3\"", "", "invalid_payload", []string{"offset 1 of 3"}},
+		{"header value", `{}`, "{\"traceparent\":\"00-\xfe-01\"}", wire.ReasonInvalidHeader, []string{`header "traceparent"`, "not valid UTF-8", "offset 3 of the value", "SQL_ASCII"}},
 		{"header name", `{}`, "{\"x\xff\":\"v\"}", wire.ReasonInvalidHeader, []string{"not valid UTF-8"}},
 		{"header null", `{}`, `{"traceparent":null}`, wire.ReasonInvalidHeader, []string{`header "traceparent"`, "is null", "header values must be strings; null is not one", "leave the header out"}},
 		{"header number", `{}`, `{"n":1}`, wire.ReasonInvalidHeader, []string{"is a number", "header values must be strings"}},
