@@ -53,6 +53,11 @@ func (m Message) Validate() error {
 	if !json.Valid(m.Payload) {
 		return fmt.Errorf("%w: work_id %q: payload is not valid JSON: %.80q", ErrInvalid, m.WorkID, m.Payload)
 	}
+	// json.Valid takes bytes that are not UTF-8, and a SQL_ASCII database
+	// stores them: the relay would refuse the row.
+	if err := wire.ValidatePayload(m.Payload); err != nil {
+		return fmt.Errorf("%w: work_id %q: %v", ErrInvalid, m.WorkID, err)
+	}
 	for _, k := range sortedKeys(m.Headers) {
 		if err := wire.ValidateHeader(k, m.Headers[k]); err != nil {
 			return fmt.Errorf("%w: work_id %q: %v", ErrInvalid, m.WorkID, err)

@@ -56,6 +56,7 @@ func TestValidate(t *testing.T) {
 		{"subject leading dot", with(func(m *outbox.Message) { m.Subject = ".shop" }), "empty token"},
 		{"empty payload", with(func(m *outbox.Message) { m.Payload = nil }), "payload is empty"},
 		{"bad payload", with(func(m *outbox.Message) { m.Payload = json.RawMessage(`{"a":`) }), "not valid JSON"},
+		{"payload that is not UTF-8", with(func(m *outbox.Message) { m.Payload = json.RawMessage("{\"a\":\"\xff\"}") }), "not valid UTF-8"},
 		{"reserved Nats header", with(func(m *outbox.Message) { m.Headers = map[string]string{"Nats-Rollup": "all"} }), "reserved"},
 		{"reserved Outbox header", with(func(m *outbox.Message) { m.Headers = map[string]string{"outbox-kind": "x"} }), "reserved"},
 		{"header name colon", with(func(m *outbox.Message) { m.Headers = map[string]string{"a:b": "x"} }), "printable ASCII"},

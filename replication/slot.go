@@ -58,7 +58,36 @@ func Connect(ctx context.Context, connString, appName string) (*pgconn.PgConn, e
 	if err != nil {
 		return nil, fmt.Errorf("open replication connection to %s:%d: %w", cfg.Host, cfg.Port, explainConnectError(err))
 	}
+	if err := PinClientEncoding(ctx, conn); err != nil {
+		_ = conn.Close(ctx)
+		return nil, err
+	}
 	return conn, nil
+}
+
+// PinClientEncoding makes PostgreSQL send text in UTF-8, what messages
+// carry (JSON and NATS headers are UTF-8): pgoutput and query results come
+// in the connection's client_encoding, which follows the database's
+// encoding unless a setting says otherwise, so a LATIN1 database's é
+// arrived as the byte 0xE9 and was published so. A SQL_ASCII database is
+// the exception: PostgreSQL converts nothing from it and, asked for UTF-8,
+// fails the whole statement (or the replication stream) on the first byte
+// that is not UTF-8, stopping every row behind it; there the connection
+// stays in SQL_ASCII, takes the bytes as they are, and the relay refuses a
+// row that is not UTF-8 (wire.ValidatePayload). One statement, only when
+// the encoding is not already the one wanted.
+func PinClientEncoding(ctx context.Context, conn *pgconn.PgConn) error {
+	want := "UTF8"
+	if conn.ParameterStatus("server_encoding") == "SQL_ASCII" {
+		want = "SQL_ASCII"
+	}
+	if conn.ParameterStatus("client_encoding") == want {
+		return nil
+	}
+	if _, err := conn.Exec(ctx, "SET client_encoding = '"+want+"'").ReadAll(); err != nil {
+		return fmt.Errorf("set client_encoding to %s (the database's encoding is %s): %w", want, conn.ParameterStatus("server_encoding"), err)
+	}
+	return nil
 }
 
 func explainConnectError(err error) error {
@@ -107,6 +136,19 @@ func CheckServer(ctx context.Context, q Querier) error {
 		return errors.New("max_replication_slots is 0: set it to at least 1 (ALTER SYSTEM SET max_replication_slots = 10) and restart PostgreSQL")
 	}
 	return nil
+}
+
+// ServerEncoding reads the database's encoding. SQL_ASCII means PostgreSQL
+// checks no text it stores and converts none it sends: a row can hold
+// bytes that are not UTF-8, and the relay refuses such a row when it
+// comes (wire.ValidatePayload). Every other encoding is converted to the
+// connection's UTF-8.
+func ServerEncoding(ctx context.Context, q Querier) (string, error) {
+	var enc string
+	if err := q.QueryRow(ctx, `SELECT current_setting('server_encoding')`).Scan(&enc); err != nil {
+		return "", fmt.Errorf("read server_encoding: %w", err)
+	}
+	return enc, nil
 }
 
 // ErrStandby says the relay reached a standby where it needs the primary.

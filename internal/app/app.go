@@ -14,6 +14,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -374,6 +375,10 @@ func poolConfig(o *Options) (*pgxpool.Config, error) {
 		app = "outbox-relay"
 	}
 	pcfg.ConnConfig.RuntimeParams["application_name"] = app
+	// Text in UTF-8, what messages carry (replication.PinClientEncoding).
+	pcfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
+		return replication.PinClientEncoding(ctx, c.PgConn())
+	}
 	return pcfg, nil
 }
 
@@ -453,7 +458,11 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	if err := reportFailover(ctx, pool, o, log); err != nil {
 		return err
 	}
-	pc := o.pollerConfig(nc.IsConnected)
+	// The poller waits while the broker is unreachable, and while the CDC
+	// path found this instance's settings differ from the table's (r is
+	// set before the poller runs).
+	var r *relay.Relay
+	pc := o.pollerConfig(func() bool { return nc.IsConnected() && r.SettingsRefused() == nil })
 	if gate != nil {
 		pc.Standby = gate
 		pc.WALPosition = func(ctx context.Context) (replication.LSN, error) { return replication.CurrentFlushLSN(ctx, pool) }
@@ -462,7 +471,8 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	// behind each other's acks.
 	p := poller.New(pc, st, natssink.New(js, o.sinkOptions()), log, m)
 
-	r := relay.New(relay.Config{
+	settings := store.Settings{Ordering: o.Ordering, OnPublish: o.Policy}
+	r = relay.New(relay.Config{
 		DatabaseURL:      o.DatabaseURL,
 		Table:            o.Table,
 		Slot:             o.Slot,
@@ -483,23 +493,19 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		Standby:          gate,
 		FailoverSlot:     o.FailoverSlot,
 		HandedOver:       p.Wake,
+		Settings:         &settings,
+		SettingsBy:       "run --worker-id " + pc.WorkerID,
 	}, pool, st, natssink.New(js, o.sinkOptions()), log, m)
 	if o.Started != nil {
 		o.Started(r)
 	}
 
 	// Before the poller claims a row: an instance whose --ordering or
-	// --on-publish differs from the table's must not publish anything.
-	// Preflight first, so a missing table or privilege is named as such.
+	// --on-publish differs from the table's must not publish anything
+	// (Preflight checks them last, so a missing table or privilege is
+	// named as such; every session start checks them again).
 	if err := r.Preflight(ctx); err != nil {
 		return err
-	}
-	rec, recorded, err := st.CheckSettings(ctx, store.Settings{Ordering: o.Ordering, OnPublish: o.Policy}, "run --worker-id "+pc.WorkerID)
-	if err != nil {
-		return err
-	}
-	if recorded {
-		log.Info().Str("settings", rec.Flags()).Msgf("recorded the settings of %s: every instance of it must run with %s", o.Table.Qualified(), rec.Flags())
 	}
 
 	g, gctx := errgroup.WithContext(ctx)

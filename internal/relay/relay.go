@@ -84,6 +84,13 @@ type Config struct {
 	// BeforeSession runs before each session, e.g. to create the stream when
 	// missing. An error fails the session (and is retried with backoff).
 	BeforeSession func(ctx context.Context) error
+
+	// Settings, when set, are this instance's --ordering and --on-publish:
+	// Preflight and every session start compare them with those recorded
+	// for the table (store.CheckSettings), recording them as SettingsBy
+	// when none are.
+	Settings   *store.Settings
+	SettingsBy string
 }
 
 // Defaults of the CDC path, used by `run`'s flags and by setDefaults.
@@ -194,8 +201,13 @@ type Relay struct {
 	budget       atomic.Pointer[replication.Budget]
 	bufferedPeak atomic.Int64
 	// preflighted: Preflight passed (the daemon runs it before it starts
-	// the poller); Run does not repeat it.
-	preflighted atomic.Bool
+	// the poller); Run does not repeat it. checked: the next session may
+	// skip the checks, which Preflight has just run.
+	preflighted, checked atomic.Bool
+	// settingsRefused holds the error of the last session start that found
+	// this instance's settings differ from the table's, nil since one that
+	// found them equal (SettingsRefused).
+	settingsRefused atomic.Pointer[error]
 	// snapshotNoteLogged: the relay said once why it cannot use
 	// pg_log_standby_snapshot() (restart.go).
 	snapshotNoteLogged atomic.Bool
@@ -272,13 +284,16 @@ func (r *Relay) Preflight(ctx context.Context) error {
 	if err := replication.CheckServer(ctx, r.pool); err != nil {
 		return err
 	}
-	if err := r.store.Check(ctx); err != nil {
+	enc, err := replication.ServerEncoding(ctx, r.pool)
+	if err != nil {
 		return err
 	}
-	if err := r.store.CheckRelayGrants(ctx); err != nil {
-		return err
+	if enc == "SQL_ASCII" {
+		r.log.Warn().Str("server_encoding", enc).
+			Msg("the database's encoding is SQL_ASCII: PostgreSQL stores any bytes in text and jsonb, so producers can write payloads and header values that are not UTF-8; the relay refuses each such row (rejected: invalid_payload or invalid_header, then failed), and publishes the rest. " +
+				"To have PostgreSQL refuse them at insert, move the table to a database created with ENCODING 'UTF8' (pg_dump, then restore into it)")
 	}
-	pub, err := replication.EnsurePublication(ctx, r.pool, r.cfg.Publication, r.cfg.Table.Schema, r.cfg.Table.Name)
+	pub, err := r.checkDatabase(ctx, true)
 	if err != nil {
 		return err
 	}
@@ -287,13 +302,67 @@ func (r *Relay) Preflight(ctx context.Context) error {
 			Msgf("publication %s has no row filter: the slot streams rows inserted in every state and the relay drops all but 'ready' ones; outbox-relay migrate adds WHERE %s (saves the walsender and the relay that work)",
 				r.cfg.Publication, replication.ReadyFilter)
 	}
-	if err := r.checkSlotOwner(ctx); err != nil {
-		return err
-	}
 	if err := r.reportIgnoredWatermarks(ctx); err != nil {
 		return err
 	}
 	r.preflighted.Store(true)
+	r.checked.Store(true)
+	return nil
+}
+
+// checkDatabase runs the checks of the start that a change in the database
+// can undo while the relay runs: the table and its columns, the privileges,
+// the publication, the slot's owner, the table's recorded settings.
+// Preflight runs them (with the server's, first), and so does every session
+// start (after a reconnect, a takeover, a PostgreSQL restart): a session
+// that streamed past a changed setting would do what the start refuses.
+// first: Preflight's call, which logs a settings record it made.
+func (r *Relay) checkDatabase(ctx context.Context, first bool) (replication.Publication, error) {
+	if !first {
+		if err := replication.CheckServer(ctx, r.pool); err != nil {
+			return replication.Publication{}, err
+		}
+	}
+	if err := r.store.Check(ctx); err != nil {
+		return replication.Publication{}, err
+	}
+	if err := r.store.CheckRelayGrants(ctx); err != nil {
+		return replication.Publication{}, err
+	}
+	pub, err := replication.EnsurePublication(ctx, r.pool, r.cfg.Publication, r.cfg.Table.Schema, r.cfg.Table.Name)
+	if err != nil {
+		return pub, err
+	}
+	if err := r.checkSlotOwner(ctx); err != nil {
+		return pub, err
+	}
+	if r.cfg.Settings == nil {
+		return pub, nil
+	}
+	rec, recorded, err := r.store.CheckSettings(ctx, *r.cfg.Settings, r.cfg.SettingsBy)
+	if errors.Is(err, store.ErrSettingsDiffer) {
+		r.settingsRefused.Store(&err)
+	} else if err == nil {
+		r.settingsRefused.Store(nil)
+	}
+	if err != nil {
+		return pub, err
+	}
+	if recorded {
+		r.log.Info().Str("settings", rec.Flags()).Msgf("recorded the settings of %s: every instance of it must run with %s", r.cfg.Table.Qualified(), rec.Flags())
+	}
+	return pub, nil
+}
+
+// SettingsRefused returns the error of the last check that found this
+// instance's --ordering or --on-publish differ from the table's record, or
+// nil when the last check found them equal. While it returns an error the
+// daemon's poller claims nothing either: an unordered poller beside
+// ordered instances publishes a held aggregate's later rows first (G12).
+func (r *Relay) SettingsRefused() error {
+	if p := r.settingsRefused.Load(); p != nil {
+		return *p
+	}
 	return nil
 }
 
@@ -370,7 +439,14 @@ func (r *Relay) Run(ctx context.Context) error {
 			}
 			wait = retry.Equal(attempt, r.cfg.BackoffMin, r.cfg.BackoffMax, nil)
 			attempt++
-			r.log.Error().Err(err).Dur("retry_in", wait).Int("attempt", attempt).Msg("replication session ended")
+			msg := "replication session ended"
+			if errors.Is(err, errSessionCheck) {
+				// Not an exit: a crash loop would print the same and fix
+				// nothing. The fix can come from the database (the record,
+				// the publication, a column), so each attempt checks again.
+				msg = "a check at session start failed: not streaming until it passes; fix what the error says, and the relay streams again at its next attempt, without a restart"
+			}
+			r.log.Error().Err(err).Dur("retry_in", wait).Int("attempt", attempt).Msg(msg)
 		}
 		if err := r.sleep(ctx, wait); err != nil {
 			r.setRole(RoleStarting)
@@ -379,8 +455,16 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 }
 
+// errSessionCheck marks a session that ended in checkDatabase.
+var errSessionCheck = errors.New("session start")
+
 // session runs one replication connection from connect to close.
 func (r *Relay) session(ctx context.Context) error {
+	if !r.checked.Swap(false) {
+		if _, err := r.checkDatabase(ctx, false); err != nil {
+			return fmt.Errorf("%w: %w", errSessionCheck, err)
+		}
+	}
 	if r.cfg.BeforeSession != nil {
 		if err := r.cfg.BeforeSession(ctx); err != nil {
 			return err
@@ -396,9 +480,6 @@ func (r *Relay) session(ctx context.Context) error {
 		_ = conn.Close(cctx)
 	}()
 
-	if _, err := replication.EnsurePublication(ctx, r.pool, r.cfg.Publication, r.cfg.Table.Schema, r.cfg.Table.Name); err != nil {
-		return err
-	}
 	slot, ident, err := r.ensureSlot(ctx, conn)
 	if err != nil {
 		return err

@@ -59,7 +59,18 @@ func (p *Postgres) CreateDatabaseFrom(t testing.TB, template string) string {
 	return p.createDatabase(t, template)
 }
 
-func (p *Postgres) createDatabase(t testing.TB, template string) string {
+// CreateDatabaseEncoded is CreateDatabase with the given server encoding
+// (SQL_ASCII, LATIN1, ...), under the C locale, which goes with every
+// encoding, copied from template0, the only template whose encoding may be
+// changed.
+func (p *Postgres) CreateDatabaseEncoded(t testing.TB, encoding string) string {
+	t.Helper()
+	return p.createDatabase(t, "", "ENCODING "+quoteLiteral(encoding)+" LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
+}
+
+func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
+
+func (p *Postgres) createDatabase(t testing.TB, template string, with ...string) string {
 	t.Helper()
 	suffix := fmt.Sprintf("_%d", dbSeq.Add(1))
 	san := strings.Trim(dbUnsafe.ReplaceAllString(strings.ToLower(t.Name()), "_"), "_")
@@ -85,6 +96,9 @@ func (p *Postgres) createDatabase(t testing.TB, template string) string {
 		// FILE_COPY copies the files instead of writing every page to the
 		// WAL (WAL_LOG, the default since PostgreSQL 15).
 		create += " TEMPLATE " + pgx.Identifier{template}.Sanitize() + " STRATEGY FILE_COPY"
+	}
+	for _, w := range with {
+		create += " " + w
 	}
 	if _, err := conn.Exec(ctx, create); err != nil {
 		t.Fatalf("testenv: create database %s: %v", name, err)

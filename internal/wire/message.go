@@ -1,6 +1,7 @@
 package wire
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -84,11 +85,12 @@ const (
 	ReasonReservedSubject  = "reserved_subject"
 	ReasonInvalidAggregate = "invalid_aggregate"
 	ReasonInvalidDeadline  = "invalid_deadline"
+	ReasonInvalidPayload   = "invalid_payload"
 )
 
 // Reasons is every reason above: the one list docs checks hold the docs to.
 var Reasons = []string{ReasonInvalidWorkID, ReasonInvalidKind, ReasonInvalidSubject, ReasonInvalidHeader,
-	ReasonHeaderTooLarge, ReasonReservedSubject, ReasonInvalidAggregate, ReasonInvalidDeadline}
+	ReasonHeaderTooLarge, ReasonReservedSubject, ReasonInvalidAggregate, ReasonInvalidDeadline, ReasonInvalidPayload}
 
 // BuildMessage turns a row into the message the broker stores: the payload's
 // committed text as the data (G4), the subject column or prefix+kind, the
@@ -136,21 +138,13 @@ func BuildMessageShared(r Row, subjectPrefix string, extra map[string][]string) 
 		}
 		return nil, &RejectedError{Reason: reason, Err: fmt.Errorf("row %s: %w", r.WorkID, err)}
 	}
+	if err := ValidatePayload(r.Payload); err != nil {
+		return nil, &RejectedError{Reason: ReasonInvalidPayload, Err: fmt.Errorf("row %s: %w", r.WorkID, err)}
+	}
 	hdr := make(map[string][]string, 5+len(extra))
 	if len(r.Headers) > 0 {
-		var user map[string]any
-		if err := json.Unmarshal(r.Headers, &user); err != nil {
-			return nil, &RejectedError{Reason: ReasonInvalidHeader, Err: fmt.Errorf("headers of %s are not a JSON object of strings: %w", r.WorkID, err)}
-		}
-		for k, v := range user {
-			s, ok := v.(string)
-			if !ok {
-				return nil, &RejectedError{Reason: ReasonInvalidHeader, Err: fmt.Errorf("header %q of %s is a JSON %T, not a string", k, r.WorkID, v)}
-			}
-			if err := ValidateHeader(k, s); err != nil {
-				return nil, &RejectedError{Reason: ReasonInvalidHeader, Err: fmt.Errorf("row %s: %w", r.WorkID, err)}
-			}
-			hdr[k] = []string{s}
+		if err := userHeaders(r.Headers, hdr); err != nil {
+			return nil, &RejectedError{Reason: ReasonInvalidHeader, Err: fmt.Errorf("row %s: %w", r.WorkID, err)}
 		}
 	}
 	hdr[HeaderKind] = []string{r.Kind}
@@ -181,6 +175,89 @@ func BuildMessageShared(r Row, subjectPrefix string, extra map[string][]string) 
 			r.WorkID, n, MaxHeaderBytes, largestHeaders(hdr))}
 	}
 	return &Message{ID: r.WorkID, Subject: subject, Data: r.Payload, Header: hdr, Checked: true, HeaderBytes: n}, nil
+}
+
+// notUTF8 says where a database can have taken bytes that are not UTF-8.
+const notUTF8 = "a database whose encoding is SQL_ASCII stores any bytes unchecked (the relay warns at start); fix the producer, or move the table to a UTF8 database"
+
+// ValidatePayload checks that a payload is text a receiver can read: JSON
+// is UTF-8 (RFC 8259), and a receiver's parser refuses other bytes or reads
+// other characters than the producer wrote. jsonb in a database of any
+// other encoding than SQL_ASCII holds only valid text, which PostgreSQL
+// hands the relay in UTF-8.
+func ValidatePayload(p []byte) error {
+	if utf8.Valid(p) {
+		return nil
+	}
+	return fmt.Errorf("its payload is not valid UTF-8 (the byte at offset %d of %d), and JSON must be: %s", invalidAt(p), len(p), notUTF8)
+}
+
+// invalidAt is the offset of the first byte of p that is not UTF-8.
+func invalidAt(p []byte) int {
+	for i := 0; i < len(p); {
+		r, n := utf8.DecodeRune(p[i:])
+		if r == utf8.RuneError && n == 1 {
+			return i
+		}
+		i += n
+	}
+	return len(p)
+}
+
+// userHeaders adds a row's headers (its headers column) to hdr, each
+// checked by ValidateHeader. The values are decoded one by one from their
+// raw JSON because encoding/json turns bytes that are not UTF-8 into
+// U+FFFD without an error: the message would carry other text than the row.
+func userHeaders(raw []byte, hdr map[string][]string) error {
+	var user map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &user); err != nil {
+		return fmt.Errorf("its headers are not a JSON object of strings: %w", err)
+	}
+	if !utf8.Valid(raw) {
+		for k, v := range user {
+			if !utf8.Valid(v) {
+				return fmt.Errorf("header %q: its value is not valid UTF-8 (the byte at offset %d of the value): %s", k, invalidAt(bytes.TrimPrefix(v, []byte(`"`))), notUTF8)
+			}
+		}
+		// Only a name is left; the decoded name shows U+FFFD for its bytes.
+		return fmt.Errorf("its headers hold a header name that is not valid UTF-8 (the byte at offset %d of the headers): %s", invalidAt(raw), notUTF8)
+	}
+	for k, v := range user {
+		var s string
+		if kind := jsonKind(v); kind != "a string" || json.Unmarshal(v, &s) != nil {
+			if kind != "null" {
+				kind += fmt.Sprintf(" (%.40s)", v)
+			}
+			return fmt.Errorf("header %q is %s: header values must be strings; %s is not one: write it as a string, or leave the header out", k, kind, jsonKind(v))
+		}
+		if err := ValidateHeader(k, s); err != nil {
+			return err
+		}
+		hdr[k] = []string{s}
+	}
+	return nil
+}
+
+// jsonKind names a JSON value's type in JSON's words, for an operator who
+// wrote the row in SQL.
+func jsonKind(v json.RawMessage) string {
+	v = bytes.TrimSpace(v)
+	if len(v) == 0 {
+		return "empty"
+	}
+	switch v[0] {
+	case 'n':
+		return "null"
+	case 't', 'f':
+		return "a boolean"
+	case '{':
+		return "an object"
+	case '[':
+		return "an array"
+	case '"':
+		return "a string"
+	}
+	return "a number"
 }
 
 // FormatDeadline is how Outbox-Expires-At carries a deadline: RFC 3339 in

@@ -205,3 +205,62 @@ func TestRulesAtTheLimits(t *testing.T) {
 		}
 	}
 }
+
+// Issue 30, item 11: a database with encoding SQL_ASCII stores any bytes in
+// text and jsonb, so a row's payload or a header value can hold bytes that
+// are not UTF-8. encoding/json turned such a header value into U+FFFD
+// without an error (the message carried other text than the row), and the
+// payload was published as it was (JSON must be UTF-8: receivers fail on
+// it or read other characters). Both are refused with a reason, as a
+// work ID that is not UTF-8 is; a key that is not UTF-8 too. And a header
+// whose value is not a string says what it is in JSON's words (null, not
+// Go's <nil>) and what to do.
+func TestBuildMessageRefusesInvalidUTF8AndNonStringHeaders(t *testing.T) {
+	for _, c := range []struct {
+		name             string
+		payload, headers string
+		reason           string
+		says             []string
+	}{
+		{"payload", "{\"a\":\"x\xffy\"}", "", "invalid_payload", []string{"payload", "not valid UTF-8", "offset 7 of 11", "SQL_ASCII"}},
+		{"payload, bare byte", "\"\xc3\"", "", "invalid_payload", []string{"offset 1 of 3"}},
+		{"header value", `{}`, "{\"traceparent\":\"00-\xfe-01\"}", wire.ReasonInvalidHeader, []string{`header "traceparent"`, "not valid UTF-8", "offset 3 of the value", "SQL_ASCII"}},
+		{"header name", `{}`, "{\"x\xff\":\"v\"}", wire.ReasonInvalidHeader, []string{"not valid UTF-8"}},
+		{"header null", `{}`, `{"traceparent":null}`, wire.ReasonInvalidHeader, []string{`header "traceparent"`, "is null", "header values must be strings; null is not one", "leave the header out"}},
+		{"header number", `{}`, `{"n":1}`, wire.ReasonInvalidHeader, []string{"is a number", "header values must be strings"}},
+		{"header object", `{}`, `{"n":{"a":"b"}}`, wire.ReasonInvalidHeader, []string{"is an object"}},
+		{"header array", `{}`, `{"n":["a"]}`, wire.ReasonInvalidHeader, []string{"is an array"}},
+		{"header boolean", `{}`, `{"n":true}`, wire.ReasonInvalidHeader, []string{"is a boolean"}},
+		{"headers not an object", `{}`, `["a"]`, wire.ReasonInvalidHeader, []string{"not a JSON object of strings"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			row := wire.Row{WorkID: "w1", Kind: "k", Payload: []byte(c.payload)}
+			if c.headers != "" {
+				row.Headers = []byte(c.headers)
+			}
+			m, err := wire.BuildMessage(row, "outbox.", nil)
+			re, ok := wire.IsRejected(err)
+			if !ok || re.Reason != c.reason {
+				var hdr any
+				if m != nil {
+					hdr = m.Header
+				}
+				t.Fatalf("BuildMessage = %v (headers %q), want a rejection with reason %s", err, hdr, c.reason)
+			}
+			for _, s := range c.says {
+				if !strings.Contains(err.Error(), s) {
+					t.Errorf("error %q does not say %q", err, s)
+				}
+			}
+			if !utf8.ValidString(err.Error()) {
+				t.Errorf("error %q is not valid UTF-8 itself (it goes into last_error)", err)
+			}
+		})
+	}
+	// Valid UTF-8 of every width is taken, byte for byte.
+	payload := `{"a":"é日本😀"}`
+	m, err := wire.BuildMessage(wire.Row{WorkID: "w1", Kind: "k", Payload: []byte(payload), Headers: []byte(`{"x":"é日本😀"}`)}, "outbox.", nil)
+	if err != nil || string(m.Data) != payload || m.Header["x"][0] != "é日本😀" {
+		t.Fatalf("valid UTF-8: %v, %+v", err, m)
+	}
+}

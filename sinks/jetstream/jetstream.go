@@ -151,6 +151,12 @@ func classify(ctx context.Context, js API, subject string, err error) error {
 		return &wire.RejectedError{Reason: wire.ReasonInvalidSubject, Err: err}
 	case errors.Is(err, nats.ErrBadHeaderMsg):
 		return &wire.RejectedError{Reason: wire.ReasonInvalidHeader, Err: err}
+	case errors.Is(err, nats.ErrReconnectBufExceeded):
+		// The relay's connection buffers nothing while it is down
+		// (ReconnectBufSize(-1)), so nats.go answers every publish with
+		// "outbound buffer limit exceeded": say what that means here.
+		return fmt.Errorf("the broker is unreachable (the NATS connection is down and reconnecting; nothing was sent, and the row stays to be published once it is back, nothing is lost): "+
+			"check that nats-server is running and reachable at the relay's --nats-url: %w", err)
 	}
 	var apiErr *jetstream.APIError
 	if errors.As(err, &apiErr) {

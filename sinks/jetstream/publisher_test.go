@@ -450,3 +450,60 @@ func TestConcurrentPublishers(t *testing.T) {
 		}
 	}
 }
+
+// Issue 30: a broker outage used to be logged as nats.go's "outbound buffer
+// limit exceeded" (the relay buffers nothing while disconnected, so every
+// publish fails so at once), which says neither what is happening nor what
+// to do. The error now says the broker is unreachable, that nothing is lost
+// and what to check; it is still an outage, not a rejection, and wraps the
+// client's error. Once the server is back, publishing works again.
+func TestBrokerOutageSaysWhatIsHappening(t *testing.T) {
+	n, _, _, subject := ownNATS(t)
+	nc, err := nats.Connect(n.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond), nats.ReconnectBufSize(-1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	sink := natssink.New(js, natssink.Options{Stream: "S", SubjectPrefix: "s."})
+	if _, err := waitFor(t, mustPublish(t, sink, "before", subject)); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	testenv.WaitFor(t, 10*time.Second, "the client reconnecting", func() (bool, error) {
+		return nc.Status() == nats.RECONNECTING, fmt.Errorf("status %s", nc.Status())
+	})
+	_, err = sink.Publish(ctx, &wire.Message{ID: "during", Subject: subject, Data: []byte("x")})
+	checkOutage(t, "publish while the broker is down", err, nats.ErrReconnectBufExceeded)
+	for _, want := range []string{"broker is unreachable", "nothing was sent", "--nats-url"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("outage error %v does not say %q", err, want)
+		}
+	}
+	if err := n.Start(); err != nil {
+		t.Fatal(err)
+	}
+	testenv.WaitFor(t, 20*time.Second, "publishing again after the broker is back", func() (bool, error) {
+		fut, err := sink.Publish(ctx, &wire.Message{ID: "after", Subject: subject, Data: []byte("x")})
+		if err != nil {
+			return false, err
+		}
+		_, err = waitFor(t, fut)
+		return err == nil, err
+	})
+}
+
+func mustPublish(t *testing.T, s *natssink.Sink, id, subject string) sinks.Future {
+	t.Helper()
+	fut, err := s.Publish(context.Background(), &wire.Message{ID: id, Subject: subject, Data: []byte(id)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fut
+}
