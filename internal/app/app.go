@@ -113,6 +113,9 @@ type Options struct {
 	// --nats-monitor-url), where the broker contract check reads the
 	// server's sync setting; "" leaves it unknown.
 	NATSMonitorURL string
+	// ReadBackLimit bounds a session start's read-back of the stream (run
+	// --readback-limit, G18): 0 the default, negative off.
+	ReadBackLimit int
 
 	// Listening, when set, receives the HTTP server's address once it listens.
 	Listening func(addr string)
@@ -498,6 +501,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		Standby:          gate,
 		FailoverSlot:     o.FailoverSlot,
 		HandedOver:       p.Wake,
+		ReadBackLimit:    o.ReadBackLimit,
 	}, pool, st, cdcSink, log, m)
 	if o.Started != nil {
 		o.Started(r)
