@@ -7,6 +7,7 @@ package sinks
 import (
 	"context"
 	"errors"
+	"time"
 
 	"github.com/outbox-relay/outbox-relay/internal/wire"
 )
@@ -46,3 +47,33 @@ type Sink interface {
 // ErrAckTimeout marks a publish whose ack did not come in time: the broker
 // may or may not have stored it (an uncertain outcome, not a rejection).
 var ErrAckTimeout = errors.New("no ack in time")
+
+// Stored is a message the broker already holds: its ID (the row's work
+// ID), where it is, and its headers.
+type Stored struct {
+	ID     string
+	Stream string
+	Seq    uint64
+	Header map[string][]string
+}
+
+// StoredReader is what a Sink may also implement: reading back what the
+// broker stored, so that a relay starting again publishes only what is not
+// there yet (G18), whatever the broker's duplicate window.
+type StoredReader interface {
+	// StoredSince calls each for every message on the relay's own
+	// subjects stored at or after since, in stream order, reading at most
+	// limit messages. complete is false when it stopped at the limit (or
+	// each returned false) before the stream's end.
+	StoredSince(ctx context.Context, since time.Time, limit int, each func(Stored) bool) (read int, complete bool, err error)
+}
+
+// Resolved is a Future that has its answer already: a message found
+// stored, never published again.
+type Resolved Ack
+
+// Wait implements Future.
+func (r Resolved) Wait(context.Context) (Ack, error) { return Ack(r), nil }
+
+// Ready implements Ready.
+func (Resolved) Ready() bool { return true }

@@ -28,7 +28,9 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 		lease, backoffMin, backoffMax, pollInterval                 time.Duration
 		maxAttempts, pollBatch, pollPipeline                        int
 		statsInterval                                               time.Duration
-		createStream                                                bool
+		createStream, deadlineTTL                                   bool
+		natsMonitorURL                                              string
+		readBackLimit                                               int
 		allowStreams                                                config.List
 		ordering                                                    string
 		standbySlots                                                config.List
@@ -43,6 +45,9 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs.BoolVar(&failoverSlot, "failover-slot", true, "create the slot as a failover slot on PostgreSQL 17+, so it survives a promotion of a standby with sync_replication_slots = on")
 	fs.Var(&allowStreams, "allow-stream", "a further stream a row's subject column may name; repeat or comma-separate (default: only --stream; a subject no allowed stream binds is refused)")
 	fs.BoolVar(&createStream, "create-stream", true, "create --stream when it is missing (false: it must exist, e.g. when operators own stream configuration)")
+	fs.BoolVar(&deadlineTTL, "deadline-ttl", true, "publish a row with expires_at with Nats-TTL (the time left, rounded up to whole seconds), so the stream removes its message at the deadline (G21), where the stream allows per-message TTL; the stream the relay creates allows it (which cannot be undone on it)")
+	fs.StringVar(&natsMonitorURL, "nats-monitor-url", "", "nats-server's monitoring endpoint (e.g. http://nats:8222), where the start's broker contract check reads the server's sync setting (empty: unknown, and an R1 file stream is warned about)")
+	fs.IntVar(&readBackLimit, "readback-limit", relay.DefaultReadBackLimit, "message headers a session start reads back from the stream to find the replayed rows it already holds, which it then does not publish again (G18; about 100 bytes of memory each; 0: no read-back, repeats left to the duplicate window)")
 	fs.IntVar(&replicas, "stream-replicas", 1, "replicas of the stream when the relay creates it (3 on a JetStream cluster)")
 	fs.DurationVar(&ackTimeout, "ack-timeout", natssink.DefaultAckTimeout, "how long a publish waits for the broker's ack before the session restarts")
 	fs.IntVar(&maxInFlight, "max-in-flight", relay.DefaultMaxInFlight, "messages published and not yet acked")
@@ -101,6 +106,14 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	o.Ordering, o.DeadlineMargin = ordering, deadlineMargin
 	o.StandbySlots, o.FailoverSlot = standbySlots, failoverSlot
 	o.DuplicateWindow, o.StreamReplicas, o.AckTimeout, o.NoCreateStream = dupWindow, replicas, ackTimeout, !createStream
+	o.DeadlineTTL, o.NATSMonitorURL = deadlineTTL, natsMonitorURL
+	if readBackLimit < 0 {
+		return fmt.Errorf("--readback-limit %d: must be 0 (off) or more", readBackLimit)
+	}
+	o.ReadBackLimit = readBackLimit
+	if readBackLimit == 0 {
+		o.ReadBackLimit = -1
+	}
 	o.MaxInFlight, o.MaxInFlightBytes, o.MaxBufferedBytes = maxInFlight, maxInFlightBytes, maxBufferedBytes
 	o.StatusInterval, o.DrainTimeout = statusInterval, drainTimeout
 	o.Linger = linger

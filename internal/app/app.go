@@ -106,6 +106,18 @@ type Options struct {
 
 	NATS NATSAuth
 
+	// DeadlineTTL publishes a row with a deadline with Nats-TTL where its
+	// stream allows per-message TTL, and creates the stream allowing it
+	// (run --deadline-ttl, G21).
+	DeadlineTTL bool
+	// NATSMonitorURL is nats-server's monitoring endpoint (run
+	// --nats-monitor-url), where the broker contract check reads the
+	// server's sync setting; "" leaves it unknown.
+	NATSMonitorURL string
+	// ReadBackLimit bounds a session start's read-back of the stream (run
+	// --readback-limit, G18): 0 the default, negative off.
+	ReadBackLimit int
+
 	// Listening, when set, receives the HTTP server's address once it listens.
 	Listening func(addr string)
 	// Started, when set, receives the relay once it is built (tests read its role).
@@ -309,7 +321,8 @@ func (o *Options) pollerConfig(connected func() bool) poller.Config {
 // sinkOptions says where the sinks may publish: the relay's stream and the
 // streams --allow-stream names.
 func (o *Options) sinkOptions() natssink.Options {
-	return natssink.Options{Stream: o.Stream, SubjectPrefix: o.SubjectPrefix, AllowStreams: o.AllowStreams, AckTimeout: o.AckTimeout}
+	return natssink.Options{Stream: o.Stream, SubjectPrefix: o.SubjectPrefix, AllowStreams: o.AllowStreams, AckTimeout: o.AckTimeout,
+		DeadlineTTL: o.DeadlineTTL}
 }
 
 // DefaultWorkerID is hostname-pid: unique per process on a host.
@@ -434,7 +447,11 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		return fmt.Errorf("open JetStream: %w", err)
 	}
 	streamCfg := natssink.StreamConfig{Name: o.Stream, SubjectPrefix: o.SubjectPrefix, DuplicateWindow: o.DuplicateWindow,
-		Replicas: o.StreamReplicas, NoCreate: o.NoCreateStream}
+		Replicas: o.StreamReplicas, NoCreate: o.NoCreateStream, MsgTTL: o.DeadlineTTL}
+	// Each sink has its own pending publishes: the two paths never wait
+	// behind each other's acks.
+	pollSink, cdcSink := natssink.New(js, o.sinkOptions()), natssink.New(js, o.sinkOptions())
+	contract := newContractCheck(o, nc, log, m)
 	ensureStream := func(ctx context.Context) error {
 		sctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		defer cancel()
@@ -443,9 +460,12 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 			return err
 		}
 		if created {
-			log.Info().Str("stream", o.Stream).Str("subjects", o.SubjectPrefix+">").Dur("duplicate_window", info.Config.Duplicates).Msg("created stream")
+			log.Info().Str("stream", o.Stream).Str("subjects", o.SubjectPrefix+">").Dur("duplicate_window", info.Config.Duplicates).
+				Bool("allow_msg_ttl", info.Config.AllowMsgTTL).Msg("created stream")
 		}
-		return nil
+		pollSink.Observe(info)
+		cdcSink.Observe(info)
+		return contract.check(sctx, info)
 	}
 	// A stream set up wrong fails the start; a broker that is only
 	// unreachable is retried by every session.
@@ -467,9 +487,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		pc.Standby = gate
 		pc.WALPosition = func(ctx context.Context) (replication.LSN, error) { return replication.CurrentFlushLSN(ctx, pool) }
 	}
-	// Each sink has its own pending publishes: the two paths never wait
-	// behind each other's acks.
-	p := poller.New(pc, st, natssink.New(js, o.sinkOptions()), log, m)
+	p := poller.New(pc, st, pollSink, log, m)
 
 	settings := store.Settings{Ordering: o.Ordering, OnPublish: o.Policy}
 	r = relay.New(relay.Config{
@@ -495,7 +513,8 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		HandedOver:       p.Wake,
 		Settings:         &settings,
 		SettingsBy:       "run --worker-id " + pc.WorkerID,
-	}, pool, st, natssink.New(js, o.sinkOptions()), log, m)
+		ReadBackLimit:    o.ReadBackLimit,
+	}, pool, st, cdcSink, log, m)
 	if o.Started != nil {
 		o.Started(r)
 	}

@@ -24,6 +24,10 @@ type NATSOptions struct {
 
 	SyncAlways bool // JetStream sync_interval: always (fsync every write); needs a config file
 
+	// Monitor serves nats-server's monitoring endpoints (/varz, ...) on a
+	// free port of its own (MonitorURL).
+	Monitor bool
+
 	// KeepFiles makes Close stop the server gracefully and leave its store
 	// directory and log behind, for a person to read after a failure.
 	KeepFiles bool
@@ -45,6 +49,8 @@ type NATS struct {
 	port     int
 	args     []string
 	keep     bool
+	// monitorPort serves /varz when started with NATSOptions.Monitor.
+	monitorPort int
 
 	// Set for a node of StartNATSCluster: its server_name, and readiness
 	// means accepting clients, because JetStream answers only once the
@@ -99,6 +105,15 @@ func StartNATS(opts NATSOptions) (*NATS, error) {
 		}
 		n.port = port
 		n.args = []string{"-a", "127.0.0.1", "-p", strconv.Itoa(port), "-js", "-sd", n.storeDir}
+		if opts.Monitor {
+			mport, err := freePort()
+			if err != nil {
+				n.removeAll()
+				return nil, fmt.Errorf("start nats: %w", err)
+			}
+			n.monitorPort = mport
+			n.args = append(n.args, "-m", strconv.Itoa(mport))
+		}
 		if confPath != "" {
 			n.args = append(n.args, "-c", confPath)
 		}
@@ -116,6 +131,15 @@ func StartNATS(opts NATSOptions) (*NATS, error) {
 
 // Port returns the client port; it stays the same across restarts.
 func (n *NATS) Port() int { return n.port }
+
+// MonitorURL is the monitoring endpoint's base URL, "" unless started with
+// NATSOptions.Monitor.
+func (n *NATS) MonitorURL() string {
+	if n.monitorPort == 0 {
+		return ""
+	}
+	return fmt.Sprintf("http://127.0.0.1:%d", n.monitorPort)
+}
 
 // URL returns the client URL.
 func (n *NATS) URL() string { return fmt.Sprintf("nats://127.0.0.1:%d", n.port) }

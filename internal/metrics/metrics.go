@@ -49,6 +49,13 @@ type Metrics struct {
 	StandbySlotMissing *prometheus.GaugeVec   // slot: 1 when --standby-slot names no slot here
 	StandbyGated       *StandbyGated          // path: how long delivery has waited for the standbys now (held.go)
 	FailoverPath       *prometheus.CounterVec // path: how a session found its slot after a promotion
+	BrokerContract     *prometheus.GaugeVec   // check, level: 1 while the stream or server falls short of that check (G21)
+	// The read-back of a session start (G18): rows of the replay found
+	// already stored (not published again), messages read, the last
+	// read's duration.
+	ReadBackFound    prometheus.Counter
+	ReadBackMessages prometheus.Counter
+	ReadBackSeconds  prometheus.Gauge
 }
 
 // New registers every metric on a fresh registry, with Go and process
@@ -156,7 +163,19 @@ func New() *Metrics {
 	m.FailoverPath = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "outbox_relay_failover_path_total", Help: "Sessions that found the slot a synced failover slot after a promotion (slot_survived); a slot re-created instead counts in outbox_relay_slots_created_total.",
 	}, []string{"path"})
-	for _, c := range []prometheus.Collector{m.FailoverPath, m.StandbyLagBytes, m.StandbySlotMissing, m.StandbyGated, m.Expired, m.BlockedAggregates, m.SlotLagSeconds, m.DefaultPartitionRows, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.WatermarkLSN, m.ServerWALEnd,
+	m.BrokerContract = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "outbox_relay_broker_contract", Help: "1 for each check of the broker contract (G21) the stream or server falls short of, as found at the last session's start, by check and level (warn, refuse); docs/operations.md lists the checks.",
+	}, []string{"check", "level"})
+	m.ReadBackFound = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "outbox_relay_readback_found_total", Help: "Replayed rows a session start found already stored in the stream (published before a restart, a takeover or a reconnect) and settled with their stored sequence instead of publishing them again (G18).",
+	})
+	m.ReadBackMessages = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "outbox_relay_readback_messages_total", Help: "Message headers read back from the stream at session starts, to find the replayed rows already stored (G18).",
+	})
+	m.ReadBackSeconds = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "outbox_relay_readback_seconds", Help: "How long the last session start's read-back of the stream took (G18).",
+	})
+	for _, c := range []prometheus.Collector{m.ReadBackFound, m.ReadBackMessages, m.ReadBackSeconds, m.BrokerContract, m.FailoverPath, m.StandbyLagBytes, m.StandbySlotMissing, m.StandbyGated, m.Expired, m.BlockedAggregates, m.SlotLagSeconds, m.DefaultPartitionRows, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.WatermarkLSN, m.ServerWALEnd,
 		m.SlotLagBytes, m.InFlight, m.InFlightBytes, m.BufferedBytes, m.Handoffs, m.SettleRetries, m.Sessions, m.SlotOwner, m.Claims,
 		m.StaleCompletions, m.Failures, m.RowsByState, m.OldestEligible} {
 		f(c)

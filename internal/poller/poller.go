@@ -33,6 +33,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
+	"github.com/outbox-relay/outbox-relay/internal/repeats"
 	"github.com/outbox-relay/outbox-relay/internal/retry"
 	"github.com/outbox-relay/outbox-relay/internal/standby"
 	"github.com/outbox-relay/outbox-relay/internal/store"
@@ -135,6 +136,8 @@ type Poller struct {
 	st   *store.Store
 	sink sinks.Sink
 	log  zerolog.Logger
+	// repeats summarises duplicate acks in the log.
+	repeats *repeats.Log
 	// noisy logs what can repeat every poll during an outage (poll
 	// failures, stale claims): a few per half minute, not one per poll.
 	noisy zerolog.Logger
@@ -197,6 +200,7 @@ func New(cfg Config, st *store.Store, sink sinks.Sink, log zerolog.Logger, m *me
 	l := log.With().Str("component", "poller").Str("worker", cfg.WorkerID).Logger()
 	return &Poller{cfg: cfg, st: st, sink: sink, log: l, m: m,
 		noisy:        l.Sample(&zerolog.BurstSampler{Burst: 5, Period: 30 * time.Second}),
+		repeats:      repeats.New(l, store.DuplicateLog, 0),
 		wake:         make(chan struct{}, 1),
 		pubOK:        m.Published.WithLabelValues("poller", "ok"),
 		pubDuplicate: m.Published.WithLabelValues("poller", "duplicate"),
@@ -218,6 +222,7 @@ func (p *Poller) Run(ctx context.Context) error {
 	f := flight{done: make(chan int, p.cfg.Pipeline)}
 	// Claimed batches are finished even when ctx ends: a stop records what
 	// the broker acked instead of leaving it to a reclaim.
+	defer p.repeats.Flush()
 	defer f.waitAll()
 	// The first claim runs at once, before the first sweep: a relay that
 	// starts on a backlog has no reason to wait a poll interval, and the
@@ -503,8 +508,7 @@ func (p *Poller) acked(c store.Claimed, ack sinks.Ack) store.Completion {
 	// See the CDC path (relay.handleResult): the row points at the message
 	// the broker kept.
 	done.Note = store.DuplicateNote(ack.Stream, ack.Sequence)
-	p.log.Warn().Str("work_id", c.WorkID).Str("stream", ack.Stream).Uint64("stream_seq", ack.Sequence).
-		Msg(store.DuplicateLog)
+	p.repeats.Add(c.WorkID, ack.Stream, ack.Sequence)
 	return done
 }
 

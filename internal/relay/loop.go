@@ -85,6 +85,11 @@ type loop struct {
 	batch []replication.Event // the batch being handled; rest is its unhandled rest
 	rest  []replication.Event
 
+	// readBack: the replayed rows the stream holds already (readback.go);
+	// readBackDone once the session's read is behind it.
+	readBack     *readBack
+	readBackDone bool
+
 	order    *orderState // nil without --ordering aggregate
 	gated    *gateState  // nil without --standby-slot
 	refresh  chan heldRefresh
@@ -505,6 +510,10 @@ func (l *loop) handleEvent(ctx context.Context, ev replication.Event, confirms c
 			l.reachedStop()
 			return nil
 		}
+		if !l.readBackDone {
+			l.readBackDone = true
+			l.startReadBack(ctx, ev.CommitTime, l.cp.Confirmed())
+		}
 		l.cur = l.cp.Begin(ev.Xid, ev.CommitLSN)
 		l.cur.CommitTime = ev.CommitTime
 		l.curCommitTime = ev.CommitTime
@@ -599,6 +608,12 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row, held int) er
 }
 
 func (l *loop) publish(ctx context.Context, it *item) error {
+	if ack, ok := l.found(it.workID); ok {
+		// Stored before the restart: settled as published with its
+		// sequence, like an ack, through the same path.
+		l.r.metrics.ReadBackFound.Inc()
+		return l.published(it, sinks.Resolved(ack))
+	}
 	fut, err := l.r.sink.Publish(ctx, it.msg)
 	if err != nil {
 		if re, ok := wire.IsRejected(err); ok {
@@ -608,6 +623,11 @@ func (l *loop) publish(ctx context.Context, it *item) error {
 		l.r.metrics.Published.WithLabelValues("cdc", "error").Inc()
 		return fmt.Errorf("%w: %w", errOutage, err)
 	}
+	return l.published(it, fut)
+}
+
+// published counts a row in flight with its future.
+func (l *loop) published(it *item, fut sinks.Future) error {
 	it.fut = fut
 	l.inflight++
 	l.inflightBytes += it.size
@@ -717,8 +737,7 @@ func (l *loop) handleResult(ctx context.Context, it *item) error {
 		// content is lost. Only the stored message can tell, so the row
 		// says which one it points at.
 		it.settle.Error = store.DuplicateNote(it.ack.Stream, it.ack.Sequence)
-		l.r.log.Warn().Str("work_id", it.workID).Str("stream", it.ack.Stream).Uint64("stream_seq", it.ack.Sequence).
-			Msg(store.DuplicateLog)
+		l.r.repeats.Add(it.workID, it.ack.Stream, it.ack.Sequence)
 	} else {
 		l.publishedOK.Inc()
 	}

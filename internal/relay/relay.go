@@ -18,6 +18,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
+	"github.com/outbox-relay/outbox-relay/internal/repeats"
 	"github.com/outbox-relay/outbox-relay/internal/retry"
 	"github.com/outbox-relay/outbox-relay/internal/standby"
 	"github.com/outbox-relay/outbox-relay/internal/store"
@@ -81,6 +82,11 @@ type Config struct {
 	// watermark.go); the store's policy decides whether there is one.
 	WatermarkEvery time.Duration
 
+	// ReadBackLimit bounds the messages a session reads back from the
+	// stream before replaying (readback.go, G18): 0 takes
+	// DefaultReadBackLimit, a negative value turns the read-back off.
+	ReadBackLimit int
+
 	// BeforeSession runs before each session, e.g. to create the stream when
 	// missing. An error fails the session (and is retried with backoff).
 	BeforeSession func(ctx context.Context) error
@@ -122,6 +128,9 @@ const (
 )
 
 func (c *Config) setDefaults() {
+	if c.ReadBackLimit == 0 {
+		c.ReadBackLimit = DefaultReadBackLimit
+	}
 	def := func(d *time.Duration, v time.Duration) {
 		if *d <= 0 {
 			*d = v
@@ -188,6 +197,9 @@ type Relay struct {
 	metrics *metrics.Metrics
 	stats   replication.Stats
 	role    atomic.Int32
+	// repeats summarises duplicate acks in the log (a replay can bring
+	// thousands).
+	repeats *repeats.Log
 	// oldestOpen is the commit time (unix nanos) of the oldest transaction
 	// streamed and not yet confirmed, 0 when none: kept across sessions, so
 	// the lag keeps growing through an outage.
@@ -227,6 +239,7 @@ func New(cfg Config, pool *pgxpool.Pool, st *store.Store, sink sinks.Sink, log z
 		log:   log.With().Str("component", "cdc").Str("slot", cfg.Slot).Logger(),
 		sleep: retry.Sleep,
 	}
+	r.repeats = repeats.New(r.log, store.DuplicateLog, 0)
 	r.setRole(RoleStarting)
 	return r
 }
@@ -545,6 +558,7 @@ func (r *Relay) session(ctx context.Context) error {
 		streamDone <- stream.Run(sessCtx, events, confirms, stop)
 	}()
 	err = l.run(ctx, sessCtx, events, confirms, stop, streamDone)
+	r.repeats.Flush()
 	cancel()
 	l.wait()
 	// The stream goroutine owns the connection until it returns; only then

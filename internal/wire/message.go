@@ -25,6 +25,11 @@ type Message struct {
 	// again for each message.
 	Checked     bool
 	HeaderBytes int
+
+	// ExpiresAt is the row's business deadline (G13), zero when it has
+	// none: a sink that can make the broker enforce it (Nats-TTL, G21)
+	// works out the time left when it publishes.
+	ExpiresAt time.Time
 }
 
 // Size is what the message counts against in-flight byte limits.
@@ -169,12 +174,15 @@ func BuildMessageShared(r Row, subjectPrefix string, extra map[string][]string) 
 		hdr[k] = v
 	}
 	n := HeaderBlockSize(r.WorkID, hdr)
+	if !r.ExpiresAt.IsZero() {
+		n += ttlHeaderRoom
+	}
 	if n > MaxHeaderBytes {
 		return nil, &RejectedError{Reason: ReasonHeaderTooLarge, Err: fmt.Errorf(
 			"row %s: its headers take %d bytes, over JetStream's %d-byte limit for a message's header block: send fewer or shorter headers (%s)",
 			r.WorkID, n, MaxHeaderBytes, largestHeaders(hdr))}
 	}
-	return &Message{ID: r.WorkID, Subject: subject, Data: r.Payload, Header: hdr, Checked: true, HeaderBytes: n}, nil
+	return &Message{ID: r.WorkID, Subject: subject, Data: r.Payload, Header: hdr, Checked: true, HeaderBytes: n, ExpiresAt: r.ExpiresAt}, nil
 }
 
 // notUTF8 says where a database can have taken bytes that are not UTF-8.

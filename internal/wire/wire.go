@@ -33,7 +33,16 @@ const (
 	// stream it resolved for the subject: JetStream refuses the message
 	// when the subject is bound to another stream by then.
 	HeaderExpectedStream = "Nats-Expected-Stream"
+	// HeaderTTL is set by the JetStream sink on a row with a deadline, on
+	// a stream that allows per-message TTL (G21): the time left until the
+	// deadline, in whole seconds rounded up, so the stream removes the
+	// message once the deadline has passed.
+	HeaderTTL = "Nats-TTL"
 )
+
+// ttlHeaderRoom is what a Nats-TTL header adds to a header block at most:
+// its name, the longest value (seconds to year 9999) and the separators.
+const ttlHeaderRoom = len(HeaderTTL) + len("253402300800s") + 4
 
 // MaxStreamNameBytes is the longest stream name JetStream accepts.
 const MaxStreamNameBytes = 255

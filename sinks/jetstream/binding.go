@@ -36,6 +36,9 @@ type Options struct {
 	// AckTimeout is how long a publish waits for the broker's ack before
 	// it fails with sinks.ErrAckTimeout (see New for the default).
 	AckTimeout time.Duration
+	// DeadlineTTL: a message with a deadline carries Nats-TTL, the time
+	// left until it, when its stream allows per-message TTL (G21).
+	DeadlineTTL bool
 }
 
 // DefaultBindingRefresh is how long the allowed streams' subject lists are
@@ -85,7 +88,12 @@ type binding struct {
 	// neither the lock nor the filters.
 	prefixOwned atomic.Bool
 
+	// ownTTL: the own stream allows per-message TTL (AllowMsgTTL), as
+	// last read; ttl holds the same for the other allowed streams (b.mu).
+	ownTTL atomic.Bool
+
 	mu      sync.Mutex
+	ttl     map[string]bool
 	filters []streamFilter
 	readAt  time.Time
 	refused map[string]refusal
@@ -117,7 +125,7 @@ func newBinding(o Options) *binding {
 	if o.Refresh <= 0 {
 		o.Refresh = DefaultBindingRefresh
 	}
-	b := &binding{opts: o, allowed: allowed, expect: make(map[string][]string, len(allowed)), refused: map[string]refusal{}}
+	b := &binding{opts: o, allowed: allowed, expect: make(map[string][]string, len(allowed)), refused: map[string]refusal{}, ttl: map[string]bool{}}
 	for _, s := range allowed {
 		b.expect[s] = []string{s}
 	}
@@ -237,6 +245,7 @@ func (b *binding) read(ctx context.Context, js API, now time.Time) error {
 		if err != nil {
 			return fmt.Errorf("read the subjects of stream %s: %w", name, err)
 		}
+		b.setTTL(name, st.CachedInfo().Config.AllowMsgTTL)
 		for _, f := range st.CachedInfo().Config.Subjects {
 			filters = append(filters, streamFilter{stream: name, filter: f})
 			if name == b.opts.Stream && b.opts.SubjectPrefix != "" && filterCovers(f, b.opts.SubjectPrefix+">") {
@@ -247,6 +256,43 @@ func (b *binding) read(ctx context.Context, js API, now time.Time) error {
 	b.filters, b.readAt = filters, now
 	b.prefixOwned.Store(owned)
 	return nil
+}
+
+// setTTL records whether stream allows per-message TTL. b.mu is held, or
+// the stream is the own one.
+func (b *binding) setTTL(stream string, allowed bool) {
+	if stream == b.opts.Stream {
+		b.ownTTL.Store(allowed)
+		return
+	}
+	b.ttl[stream] = allowed
+}
+
+// allowsTTL says whether a message to stream may carry Nats-TTL: asked
+// for, and the stream allowed it when last read.
+func (b *binding) allowsTTL(stream string) bool {
+	if !b.opts.DeadlineTTL {
+		return false
+	}
+	if stream == b.opts.Stream {
+		return b.ownTTL.Load()
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.ttl[stream]
+}
+
+// noTTL records that stream refused a message for its Nats-TTL (the
+// stream was re-created without AllowMsgTTL): the next attempt goes
+// without it.
+func (b *binding) noTTL(stream string) {
+	if stream == b.opts.Stream {
+		b.ownTTL.Store(false)
+		return
+	}
+	b.mu.Lock()
+	b.ttl[stream] = false
+	b.mu.Unlock()
 }
 
 // bound returns the allowed stream whose filters match subject, or "".

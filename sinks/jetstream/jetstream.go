@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -69,6 +70,13 @@ func (s *Sink) Publish(ctx context.Context, m *wire.Message) (sinks.Future, erro
 	// above and the publish, and a message stored in another stream would
 	// be a write where this relay may not write.
 	f.hdr[wire.HeaderExpectedStream] = s.binding.expect[stream]
+	// The time left is worked out now, at each attempt: a retry an hour
+	// later carries an hour less.
+	if !m.ExpiresAt.IsZero() && s.binding.allowsTTL(stream) {
+		f.hdr[wire.HeaderTTL] = []string{TTL(m.ExpiresAt, time.Now())}
+	} else {
+		delete(f.hdr, wire.HeaderTTL)
+	}
 	// The message's ID goes into its header map, as nats.go's WithMsgID
 	// would put it (a republished message has it already).
 	if vs := f.hdr[jetstream.MsgIDHeader]; len(vs) != 1 || vs[0] != m.ID {
@@ -107,6 +115,14 @@ func (f *future) Wait(ctx context.Context) (sinks.Ack, error) {
 		return sinks.Ack{}, fmt.Errorf("ack for %s on %s: %w: %w", f.msg.ID, f.msg.Subject, sinks.ErrAckTimeout, f.err)
 	}
 	var apiErr *jetstream.APIError
+	if errors.As(f.err, &apiErr) && apiErr.ErrorCode == errCodeMsgTTLDisabled {
+		// Not stored. The stream was read as allowing TTL and is one that
+		// does not (re-created since): an outage for this attempt, and the
+		// next goes without the header.
+		f.sink.binding.noTTL(f.stream)
+		return sinks.Ack{}, fmt.Errorf("ack for %s on %s: stream %s refused its Nats-TTL (per-message TTL is not allowed there): the next attempt publishes it without: %w",
+			f.msg.ID, f.msg.Subject, f.stream, f.err)
+	}
 	if errors.As(f.err, &apiErr) && apiErr.ErrorCode == errCodeStreamNotMatch {
 		// Known non-effect: the stream that binds the subject now refused
 		// it because it is not the one expected.
@@ -199,6 +215,9 @@ type StreamConfig struct {
 	DuplicateWindow time.Duration
 	Replicas        int
 	NoCreate        bool // a missing stream is an error (--create-stream=false)
+	// MsgTTL creates the stream with per-message TTL allowed (G21), which
+	// can never be turned off on it again.
+	MsgTTL bool
 }
 
 // errCodeHeaderExceedsMaximum is JetStream's "header size exceeds maximum
@@ -209,6 +228,40 @@ const errCodeHeaderExceedsMaximum jetstream.ErrorCode = 10097
 // the publish's Nats-Expected-Stream names another stream than the one
 // that binds its subject, and nothing was stored.
 const errCodeStreamNotMatch jetstream.ErrorCode = 10060
+
+// errCodeMsgTTLDisabled is JetStream's "per-message TTL is disabled": the
+// message carried Nats-TTL to a stream without AllowMsgTTL.
+const errCodeMsgTTLDisabled jetstream.ErrorCode = 10166
+
+// TTL is the Nats-TTL of a message whose deadline is expires, published at
+// now: the time left in whole seconds, rounded up so the broker never
+// removes it before the deadline, and at least the 1 s the server accepts
+// (a row that close to its deadline is the poller's, G13, and the poller
+// does not publish one past it).
+func TTL(expires, now time.Time) string {
+	left := expires.Sub(now)
+	secs := int64(left / time.Second)
+	if left%time.Second > 0 {
+		secs++
+	}
+	return strconv.FormatInt(max(secs, 1), 10) + "s"
+}
+
+// Observe records what info says of its stream that publishes depend on
+// (whether it allows per-message TTL). The relay calls it with the stream
+// it read at each session's start.
+func (s *Sink) Observe(info *jetstream.StreamInfo) {
+	if info == nil {
+		return
+	}
+	if info.Config.Name == s.binding.opts.Stream {
+		s.binding.setTTL(info.Config.Name, info.Config.AllowMsgTTL)
+		return
+	}
+	s.binding.mu.Lock()
+	s.binding.setTTL(info.Config.Name, info.Config.AllowMsgTTL)
+	s.binding.mu.Unlock()
+}
 
 // errCodeSubjectOverlap is JetStream's "subjects overlap with an existing
 // stream" (the client library names no constant for it).
@@ -270,6 +323,7 @@ func ensureStream(ctx context.Context, js jetstream.StreamManager, c StreamConfi
 		Storage:     jetstream.FileStorage,
 		Duplicates:  c.DuplicateWindow,
 		Replicas:    replicas,
+		AllowMsgTTL: c.MsgTTL,
 	})
 	if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
 		// Another instance created it first.

@@ -1,0 +1,137 @@
+package relay
+
+import (
+	"context"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+
+	"github.com/outbox-relay/outbox-relay/internal/wire"
+	"github.com/outbox-relay/outbox-relay/replication"
+	"github.com/outbox-relay/outbox-relay/sinks"
+)
+
+// The read-back (G18). A session replays everything past the slot's
+// confirmed position, and some of it was published (and stored) by the
+// session before: up to a status interval of acked rows, plus everything
+// in flight behind them. Past the broker's duplicate window nothing drops
+// those repeats; a crash followed by a longer outage stored every recent
+// row twice. So before the first publish of a session the relay reads the
+// headers the stream stored since the first replayed transaction committed,
+// and a replayed row whose work ID is there is settled as published with
+// the stored sequence instead of being published again.
+//
+// The read is bounded by what was stored since that commit on the relay's
+// own subjects (what this relay published after its last confirmation,
+// plus what others stored there since: other instances' pollers, other
+// publishers), not by the outage's length, and by ReadBackLimit messages.
+// Past the limit, and for rows whose subject column names another stream,
+// the duplicate window is what is left.
+
+// DefaultReadBackLimit bounds the messages a session start reads back, and
+// so the memory of the IDs it keeps (about 100 bytes each).
+const DefaultReadBackLimit = 200_000
+
+// readBackMargin starts the read this long before the first replayed
+// commit: the broker's clock stamps a stored message, PostgreSQL's the
+// commit, and a broker clock behind PostgreSQL's would hide the first
+// repeats.
+const readBackMargin = 5 * time.Second
+
+// readBack holds the replay's messages the stream has already, by work ID,
+// until the replay passes the newest of them.
+type readBack struct {
+	stored map[string]storedMsg
+	upTo   replication.LSN // the newest commit LSN among them
+}
+
+// storedMsg is where a replayed row's message is, and the commit position
+// it carries (0: none, not the CDC path's).
+type storedMsg struct {
+	stream string
+	seq    uint64
+	lsn    replication.LSN
+}
+
+// startReadBack reads the stream back before the session's first publish:
+// first is the first replayed transaction's commit time, confirmed the
+// slot's position the session started from.
+func (l *loop) startReadBack(ctx context.Context, first time.Time, confirmed replication.LSN) {
+	reader, ok := l.r.sink.(sinks.StoredReader)
+	if !ok || l.r.cfg.ReadBackLimit < 0 {
+		return
+	}
+	since := first.Add(-readBackMargin)
+	started := time.Now()
+	rb := &readBack{stored: map[string]storedMsg{}}
+	rctx, cancel := context.WithTimeout(ctx, readBackTimeout)
+	defer cancel()
+	read, complete, err := reader.StoredSince(rctx, since, l.r.cfg.ReadBackLimit, func(m sinks.Stored) bool {
+		lsn, err := pglogrepl.ParseLSN(firstHeader(m.Header, wire.HeaderCommitLSN))
+		if err == nil && lsn <= confirmed {
+			return true // published and confirmed: not replayed
+		}
+		if err != nil {
+			lsn = 0
+		}
+		rb.stored[m.ID] = storedMsg{stream: m.Stream, seq: m.Seq, lsn: lsn}
+		rb.upTo = max(rb.upTo, lsn)
+		return true
+	})
+	took := time.Since(started)
+	l.r.metrics.ReadBackMessages.Add(float64(read))
+	l.r.metrics.ReadBackSeconds.Set(took.Seconds())
+	ev := l.r.log.Info()
+	switch {
+	case err != nil:
+		ev = l.r.log.Warn().Err(err)
+	case !complete:
+		ev = l.r.log.Warn()
+	}
+	ev.Time("since", since).Int("read", read).Int("stored", len(rb.stored)).Bool("complete", err == nil && complete).
+		Dur("took", took).Msg(readBackMessage(err, complete))
+	if len(rb.stored) > 0 {
+		l.readBack = rb
+	}
+}
+
+func readBackMessage(err error, complete bool) string {
+	switch {
+	case err != nil:
+		return "could not read the stream back before replaying: rows published before the restart are published again, and only the duplicate window drops the repeats"
+	case !complete:
+		return "read the stream back up to --readback-limit only: replayed rows past it are published again, and only the duplicate window drops the repeats"
+	}
+	return "read the stream back before replaying: replayed rows found stored are settled, not published again"
+}
+
+// readBackTimeout bounds the read: a broker too slow to answer in it is
+// left to the duplicate window.
+const readBackTimeout = time.Minute
+
+// found returns the stored message of a replayed row as its ack (and
+// forgets it), and drops the read-back once the replay has passed its
+// newest message. A message of another transaction under the row's work
+// ID (a work_id reused) is answered as a duplicate, as the broker would
+// inside its window: the row then says which message it points at.
+func (l *loop) found(workID string) (sinks.Ack, bool) {
+	rb := l.readBack
+	if rb == nil {
+		return sinks.Ack{}, false
+	}
+	m, ok := rb.stored[workID]
+	if ok {
+		delete(rb.stored, workID)
+	}
+	if len(rb.stored) == 0 || (rb.upTo != 0 && l.curCommitLSN > rb.upTo) {
+		l.readBack = nil
+	}
+	return sinks.Ack{Stream: m.stream, Sequence: m.seq, Duplicate: ok && m.lsn != l.curCommitLSN}, ok
+}
+
+func firstHeader(h map[string][]string, k string) string {
+	if vs := h[k]; len(vs) > 0 {
+		return vs[0]
+	}
+	return ""
+}
