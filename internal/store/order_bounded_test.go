@@ -2,6 +2,7 @@ package store_test
 
 import (
 	"context"
+	"strconv"
 	"testing"
 	"time"
 
@@ -104,4 +105,32 @@ func TestBlockedAggregatesBounded(t *testing.T) {
 			t.Errorf("counts: blocked %d (at least %v), oldest %+v, %v", c.BlockedAggregates, c.BlockedAggregatesAtLeast, c.OldestBlocked, err)
 		}
 	})
+}
+
+// BenchmarkCountsWithBlockedAggregates is Counts (status, the overview and
+// the table metrics read it) on a plain table of n blocked aggregates
+// (testenv.InsertBlockedAggregates), for docs/benchmarks.md:
+//
+//	go test -run '^$' -bench CountsWithBlockedAggregates -benchtime 3x ./internal/store/
+func BenchmarkCountsWithBlockedAggregates(b *testing.B) {
+	for _, n := range []int{1000, 5000, 20000, 100000} {
+		b.Run(strconv.Itoa(n), func(b *testing.B) {
+			ctx := context.Background()
+			url := testenv.Shared(b).PG.CreateOutboxDatabase(b)
+			pool, err := pgxpool.New(ctx, url)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer pool.Close()
+			testenv.InsertBlockedAggregates(b, pool, testenv.OutboxTable, n)
+			st := store.New(pool, testenv.OutboxTable, store.PolicyMark)
+			b.ResetTimer()
+			for range b.N {
+				c, err := st.Counts(ctx)
+				if err != nil || c.BlockedAggregates != int64(min(n, store.BlockedLookAt)) {
+					b.Fatalf("counts: %d blocked, %v", c.BlockedAggregates, err)
+				}
+			}
+		})
+	}
 }
