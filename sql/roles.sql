@@ -20,6 +20,10 @@ END $do$;
 GRANT USAGE ON SCHEMA {{.Schema}} TO {{.Relay}};
 GRANT SELECT, UPDATE, DELETE ON {{.Table}} TO {{.Relay}};
 GRANT SELECT, INSERT, UPDATE ON {{.Companion "slots"}} TO {{.Relay}};
+-- Read only, for the History page of `run --console`, which runs on this
+-- role: the table's rows already carry their last redrive's who and why.
+-- Redrive and cancel write the history, which stays the operator's.
+GRANT SELECT ON {{.Companion "redrives"}} TO {{.Relay}};
 -- The first instance records the table's --ordering and --on-publish; every
 -- later one reads them. Changing them is the owner's (migrate
 -- --record-settings), so no UPDATE.

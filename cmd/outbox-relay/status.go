@@ -267,13 +267,26 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 			fmt.Fprintf(stdout, "  %-40s %d\n", termsafe.String(r), rep.FailedByReason[r])
 		}
 	}
-	if rep.BlockedAggregates > 0 {
-		b := rep.OldestBlocked
-		// Aggregates and work IDs come from rows: escape them.
-		// The aggregate prints quoted ("a/b"/"c"), which escapes it too.
-		fmt.Fprintf(stdout, "blocked aggregates: %d; oldest %s: %d rows wait behind %s (sequence %d, %s since %s)\n",
-			rep.BlockedAggregates, b.Aggregate, b.Waiting,
-			termsafe.String(b.WorkID), b.Seq, b.State, b.Since.UTC().Format(time.RFC3339))
+	if rep.BlockedAggregates > 0 || rep.BlockedAggregatesAtLeast {
+		// Only so many held aggregates are looked at (G16): say so where
+		// the count is a lower bound, as for ready rows.
+		n, oldest := strconv.FormatInt(rep.BlockedAggregates, 10), "oldest"
+		if rep.BlockedAggregatesAtLeast {
+			n += fmt.Sprintf(" or more (only the first %d held aggregates are looked at)", rep.BlockedAggregatesLookedAt)
+			oldest = "oldest of those"
+		}
+		fmt.Fprintf(stdout, "blocked aggregates: %s", n)
+		if b := rep.OldestBlocked; b != nil {
+			waiting := strconv.FormatInt(b.Waiting, 10)
+			if b.WaitingAtLeast {
+				waiting += "+"
+			}
+			// Aggregates and work IDs come from rows: escape them.
+			// The aggregate prints quoted ("a/b"/"c"), which escapes it too.
+			fmt.Fprintf(stdout, "; %s %s: %s rows wait behind %s (sequence %d, %s since %s)",
+				oldest, b.Aggregate, waiting, termsafe.String(b.WorkID), b.Seq, b.State, b.Since.UTC().Format(time.RFC3339))
+		}
+		fmt.Fprintln(stdout)
 	}
 	for _, w := range rep.Warnings {
 		fmt.Fprintln(stdout, w)

@@ -59,13 +59,18 @@ type Health struct {
 	FailedByReason       []Count                `json:"failed_by_reason"`
 	RecentFailures       []Count                `json:"recent_failures"`
 	BlockedAggregates    int64                  `json:"blocked_aggregates"`
-	Blocked              []store.Blocked        `json:"blocked"`
-	Standbys             []Standby              `json:"standbys"`
-	Samples              []Sample               `json:"samples"`
-	ChartPoints          string                 `json:"chart_points"`
-	ChartMaxBytes        int64                  `json:"chart_max_bytes"`
-	ReadAt               time.Time              `json:"read_at"`
-	Problems             []string               `json:"problems"`
+	// BlockedAtLeast: BlockedAggregates is a lower bound, of the first
+	// BlockedLookedAt held aggregates; Blocked are the oldest of those
+	// (store.Counts).
+	BlockedAtLeast  bool            `json:"blocked_aggregates_at_least"`
+	BlockedLookedAt int             `json:"blocked_aggregates_looked_at"`
+	Blocked         []store.Blocked `json:"blocked"`
+	Standbys        []Standby       `json:"standbys"`
+	Samples         []Sample        `json:"samples"`
+	ChartPoints     string          `json:"chart_points"`
+	ChartMaxBytes   int64           `json:"chart_max_bytes"`
+	ReadAt          time.Time       `json:"read_at"`
+	Problems        []string        `json:"problems"`
 }
 
 // cachedHealth is the overview as read at most one refresh interval ago.
@@ -157,16 +162,14 @@ func (c *Console) readHealth(ctx context.Context) Health {
 			h.PublishedByWatermark.Bound = "at least"
 		}
 		h.Watermark = counts.Watermark
+		// Read with the counts, once: the statement costs a bounded amount
+		// (store.BlockedLookAt), but it need not run twice.
+		h.BlockedAggregates, h.BlockedAtLeast, h.BlockedLookedAt, h.Blocked = counts.BlockedAggregates, counts.BlockedAggregatesAtLeast, counts.BlockedAggregatesLookedAt, counts.Blocked
 	}
 	if recent, err := st.RecentFailures(ctx, RecentWindow); err != nil {
 		problem("read recent failures", err)
 	} else {
 		h.RecentFailures = sortedCounts(recent)
-	}
-	if total, oldest, err := st.BlockedAggregates(ctx, 5); err != nil {
-		problem("read blocked aggregates", err)
-	} else {
-		h.BlockedAggregates, h.Blocked = total, oldest
 	}
 	if c.src.Standbys != nil {
 		if sb, err := c.src.Standbys(ctx); err != nil {

@@ -301,6 +301,22 @@ type rowData struct {
 	Row       store.ListedRow
 	History   []store.History
 	Watermark *store.Watermark // set when the row is covered by it
+	// NoHistory says why the history cannot be read (historyGrant).
+	NoHistory string
+}
+
+// historyGrant is what to do when the console's role may not read the
+// history: `run --console` serves it on the relay's role, which
+// sql/roles.sql did not grant the read before. ok is false for any other
+// error.
+func historyGrant(err error) (msg string, ok bool) {
+	var g *store.HistoryGrantError
+	if !errors.As(err, &g) {
+		return "", false
+	}
+	return "this console's database role may not read the redrive and cancel history " + g.Table + ": run " + g.Grant() +
+		" as the table's owner (the grants `outbox-relay migrate --print-grants` prints now give it to the relay role), " +
+		"or serve the console with `outbox-relay console` as the operator role", true
 }
 
 func (c *Console) row(w http.ResponseWriter, r *http.Request) {
@@ -318,17 +334,22 @@ func (c *Console) row(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, r, http.StatusNotFound, "no row with work ID "+termsafe.String(id))
 		return
 	}
-	hist, err := c.src.Store.History(r.Context(), id)
-	if err != nil {
-		c.fail(w, r, http.StatusInternalServerError, "read the row's history: "+safeError(err))
-		return
+	d := rowData{Row: row}
+	if d.History, err = c.src.Store.History(r.Context(), id); err != nil {
+		// The row itself is what the page is for: without the read of the
+		// history it still shows, with why the history does not.
+		msg, ok := historyGrant(err)
+		if !ok {
+			c.fail(w, r, http.StatusInternalServerError, "read the row's history: "+safeError(err))
+			return
+		}
+		d.NoHistory = msg
 	}
-	wm, err := c.watermarkFor(r.Context(), row)
-	if err != nil {
+	if d.Watermark, err = c.watermarkFor(r.Context(), row); err != nil {
 		c.fail(w, r, http.StatusInternalServerError, "read the watermark: "+safeError(err))
 		return
 	}
-	c.render(w, r, "row", rowData{Row: row, History: hist, Watermark: wm}, http.StatusOK)
+	c.render(w, r, "row", d, http.StatusOK)
 }
 
 type historyData struct {
@@ -349,6 +370,10 @@ func (c *Console) history(w http.ResponseWriter, r *http.Request) {
 		d.History, err = c.src.Store.RecentHistory(r.Context(), historyRecent)
 	} else {
 		d.History, err = c.src.Store.History(r.Context(), id)
+	}
+	if msg, ok := historyGrant(err); ok {
+		c.fail(w, r, http.StatusForbidden, msg)
+		return
 	}
 	if err != nil {
 		c.fail(w, r, http.StatusInternalServerError, "read the history: "+safeError(err))

@@ -151,7 +151,7 @@ func New() *Metrics {
 		Name: "outbox_relay_expired_total", Help: "Rows that ended expired because their business deadline passed before they were published, each counted once, when the deadline sweep moves it (path=\"poller\"; the CDC path hands such rows over, counted in outbox_relay_handoffs_total{reason=\"deadline\"}).",
 	}, []string{"path"})
 	m.BlockedAggregates = prometheus.NewGauge(prometheus.GaugeOpts{
-		Name: "outbox_relay_blocked_aggregates", Help: "Aggregates whose later rows wait behind a row with the poller or dead-lettered (--ordering aggregate).",
+		Name: "outbox_relay_blocked_aggregates", Help: "Aggregates whose later rows wait behind a row with the poller or dead-lettered (--ordering aggregate); counted among the first 10000 held aggregates (fewer on a partitioned table: store.BlockedLookAt), so a lower bound past that.",
 	})
 	m.StandbyLagBytes = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "outbox_relay_standby_lag_bytes", Help: "WAL the standby behind each --standby-slot has not flushed yet; delivery waits for it (G14).",

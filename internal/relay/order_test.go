@@ -166,9 +166,9 @@ func testOrderingHoldsAnAggregate(t *testing.T, policy store.Policy) {
 		t.Fatalf("%d rows of aggregate 7 held, want 7", held)
 	}
 	st := store.New(h.pool, h.opts.Table, store.PolicyMark)
-	total, oldest, err := st.BlockedAggregates(ctx, 5)
-	if err != nil || total != 1 || len(oldest) != 1 || oldest[0].WorkID != "order-7-3" || oldest[0].Waiting != 7 {
-		t.Fatalf("blocked aggregates: %d %+v %v; want 1, order-7-3 with 7 waiting", total, oldest, err)
+	blocked, err := st.BlockedAggregates(ctx, 5)
+	if oldest := blocked.Oldest; err != nil || blocked.Total != 1 || blocked.AtLeast || len(oldest) != 1 || oldest[0].WorkID != "order-7-3" || oldest[0].Waiting != 7 {
+		t.Fatalf("blocked aggregates: %+v %v; want 1, order-7-3 with 7 waiting", blocked, err)
 	}
 
 	// A restart while rows are held: the held set is read back.

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/outbox-relay/outbox-relay/internal/wire"
@@ -805,16 +806,54 @@ func (s *Store) history(ctx context.Context, tail string, args ...any) ([]Histor
 	rows, err := s.pool.Query(ctx, `SELECT work_id, action, at, "by", reason, previous_state, previous_attempts,
 			previous_generation, coalesce(previous_error, ''), coalesce(deadline, '')
 		FROM `+s.table.derived("redrives", true)+` `+tail, args...)
-	if err != nil {
-		return nil, err
+	if err == nil {
+		var out []History
+		out, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (History, error) {
+			var h History
+			err := r.Scan(&h.WorkID, &h.Action, &h.At, &h.By, &h.Reason, &h.PreviousState, &h.PreviousAttempts,
+				&h.PreviousGeneration, &h.PreviousError, &h.Deadline)
+			return h, err
+		})
+		if err == nil {
+			return out, nil
+		}
 	}
-	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (History, error) {
-		var h History
-		err := r.Scan(&h.WorkID, &h.Action, &h.At, &h.By, &h.Reason, &h.PreviousState, &h.PreviousAttempts,
-			&h.PreviousGeneration, &h.PreviousError, &h.Deadline)
-		return h, err
-	})
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == sqlstateInsufficientPrivilege {
+		e := &HistoryGrantError{Table: s.table.derived("redrives", true), Err: err}
+		// Only to name the role in the fix; the error stands without it.
+		if s.pool.QueryRow(ctx, `SELECT current_user`).Scan(&e.Role) != nil {
+			e.Role = ""
+		}
+		return nil, e
+	}
+	return nil, err
 }
+
+// HistoryGrantError is a read of <table>_redrives that the role may not
+// make: a relay role granted by sql/roles.sql before it granted the
+// history, which the console of `run --console` reads.
+type HistoryGrantError struct {
+	Role  string // current_user, "" when it could not be read
+	Table string // <table>_redrives, quoted
+	Err   error
+}
+
+// Grant is the statement that gives the role the read.
+func (e *HistoryGrantError) Grant() string {
+	role := "the role"
+	if e.Role != "" {
+		role = pgx.Identifier{e.Role}.Sanitize()
+	}
+	return "GRANT SELECT ON " + e.Table + " TO " + role
+}
+
+func (e *HistoryGrantError) Error() string {
+	return "the database role may not read the redrive and cancel history " + e.Table + ": " + e.Grant() +
+		" (`outbox-relay migrate --print-grants` prints every role's grants)"
+}
+
+func (e *HistoryGrantError) Unwrap() error { return e.Err }
 
 // OldestReadySeconds is the age, on the database's clock, of the oldest row
 // still in 'ready' by its created_at (0 when there is none), leaving out the

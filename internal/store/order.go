@@ -37,6 +37,8 @@ type Blocked struct {
 	State     string       `json:"state"`
 	Since     time.Time    `json:"since"`   // the blocking row's created_at
 	Waiting   int64        `json:"waiting"` // rows of the aggregate behind it
+	// WaitingAtLeast: Waiting reached BlockedLookAt, where counting stops.
+	WaitingAtLeast bool `json:"waiting_at_least,omitempty"`
 }
 
 // The held set (G12) is read without reading the table (G16). A row with the
@@ -115,53 +117,149 @@ func (s *Store) WithPoller(ctx context.Context, agg AggregateKey) (bool, error) 
 	return with, nil
 }
 
+// BlockedLookAt bounds BlockedAggregates: it looks at that many held
+// aggregates at most, and counts that many rows behind a blocking row at
+// most. Each aggregate looked at costs a few index probes, so the statement
+// costs a bounded amount whatever the number of blocked aggregates (G16);
+// past the bound the count is a lower bound (BlockedSet.AtLeast), as
+// status prints other lower bounds. On a partitioned table every probe
+// reads each partition's index, so it looks at BlockedLookAt divided by the
+// number of partitions, and never fewer than BlockedLookAtLeast.
+const (
+	BlockedLookAt      = 10000
+	BlockedLookAtLeast = 100
+)
+
+// BlockedSet is what BlockedAggregates read.
+type BlockedSet struct {
+	// Total is the number of blocked aggregates among the held aggregates
+	// looked at. AtLeast: there are more than LookedAt held aggregates,
+	// only the first LookedAt (in aggregate order) were looked at, and
+	// Total is a lower bound.
+	Total    int64 `json:"total"`
+	AtLeast  bool  `json:"at_least"`
+	LookedAt int   `json:"looked_at"`
+	// Oldest are the blocked aggregates whose blocking rows are the
+	// oldest (created_at) among those looked at: the oldest of all unless
+	// AtLeast.
+	Oldest []Blocked `json:"oldest"`
+}
+
+// heldHeadSQL is the first row (lowest aggregate_type, aggregate_id,
+// aggregate_seq) with the poller or dead-lettered of the first held
+// aggregate after (after.aggregate_type, after.aggregate_id), or of the
+// first of all when after is empty: one probe of aggregate_held_idx and one
+// of dead_letter_idx, each stopping at its first entry. The lower of the
+// two is the aggregate's head, as in heldAggregatesSQL.
+func (s *Store) heldHeadSQL(after string) string {
+	tbl := s.table.String()
+	cond := func(alias string) string {
+		if after == "" {
+			return ""
+		}
+		return ` AND (` + alias + `.aggregate_type, ` + alias + `.aggregate_id) > (` + after + `.aggregate_type, ` + after + `.aggregate_id)`
+	}
+	// The key and work_id only: from aggregate_held_idx alone. With another
+	// column to fetch, the planner may prefer aggregate_idx, whose entries
+	// include every aggregate's published history.
+	cols := func(a string) string {
+		return a + `.aggregate_type, ` + a + `.aggregate_id, ` + a + `.aggregate_seq, ` + a + `.work_id`
+	}
+	return `SELECT x.* FROM (
+			(SELECT ` + cols("p") + ` FROM ` + tbl + ` AS p
+			WHERE p.poll_at IS NOT NULL AND p.aggregate_type IS NOT NULL` + cond("p") + `
+			ORDER BY p.aggregate_type, p.aggregate_id, p.aggregate_seq LIMIT 1)
+			UNION ALL
+			(SELECT ` + cols("f") + ` FROM ` + tbl + ` AS f
+			WHERE f.parked = '` + StateFailed + `' AND f.aggregate_type IS NOT NULL AND f.state = '` + StateFailed + `'` + cond("f") + `
+			ORDER BY f.aggregate_type, f.aggregate_id, f.aggregate_seq LIMIT 1)
+		) AS x ORDER BY x.aggregate_type, x.aggregate_id, x.aggregate_seq LIMIT 1`
+}
+
 // blockedAggregatesSQL is BlockedAggregates' statement: $1 the number of
-// aggregates to return.
+// aggregates to return, $2 BlockedLookAt, $3 BlockedLookAtLeast, $4 the
+// table.
 //
-// held: each held aggregate's lowest row with the poller or dead-lettered.
-// The aggregate is blocked by it unless the row right below it is 'ready'
+// heads walks the held aggregates in index order, one aggregate a step
+// (heldHeadSQL, a skip over the rows of each), and looked stops it after
+// budget + 1 of them: the last says only that there are more. budget is
+// $2 divided by the table's partitions, at least $3. It used to
+// gather every held row, sort them and join each aggregate's head back to
+// the table by a nested loop: quadratic, 20,000 blocked aggregates took
+// minutes.
+//
+// A head blocks its aggregate unless the row right below it is 'ready'
 // (then it waits for the CDC path's row, not for the poller). Only that
 // immediate predecessor is read, not the history below it: a 'ready' row
 // further down, under published ones, is there only when explicit
-// sequences committed out of order, and is not seen. waiting reads the
-// aggregate's rows above its first held row.
+// sequences committed out of order, and is not seen. It blocks something
+// when a row above it waits (EXISTS: the first one found); waiting, read
+// for the $1 returned only, counts them up to $2.
 func (s *Store) blockedAggregatesSQL() string {
 	tbl := s.table.String()
-	return `WITH held AS (
-			SELECT DISTINCT ON (aggregate_type, aggregate_id) aggregate_type, aggregate_id, work_id, aggregate_seq
-			FROM (` + s.heldRowsSQL() + `) AS h
-			ORDER BY aggregate_type, aggregate_id, aggregate_seq),
-		blocked AS (
-			SELECT f.*, o.state, o.created_at, (SELECT count(*) FROM ` + tbl + ` w
-				WHERE w.aggregate_type = f.aggregate_type AND w.aggregate_id = f.aggregate_id
-				  AND w.aggregate_seq > f.aggregate_seq AND w.state IN ` + blockingStatesSQL + `
-				  AND NOT (w.state = '` + StateReady + `' AND ` + s.coveredSQL("w") + `)) AS waiting
-			FROM held f JOIN ` + tbl + ` o ON o.work_id = f.work_id
+	return `WITH RECURSIVE heads AS (
+			(` + s.heldHeadSQL("") + `)
+			UNION ALL
+			SELECT n.* FROM heads AS h CROSS JOIN LATERAL (` + s.heldHeadSQL("h") + `) AS n),
+		budget AS MATERIALIZED (SELECT greatest($2::int / greatest(count(*)::int, 1), $3::int) AS n
+			FROM pg_catalog.pg_inherits WHERE inhparent = $4::regclass),
+		looked AS MATERIALIZED (SELECT * FROM heads LIMIT (SELECT n FROM budget) + 1),
+		first AS (SELECT * FROM looked ORDER BY aggregate_type, aggregate_id LIMIT (SELECT n FROM budget)),
+		blocked AS MATERIALIZED (
+			SELECT f.*, o.state, o.created_at FROM first AS f
+			CROSS JOIN LATERAL (SELECT o.state, o.created_at FROM ` + tbl + ` o
+				WHERE o.aggregate_type = f.aggregate_type AND o.aggregate_id = f.aggregate_id AND o.aggregate_seq = f.aggregate_seq
+				  AND o.work_id = f.work_id LIMIT 1) AS o
 			WHERE coalesce((SELECT CASE WHEN b.state = '` + StateReady + `' AND ` + s.coveredSQL("b") + ` THEN '` + StatePublished + `' ELSE b.state END FROM ` + tbl + ` b
 				WHERE b.aggregate_type = f.aggregate_type AND b.aggregate_id = f.aggregate_id AND b.aggregate_seq < f.aggregate_seq
-				ORDER BY b.aggregate_seq DESC LIMIT 1), '') <> '` + StateReady + `')
-		SELECT aggregate_type, aggregate_id, work_id, aggregate_seq, state, created_at, waiting, count(*) OVER ()
-		FROM blocked WHERE waiting > 0 ORDER BY created_at LIMIT $1`
+				ORDER BY b.aggregate_seq DESC LIMIT 1), '') <> '` + StateReady + `'
+			  AND EXISTS (SELECT 1 FROM ` + tbl + ` w
+				WHERE w.aggregate_type = f.aggregate_type AND w.aggregate_id = f.aggregate_id
+				  AND w.aggregate_seq > f.aggregate_seq AND w.state IN ` + blockingStatesSQL + `
+				  AND NOT (w.state = '` + StateReady + `' AND ` + s.coveredSQL("w") + `))),
+		total AS (SELECT count(*) AS n, (SELECT count(*) FROM looked) > (SELECT n FROM budget) AS more, (SELECT n FROM budget) AS budget FROM blocked)
+		SELECT t.n, t.more, t.budget, o.aggregate_type, o.aggregate_id, o.work_id, o.aggregate_seq, o.state, o.created_at, o.waiting
+		FROM total AS t LEFT JOIN LATERAL (
+			SELECT b.*, (SELECT count(*) FROM (SELECT FROM ` + tbl + ` w
+				WHERE w.aggregate_type = b.aggregate_type AND w.aggregate_id = b.aggregate_id
+				  AND w.aggregate_seq > b.aggregate_seq AND w.state IN ` + blockingStatesSQL + `
+				  AND NOT (w.state = '` + StateReady + `' AND ` + s.coveredSQL("w") + `) LIMIT $2::int) AS c) AS waiting
+			FROM (SELECT * FROM blocked ORDER BY created_at, work_id LIMIT $1::int) AS b) AS o ON true
+		ORDER BY o.created_at, o.work_id`
 }
 
 // BlockedAggregates counts the aggregates whose rows wait behind a lower
 // unpublished row that is with the poller or dead-lettered, and returns the
-// oldest few of them with their blocking rows. It reads the held rows and,
-// per held aggregate, the rows from its first held one up.
-func (s *Store) BlockedAggregates(ctx context.Context, limit int) (total int64, oldest []Blocked, err error) {
-	rows, err := s.pool.Query(ctx, s.blockedAggregatesSQL(), limit)
+// oldest limit of them with their blocking rows. It looks at
+// BlockedLookAt held aggregates at most, a few index probes each, and
+// counts the rows behind the ones it returns up to BlockedLookAt
+// (Blocked.WaitingAtLeast): its cost has a bound, however many aggregates
+// are blocked (G16).
+func (s *Store) BlockedAggregates(ctx context.Context, limit int) (BlockedSet, error) {
+	var set BlockedSet
+	rows, err := s.pool.Query(ctx, s.blockedAggregatesSQL(), limit, BlockedLookAt, BlockedLookAtLeast, s.table.String())
 	if err != nil {
-		return 0, nil, fmt.Errorf("read blocked aggregates of %s: %w", s.table.Qualified(), err)
+		return set, fmt.Errorf("read blocked aggregates of %s: %w", s.table.Qualified(), err)
 	}
-	var b Blocked
-	_, err = pgx.ForEachRow(rows, []any{&b.Aggregate.Type, &b.Aggregate.ID, &b.WorkID, &b.Seq, &b.State, anyTime{&b.Since}, &b.Waiting, &total}, func() error {
-		oldest = append(oldest, b)
+	var typ, id, workID, state *string
+	var seq, waiting *int64
+	var since *time.Time
+	_, err = pgx.ForEachRow(rows, []any{&set.Total, &set.AtLeast, &set.LookedAt, &typ, &id, &workID, &seq, &state, anyTimePtr{&since}, &waiting}, func() error {
+		if workID == nil {
+			return nil // none blocked: the totals alone
+		}
+		b := Blocked{Aggregate: AggregateKey{Type: *typ, ID: *id}, WorkID: *workID, Seq: *seq, State: *state, Waiting: *waiting}
+		b.WaitingAtLeast = b.Waiting >= BlockedLookAt
+		if since != nil {
+			b.Since = *since
+		}
+		set.Oldest = append(set.Oldest, b)
 		return nil
 	})
 	if err != nil {
-		return 0, nil, fmt.Errorf("read blocked aggregates of %s: %w", s.table.Qualified(), err)
+		return BlockedSet{}, fmt.Errorf("read blocked aggregates of %s: %w", s.table.Qualified(), err)
 	}
-	return total, oldest, nil
+	return set, nil
 }
 
 // ExpireDue moves rows whose deadline passed out of the poller's hands into

@@ -111,7 +111,7 @@ func TestOrderStatementsAtScale(t *testing.T) {
 		{"hand-back check (WithPoller), a held aggregate", s.WithPollerSQL(), []any{"order", "o7"}},
 		{"hand-back check (WithPoller), the long aggregate", s.WithPollerSQL(), []any{"order", "long"}},
 		{"hand-back check (WithPoller), a free aggregate", s.WithPollerSQL(), []any{"order", "o8"}},
-		{"blocked aggregates (BlockedAggregates)", s.BlockedAggregatesSQL(), []any{5}},
+		{"blocked aggregates (BlockedAggregates)", s.BlockedAggregatesSQL(), []any{5, store.BlockedLookAt, store.BlockedLookAtLeast, tbl.String()}},
 		{"deadline sweep (ExpireDue)", s.ExpireDueSQL(), nil},
 	}
 	for _, st := range statements {
@@ -149,12 +149,12 @@ func TestOrderStatementsAtScale(t *testing.T) {
 			t.Errorf("WithPoller(order/%s) = %v, %v; want %v", id, with, err, want)
 		}
 	}
-	total, oldest, err := s.BlockedAggregates(ctx, 5)
+	blocked, err := s.BlockedAggregates(ctx, 5)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if total != 1 || len(oldest) != 1 || oldest[0].WorkID != heldHead || oldest[0].Waiting != 5 || oldest[0].State != store.StateFailed {
-		t.Errorf("blocked aggregates: %d, %+v; want 1: %s (failed) with 5 waiting", total, oldest, heldHead)
+	if oldest := blocked.Oldest; blocked.Total != 1 || blocked.AtLeast || len(oldest) != 1 || oldest[0].WorkID != heldHead || oldest[0].Waiting != 5 || oldest[0].State != store.StateFailed {
+		t.Errorf("blocked aggregates: %+v; want 1: %s (failed) with 5 waiting", blocked, heldHead)
 	}
 	claimed, err := s.Claim(ctx, "w", time.Minute, 100, store.ClaimOptions{Ordered: true, DeadlineMargin: time.Second})
 	if err != nil {

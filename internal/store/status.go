@@ -54,10 +54,20 @@ type Counts struct {
 	FailedByReason map[string]int64 `json:"failed_by_reason"`
 	// BlockedAggregates counts the aggregates whose later rows wait behind
 	// a row with the poller or dead-lettered (G12); OldestBlocked is the
-	// one blocked longest, with its blocking row.
-	BlockedAggregates int64    `json:"blocked_aggregates"`
-	OldestBlocked     *Blocked `json:"oldest_blocked,omitempty"`
+	// one blocked longest, with its blocking row. BlockedAggregatesAtLeast:
+	// more aggregates are held than the BlockedAggregatesLookedAt looked at
+	// (BlockedLookAt, G16), so the count is a lower bound and OldestBlocked
+	// the oldest of those looked at. Blocked are the BlockedShown oldest,
+	// for the console.
+	BlockedAggregates         int64     `json:"blocked_aggregates"`
+	BlockedAggregatesAtLeast  bool      `json:"blocked_aggregates_at_least"`
+	BlockedAggregatesLookedAt int       `json:"blocked_aggregates_looked_at"`
+	OldestBlocked             *Blocked  `json:"oldest_blocked,omitempty"`
+	Blocked                   []Blocked `json:"-"`
 }
+
+// BlockedShown is how many of the oldest blocked aggregates Counts reads.
+const BlockedShown = 5
 
 // WatermarkStatus is the newest watermark as status and the console show
 // it: the slot that recorded it, the position the slot had confirmed past,
@@ -191,13 +201,13 @@ func (s *Store) Counts(ctx context.Context) (Counts, error) {
 	if _, err := pgx.ForEachRow(rows, []any{&reason, &n}, func() error { c.FailedByReason[reason] = n; return nil }); err != nil {
 		return c, fmt.Errorf("failures in %s: %w", s.table.Qualified(), err)
 	}
-	total, oldest, err := s.BlockedAggregates(ctx, 1)
+	set, err := s.BlockedAggregates(ctx, BlockedShown)
 	if err != nil {
 		return c, err
 	}
-	c.BlockedAggregates = total
-	if len(oldest) > 0 {
-		c.OldestBlocked = &oldest[0]
+	c.BlockedAggregates, c.BlockedAggregatesAtLeast, c.BlockedAggregatesLookedAt, c.Blocked = set.Total, set.AtLeast, set.LookedAt, set.Oldest
+	if len(set.Oldest) > 0 {
+		c.OldestBlocked = &set.Oldest[0]
 	}
 	return c, nil
 }
