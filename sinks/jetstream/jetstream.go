@@ -327,13 +327,13 @@ func ensureStream(ctx context.Context, js jetstream.StreamManager, c StreamConfi
 		replicas = 1
 	}
 	st, err = js.CreateStream(ctx, jetstream.StreamConfig{
-		Name:        c.Name,
-		Description: "outbox-relay: transactional outbox messages",
-		Subjects:    []string{c.SubjectPrefix + ">"},
-		Storage:     jetstream.FileStorage,
-		Duplicates:  c.DuplicateWindow,
-		Replicas:    replicas,
-		AllowMsgTTL: c.MsgTTL,
+		Name:               c.Name,
+		Description:        "outbox-relay: transactional outbox messages",
+		Subjects:           []string{c.SubjectPrefix + ">"},
+		Storage:            jetstream.FileStorage,
+		Duplicates:         c.DuplicateWindow,
+		Replicas:           replicas,
+		AllowMsgTTL:        c.MsgTTL,
 		AllowAtomicPublish: c.AtomicPublish,
 	})
 	if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
