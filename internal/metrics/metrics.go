@@ -50,6 +50,8 @@ type Metrics struct {
 	StandbyGated       *StandbyGated          // path: how long delivery has waited for the standbys now (held.go)
 	FailoverPath       *prometheus.CounterVec // path: how a session found its slot after a promotion
 	BrokerContract     *prometheus.GaugeVec   // check, level: 1 while the stream or server falls short of that check (G21)
+	AtomicBatches      *prometheus.CounterVec // result (stored, refused): atomic batches of the CDC path (G20)
+	AtomicSplit        prometheus.Counter     // transactions published as more than one atomic batch (G20)
 }
 
 // New registers every metric on a fresh registry, with Go and process
@@ -160,7 +162,13 @@ func New() *Metrics {
 	m.BrokerContract = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "outbox_relay_broker_contract", Help: "1 for each check of the broker contract (G21) the stream or server falls short of, as found at the last session's start, by check and level (warn, refuse); docs/operations.md lists the checks.",
 	}, []string{"check", "level"})
-	for _, c := range []prometheus.Collector{m.BrokerContract, m.FailoverPath, m.StandbyLagBytes, m.StandbySlotMissing, m.StandbyGated, m.Expired, m.BlockedAggregates, m.SlotLagSeconds, m.DefaultPartitionRows, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.WatermarkLSN, m.ServerWALEnd,
+	m.AtomicBatches = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "outbox_relay_atomic_batches_total", Help: "Atomic batches of the CDC path (--atomic-transactions, G20) by the broker's answer: stored (whole), refused (whole, nothing stored: its rows were published again one by one). A transaction of one row goes as a plain message, not counted here.",
+	}, []string{"result"})
+	m.AtomicSplit = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "outbox_relay_atomic_split_transactions_total", Help: "Transactions too large for one atomic batch (--atomic-batch-max rows, or the bytes of --max-in-flight-bytes), published as consecutive batches, each stored whole (G20).",
+	})
+	for _, c := range []prometheus.Collector{m.AtomicBatches, m.AtomicSplit, m.BrokerContract, m.FailoverPath, m.StandbyLagBytes, m.StandbySlotMissing, m.StandbyGated, m.Expired, m.BlockedAggregates, m.SlotLagSeconds, m.DefaultPartitionRows, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.WatermarkLSN, m.ServerWALEnd,
 		m.SlotLagBytes, m.InFlight, m.InFlightBytes, m.BufferedBytes, m.Handoffs, m.SettleRetries, m.Sessions, m.SlotOwner, m.Claims,
 		m.StaleCompletions, m.Failures, m.RowsByState, m.OldestEligible} {
 		f(c)

@@ -37,6 +37,9 @@ type item struct {
 	ordered bool
 	agg     store.AggregateKey
 	holds   bool
+	// batchHead: the first row of an atomic batch (atomic.go), whose
+	// result counts the batch.
+	batchHead bool
 }
 
 type settleResult struct {
@@ -78,8 +81,9 @@ type loop struct {
 	batch []replication.Event // the batch being handled; rest is its unhandled rest
 	rest  []replication.Event
 
-	order    *orderState // nil without --ordering aggregate
-	gated    *gateState  // nil without --standby-slot
+	atomic   *atomicState // nil without --atomic-transactions
+	order    *orderState  // nil without --ordering aggregate
+	gated    *gateState   // nil without --standby-slot
 	refresh  chan heldRefresh
 	stopping bool
 
@@ -119,6 +123,9 @@ func newLoop(r *Relay, confirmed replication.LSN, held map[store.AggregateKey]st
 	}
 	if r.cfg.Standby != nil {
 		l.gated = newGateState(r.cfg.Standby, r.metrics.StandbyGated, &r.gatePeak, budget)
+	}
+	if r.cfg.AtomicTransactions {
+		l.atomic = newAtomicState(r)
 	}
 	return l
 }
@@ -262,6 +269,11 @@ func (l *loop) takeEvents(ctx context.Context, confirms chan replication.LSN) er
 			return err
 		}
 	}
+	if l.atomic != nil {
+		if err := l.atomic.takeWaiting(ctx, l); err != nil {
+			return err
+		}
+	}
 	if l.gated != nil {
 		if len(l.gated.events) > 0 {
 			return l.letThroughGated(ctx, confirms)
@@ -293,7 +305,7 @@ func (l *loop) takeEvents(ctx context.Context, confirms chan replication.LSN) er
 // queue (and memory) growing with the backlog (G15).
 func (l *loop) mayRead() bool {
 	return l.waitingForRoom == nil && !l.stopping && len(l.pending)+len(l.retry) < l.r.cfg.MaxUnsettled &&
-		(l.order == nil || l.order.parked < l.r.cfg.MaxInFlight)
+		(l.order == nil || l.order.parked < l.r.cfg.MaxInFlight) && (l.atomic == nil || l.atomic.waiting == nil)
 }
 
 // readFrom returns events when the loop may read the next batch, nil (a
@@ -414,6 +426,11 @@ func (l *loop) handleEvent(ctx context.Context, ev replication.Event, confirms c
 		if l.cur == nil {
 			return errors.New("commit outside a transaction")
 		}
+		if l.atomic != nil {
+			if err := l.atomic.commit(ctx, l); err != nil {
+				return err
+			}
+		}
 		l.cp.Commit(l.cur, ev.EndLSN)
 		l.cur = nil
 		l.advance(confirms)
@@ -478,6 +495,9 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row, held int) er
 	if turn == waitTurn {
 		l.order.park(it)
 		return nil
+	}
+	if l.atomic != nil {
+		return l.atomic.add(ctx, l, it)
 	}
 	if !l.hasRoom(it.size) {
 		l.waitingForRoom = it
@@ -586,7 +606,13 @@ const maxCollect = 256
 func (l *loop) handleResult(ctx context.Context, it *item) error {
 	l.inflight--
 	l.inflightBytes -= it.size
+	if it.batchHead {
+		l.atomic.counted(l, it)
+	}
 	if it.err != nil {
+		if errors.Is(it.err, sinks.ErrBatchRefused) {
+			return l.atomic.republish(ctx, l, it)
+		}
 		if re, ok := wire.IsRejected(it.err); ok {
 			l.reject(it, re)
 			return nil

@@ -72,6 +72,11 @@ func (s *Sink) PublishBatch(ctx context.Context, ms []*wire.Message) ([]sinks.Fu
 	}
 	for i, m := range ms {
 		f, err := s.prepare(ctx, m)
+		if _, rejected := wire.IsRejected(err); err != nil && !rejected {
+			// Nothing is sent: a batch without this message would store
+			// the transaction in part.
+			return nil, nil, err
+		}
 		if err != nil {
 			errs[i] = err
 			continue
