@@ -102,7 +102,7 @@ pg-versions:
 ## One version after another, each printing how long it took (make test runs
 ## the test-pg-version-<major> steps two at a time: test-lanes).
 PG_VERSION_PKGS ?= ./replication/ ./internal/relay/
-PG_VERSION_SKIP ?= ^(TestDeadlines|TestBufferedBytesBoundLargeTransaction|TestDeadlineEdgesOnBothPaths|TestOrderingHoldsAnAggregateBehindItsRefusedRow|TestHostileRowsNeverDriveTheBrokerOrCollapse|TestPoisonRowsDoNotBlock|TestDelayedRowWaitsForItsTime|TestCDCNeverPublishesIntoAStreamThatTookTheSubjects|TestCDCRecordsADuplicateAck|TestOutOfSequencePublication|TestInstancesMustShareSettings|TestReleasedAggregateReturnsToTheCDCPath|TestBusyReleasedAggregateReturnsToTheCDCPath|TestNoneWritesNothingPerPublishedRow|TestWatermarkNeverCoversUnpublishedRows)$$
+PG_VERSION_SKIP ?= ^(TestDeadlines|TestBufferedBytesBoundLargeTransaction|TestDeadlineEdgesOnBothPaths|TestOrderingHoldsAnAggregateBehindItsRefusedRow|TestHostileRowsNeverDriveTheBrokerOrCollapse|TestPoisonRowsDoNotBlock|TestDelayedRowWaitsForItsTime|TestCDCNeverPublishesIntoAStreamThatTookTheSubjects|TestCDCRecordsADuplicateAck|TestOutOfSequencePublication|TestInstancesMustShareSettings|TestReleasedAggregateReturnsToTheCDCPath|TestBusyReleasedAggregateReturnsToTheCDCPath|TestNoneWritesNothingPerPublishedRow|TestWatermarkNeverCoversUnpublishedRows|TestAtomicTransactionLargerThanABatch|TestAtomicReplayOfStoredTransactionSettles)$$
 test-pg-versions: setup pg-versions
 	@failed=""; \
 	for v in $(PG_VERSIONS); do \
