@@ -117,7 +117,18 @@ func (a *atomicState) flush(ctx context.Context, l *loop) error {
 		a.waiting, a.waitingBytes = b, n
 		return nil
 	}
-	return a.send(ctx, l, b)
+	return a.sendReuse(ctx, l, b)
+}
+
+// sendReuse sends b and keeps its array for the next transaction's rows
+// (one allocation less per transaction at one row each).
+func (a *atomicState) sendReuse(ctx context.Context, l *loop, b []*item) error {
+	err := a.send(ctx, l, b)
+	if a.open == nil {
+		clear(b)
+		a.open = b[:0]
+	}
+	return err
 }
 
 // takeWaiting sends the batch waiting for room once there is room.
@@ -127,7 +138,7 @@ func (a *atomicState) takeWaiting(ctx context.Context, l *loop) error {
 	}
 	b := a.waiting
 	a.waiting, a.waitingBytes = nil, 0
-	return a.send(ctx, l, b)
+	return a.sendReuse(ctx, l, b)
 }
 
 // hasRoom: a batch fits in flight whole, or alone.
