@@ -77,3 +77,29 @@ func (r Resolved) Wait(context.Context) (Ack, error) { return Ack(r), nil }
 
 // Ready implements Ready.
 func (Resolved) Ready() bool { return true }
+
+// Batcher is what a Sink may also implement: publishing the messages of one
+// transaction as an atomic batch, all of them stored or none (G20, run
+// --atomic-transactions).
+type Batcher interface {
+	// PublishBatch starts publishing ms as one atomic batch per stream
+	// they go to, in their order. It returns a future per message; where
+	// errs[i] is set instead, message i is refused alone (a
+	// *wire.RejectedError) and the batch goes without it. err is an
+	// outage: nothing of the batch is committed, no future is to be
+	// waited for.
+	//
+	// A batch the broker refused whole resolves every future with an
+	// error wrapping ErrBatchRefused: nothing of it was stored, and each
+	// message is to be published again alone (Republish), for the broker
+	// to give each its own answer.
+	PublishBatch(ctx context.Context, ms []*wire.Message) (futs []Future, errs []error, err error)
+	// Republish publishes alone a message whose batch was refused whole,
+	// like Publish.
+	Republish(ctx context.Context, m *wire.Message) (Future, error)
+}
+
+// ErrBatchRefused marks a batch the broker refused whole (a message ID it
+// already holds, a message it refuses, an incomplete batch): nothing of
+// it was stored.
+var ErrBatchRefused = errors.New("the broker refused the batch whole")

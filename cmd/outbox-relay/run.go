@@ -28,7 +28,8 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 		lease, backoffMin, backoffMax, pollInterval                 time.Duration
 		maxAttempts, pollBatch, pollPipeline                        int
 		statsInterval                                               time.Duration
-		createStream, deadlineTTL                                   bool
+		createStream, deadlineTTL, atomicTx                         bool
+		atomicBatchMax                                              int
 		natsMonitorURL                                              string
 		readBackLimit                                               int
 		allowStreams                                                config.List
@@ -46,6 +47,8 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs.Var(&allowStreams, "allow-stream", "a further stream a row's subject column may name; repeat or comma-separate (default: only --stream; a subject no allowed stream binds is refused)")
 	fs.BoolVar(&createStream, "create-stream", true, "create --stream when it is missing (false: it must exist, e.g. when operators own stream configuration)")
 	fs.BoolVar(&deadlineTTL, "deadline-ttl", true, "publish a row with expires_at with Nats-TTL (the time left, rounded up to whole seconds), so the stream removes its message at the deadline (G21), where the stream allows per-message TTL; the stream the relay creates allows it (which cannot be undone on it)")
+	fs.BoolVar(&atomicTx, "atomic-transactions", false, "publish each transaction's rows as one JetStream atomic batch, stored all together or not at all (G20; nats-server 2.12+, a stream with allow_atomic, which the relay sets on a stream it creates); not with --ordering aggregate. A transaction larger than --atomic-batch-max rows or --max-in-flight-bytes goes as consecutive whole batches")
+	fs.IntVar(&atomicBatchMax, "atomic-batch-max", relay.DefaultAtomicBatchMax, "with --atomic-transactions: the most rows of one atomic batch; at most the server's max_batch_size (1000 unless raised)")
 	fs.StringVar(&natsMonitorURL, "nats-monitor-url", "", "nats-server's monitoring endpoint (e.g. http://nats:8222), where the start's broker contract check reads the server's sync setting (empty: unknown, and an R1 file stream is warned about)")
 	fs.IntVar(&readBackLimit, "readback-limit", relay.DefaultReadBackLimit, "message headers a session start reads back from the stream to find the replayed rows it already holds, which it then does not publish again (G18; about 100 bytes of memory each; 0: no read-back, repeats left to the duplicate window)")
 	fs.IntVar(&replicas, "stream-replicas", 1, "replicas of the stream when the relay creates it (3 on a JetStream cluster)")
@@ -114,6 +117,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if readBackLimit == 0 {
 		o.ReadBackLimit = -1
 	}
+	o.AtomicTransactions, o.AtomicBatchMax = atomicTx, atomicBatchMax
 	o.MaxInFlight, o.MaxInFlightBytes, o.MaxBufferedBytes = maxInFlight, maxInFlightBytes, maxBufferedBytes
 	o.StatusInterval, o.DrainTimeout = statusInterval, drainTimeout
 	o.Linger = linger

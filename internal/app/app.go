@@ -117,6 +117,12 @@ type Options struct {
 	// ReadBackLimit bounds a session start's read-back of the stream (run
 	// --readback-limit, G18): 0 the default, negative off.
 	ReadBackLimit int
+	// AtomicTransactions publishes each transaction's rows as one atomic
+	// batch (run --atomic-transactions, G20) and creates the stream
+	// allowing atomic publish; AtomicBatchMax is the most rows of one
+	// batch (run --atomic-batch-max; 0: relay.DefaultAtomicBatchMax).
+	AtomicTransactions bool
+	AtomicBatchMax     int
 
 	// Listening, when set, receives the HTTP server's address once it listens.
 	Listening func(addr string)
@@ -280,6 +286,12 @@ func (o *Options) Validate() error {
 	}
 	if o.DeadlineMargin < 0 {
 		return fmt.Errorf("--deadline-margin %s: may not be negative", o.DeadlineMargin)
+	}
+	if o.AtomicTransactions && o.Ordering == OrderingAggregate {
+		return errors.New("--atomic-transactions with --ordering aggregate: not supported together: order per aggregate publishes a row only after its aggregate's previous row was acknowledged, which would cut a transaction with two rows of one aggregate into pieces; choose one (docs/guarantees.md, G20)")
+	}
+	if o.AtomicBatchMax != 0 && (o.AtomicBatchMax < 2 || o.AtomicBatchMax > 100_000) {
+		return fmt.Errorf("--atomic-batch-max %d: want 2 to 100000, and at most the server's max_batch_size (1000 unless raised)", o.AtomicBatchMax)
 	}
 	if o.AckTimeout <= 0 {
 		return fmt.Errorf("--ack-timeout %s: must be positive (without it a publish can wait forever across a broker loss)", o.AckTimeout)
@@ -447,7 +459,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		return fmt.Errorf("open JetStream: %w", err)
 	}
 	streamCfg := natssink.StreamConfig{Name: o.Stream, SubjectPrefix: o.SubjectPrefix, DuplicateWindow: o.DuplicateWindow,
-		Replicas: o.StreamReplicas, NoCreate: o.NoCreateStream, MsgTTL: o.DeadlineTTL}
+		Replicas: o.StreamReplicas, NoCreate: o.NoCreateStream, MsgTTL: o.DeadlineTTL, AtomicPublish: o.AtomicTransactions}
 	// Each sink has its own pending publishes: the two paths never wait
 	// behind each other's acks.
 	pollSink, cdcSink := natssink.New(js, o.sinkOptions()), natssink.New(js, o.sinkOptions())
@@ -461,7 +473,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		}
 		if created {
 			log.Info().Str("stream", o.Stream).Str("subjects", o.SubjectPrefix+">").Dur("duplicate_window", info.Config.Duplicates).
-				Bool("allow_msg_ttl", info.Config.AllowMsgTTL).Msg("created stream")
+				Bool("allow_msg_ttl", info.Config.AllowMsgTTL).Bool("allow_atomic", info.Config.AllowAtomicPublish).Msg("created stream")
 		}
 		pollSink.Observe(info)
 		cdcSink.Observe(info)
@@ -514,6 +526,9 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		Settings:         &settings,
 		SettingsBy:       "run --worker-id " + pc.WorkerID,
 		ReadBackLimit:    o.ReadBackLimit,
+
+		AtomicTransactions: o.AtomicTransactions,
+		AtomicBatchMax:     o.AtomicBatchMax,
 	}, pool, st, cdcSink, log, m)
 	if o.Started != nil {
 		o.Started(r)

@@ -32,7 +32,7 @@ type contractCheck struct {
 }
 
 func newContractCheck(o Options, nc *nats.Conn, log zerolog.Logger, m *metrics.Metrics) *contractCheck {
-	want := natssink.Contract{DeadlineTTL: o.DeadlineTTL}
+	want := natssink.Contract{DeadlineTTL: o.DeadlineTTL, AtomicBatches: o.AtomicTransactions}
 	lease, backoff := o.Lease, o.BackoffMax
 	if backoff >= lease && backoff > 0 {
 		want.RetrySpan, want.RetrySpanFrom = backoff, "--backoff-max "+backoff.String()

@@ -51,6 +51,8 @@ func TestValidateNamesTheFlag(t *testing.T) {
 		{"stream too long", func(o *app.Options) { o.Stream = strings.Repeat("S", 256) }, []string{"--stream", "256 bytes", "1 to 255 bytes"}},
 		{"allowed stream with slash", func(o *app.Options) { o.AllowStreams = []string{"OK", "a/b"} }, []string{"--allow-stream", `"a/b"`, "path separator"}},
 		{"unknown ordering", func(o *app.Options) { o.Ordering = "maybe" }, []string{"--ordering", `"maybe"`, "aggregate"}},
+		{"atomic with ordering", func(o *app.Options) { o.AtomicTransactions, o.Ordering = true, app.OrderingAggregate }, []string{"--atomic-transactions", "--ordering aggregate"}},
+		{"atomic batch of one", func(o *app.Options) { o.AtomicTransactions, o.AtomicBatchMax = true, 1 }, []string{"--atomic-batch-max", "max_batch_size"}},
 		{"negative deadline margin", func(o *app.Options) { o.DeadlineMargin = -time.Second }, []string{"--deadline-margin", "negative"}},
 		{"bad standby slot", func(o *app.Options) { o.StandbySlots = []string{"Standby-A"} }, []string{"--standby-slot", "Standby-A"}},
 		{"prefix $JS", func(o *app.Options) { o.SubjectPrefix = "$JS." }, []string{"--subject-prefix", "reserved", "$JS"}},

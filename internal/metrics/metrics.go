@@ -56,6 +56,8 @@ type Metrics struct {
 	ReadBackFound    prometheus.Counter
 	ReadBackMessages prometheus.Counter
 	ReadBackSeconds  prometheus.Gauge
+	AtomicBatches    *prometheus.CounterVec // result (stored, refused): atomic batches of the CDC path (G20)
+	AtomicSplit      prometheus.Counter     // transactions published as more than one atomic batch (G20)
 }
 
 // New registers every metric on a fresh registry, with Go and process
@@ -175,7 +177,13 @@ func New() *Metrics {
 	m.ReadBackSeconds = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "outbox_relay_readback_seconds", Help: "How long the last session start's read-back of the stream took (G18).",
 	})
-	for _, c := range []prometheus.Collector{m.ReadBackFound, m.ReadBackMessages, m.ReadBackSeconds, m.BrokerContract, m.FailoverPath, m.StandbyLagBytes, m.StandbySlotMissing, m.StandbyGated, m.Expired, m.BlockedAggregates, m.SlotLagSeconds, m.DefaultPartitionRows, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.WatermarkLSN, m.ServerWALEnd,
+	m.AtomicBatches = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "outbox_relay_atomic_batches_total", Help: "Atomic batches of the CDC path (--atomic-transactions, G20) by the broker's answer: stored (whole), refused (whole, nothing stored: its rows were published again one by one). A transaction of one row goes as a plain message, not counted here.",
+	}, []string{"result"})
+	m.AtomicSplit = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "outbox_relay_atomic_split_transactions_total", Help: "Transactions too large for one atomic batch (--atomic-batch-max rows, or the bytes of --max-in-flight-bytes), published as consecutive batches, each stored whole (G20).",
+	})
+	for _, c := range []prometheus.Collector{m.AtomicBatches, m.AtomicSplit, m.ReadBackFound, m.ReadBackMessages, m.ReadBackSeconds, m.BrokerContract, m.FailoverPath, m.StandbyLagBytes, m.StandbySlotMissing, m.StandbyGated, m.Expired, m.BlockedAggregates, m.SlotLagSeconds, m.DefaultPartitionRows, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.WatermarkLSN, m.ServerWALEnd,
 		m.SlotLagBytes, m.InFlight, m.InFlightBytes, m.BufferedBytes, m.Handoffs, m.SettleRetries, m.Sessions, m.SlotOwner, m.Claims,
 		m.StaleCompletions, m.Failures, m.RowsByState, m.OldestEligible} {
 		f(c)

@@ -36,6 +36,9 @@ type item struct {
 	ordered bool
 	agg     store.AggregateKey
 	holds   bool
+	// batchHead: the first row of an atomic batch (atomic.go), whose
+	// result counts the batch.
+	batchHead bool
 }
 
 type settleResult struct {
@@ -90,8 +93,9 @@ type loop struct {
 	readBack     *readBack
 	readBackDone bool
 
-	order    *orderState // nil without --ordering aggregate
-	gated    *gateState  // nil without --standby-slot
+	atomic   *atomicState // nil without --atomic-transactions
+	order    *orderState  // nil without --ordering aggregate
+	gated    *gateState   // nil without --standby-slot
 	refresh  chan heldRefresh
 	stopping bool
 	// stop is closed when the stream is to stop reading WAL; stopBegan is
@@ -139,6 +143,9 @@ func newLoop(r *Relay, confirmed replication.LSN, held map[store.AggregateKey]st
 	}
 	if r.store.Policy() == store.PolicyNone {
 		l.cover = &coverage{}
+	}
+	if r.cfg.AtomicTransactions {
+		l.atomic = newAtomicState(r)
 	}
 	return l
 }
@@ -345,6 +352,11 @@ func (l *loop) takeEvents(ctx context.Context, confirms chan replication.LSN) er
 			return err
 		}
 	}
+	if l.atomic != nil {
+		if err := l.atomic.takeWaiting(ctx, l); err != nil {
+			return err
+		}
+	}
 	if l.gated != nil {
 		if len(l.gated.events) > 0 {
 			return l.letThroughGated(ctx, confirms)
@@ -376,7 +388,7 @@ func (l *loop) takeEvents(ctx context.Context, confirms chan replication.LSN) er
 // queue (and memory) growing with the backlog (G15).
 func (l *loop) mayRead() bool {
 	return l.waitingForRoom == nil && !l.stopping && len(l.pending)+len(l.retry) < l.r.cfg.MaxUnsettled &&
-		(l.order == nil || l.order.parked < l.r.cfg.MaxInFlight)
+		(l.order == nil || l.order.parked < l.r.cfg.MaxInFlight) && (l.atomic == nil || l.atomic.waiting == nil)
 }
 
 // readFrom returns events when the loop may read the next batch, nil (a
@@ -531,6 +543,11 @@ func (l *loop) handleEvent(ctx context.Context, ev replication.Event, confirms c
 		if l.cur == nil {
 			return errors.New("commit outside a transaction")
 		}
+		if l.atomic != nil {
+			if err := l.atomic.commit(ctx, l); err != nil {
+				return err
+			}
+		}
 		l.cp.Commit(l.cur, ev.EndLSN)
 		l.cur = nil
 		l.advance(confirms)
@@ -599,6 +616,9 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row, held int) er
 	if turn == waitTurn {
 		l.order.park(it)
 		return nil
+	}
+	if l.atomic != nil {
+		return l.atomic.add(ctx, l, it)
 	}
 	if !l.hasRoom(it.size) {
 		l.waitingForRoom = it
@@ -718,7 +738,13 @@ const maxCollect = 256
 func (l *loop) handleResult(ctx context.Context, it *item) error {
 	l.inflight--
 	l.inflightBytes -= it.size
+	if it.batchHead {
+		l.atomic.counted(l, it)
+	}
 	if it.err != nil {
+		if errors.Is(it.err, sinks.ErrBatchRefused) {
+			return l.atomic.republish(ctx, l, it)
+		}
 		if re, ok := wire.IsRejected(it.err); ok {
 			l.reject(it, re)
 			return nil

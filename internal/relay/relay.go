@@ -74,6 +74,13 @@ type Config struct {
 	// supports it (PostgreSQL 17+, run --failover-slot).
 	FailoverSlot bool
 
+	// AtomicTransactions publishes each transaction's rows as one atomic
+	// batch (run --atomic-transactions, G20; atomic.go); the sink must be
+	// a sinks.Batcher. AtomicBatchMax is the most rows of one batch (the
+	// server's max_batch_size).
+	AtomicTransactions bool
+	AtomicBatchMax     int
+
 	// RestartCheck is how often a streaming relay checks whether the
 	// slot's restart_lsn lags its confirmed position (restart.go).
 	RestartCheck time.Duration
@@ -114,6 +121,9 @@ const (
 	// calls per message, for at most this much added latency
 	// (docs/benchmarks.md).
 	DefaultLinger = 2 * time.Millisecond
+
+	// DefaultAtomicBatchMax is nats-server's default max_batch_size.
+	DefaultAtomicBatchMax = 1000
 
 	DefaultSettleBatch  = 1000
 	DefaultSettleDelay  = 5 * time.Millisecond
@@ -165,6 +175,9 @@ func (c *Config) setDefaults() {
 	def(&c.DeadlineMargin, DefaultDeadlineMargin)
 	def(&c.RestartCheck, DefaultRestartCheck)
 	def(&c.WatermarkEvery, DefaultWatermarkEvery)
+	if c.AtomicBatchMax <= 0 {
+		c.AtomicBatchMax = DefaultAtomicBatchMax
+	}
 }
 
 // Role is what the CDC path is doing, for /readyz and status.
@@ -419,6 +432,9 @@ func (r *Relay) reportIgnoredWatermarks(ctx context.Context) error {
 // It returns nil after a graceful shutdown and an error only when Preflight
 // fails; every later failure is logged and retried with capped backoff.
 func (r *Relay) Run(ctx context.Context) error {
+	if _, ok := r.sink.(sinks.Batcher); r.cfg.AtomicTransactions && !ok {
+		return fmt.Errorf("--atomic-transactions: the sink (%T) cannot publish atomic batches", r.sink)
+	}
 	if !r.preflighted.Load() {
 		if err := r.Preflight(ctx); err != nil {
 			return err

@@ -39,11 +39,12 @@ const (
 	CheckRetention       = "retention"
 	CheckMsgTTL          = "msg_ttl"
 	CheckServerVersion   = "server_version"
+	CheckAtomicPublish   = "atomic_publish"
 )
 
 // Checks is every check, in the order they are reported.
 var Checks = []string{CheckNoAck, CheckSealed, CheckMemoryStorage, CheckUnsyncedStore, CheckDuplicateWindow,
-	CheckMaxMsgSize, CheckDiscardNew, CheckRetention, CheckMsgTTL, CheckServerVersion}
+	CheckMaxMsgSize, CheckDiscardNew, CheckRetention, CheckMsgTTL, CheckServerVersion, CheckAtomicPublish}
 
 // Finding is one way the stream or server falls short of the contract.
 type Finding struct {
@@ -144,6 +145,11 @@ func CheckContract(info *jetstream.StreamInfo, serverVersion string, sync *Serve
 		add(CheckMsgTTL, LevelWarn,
 			fmt.Sprintf("stream %s does not allow per-message TTL: rows with a deadline are published without Nats-TTL, so only receivers enforce the deadline (Outbox-Expires-At)", name),
 			fmt.Sprintf("allow it (nats stream edit %s --allow-msg-ttl; it cannot be turned off again), or run with --deadline-ttl=false to silence this", name))
+	}
+	if c.AtomicBatches && !cfg.AllowAtomicPublish {
+		add(CheckAtomicPublish, LevelRefuse,
+			fmt.Sprintf("stream %s does not allow atomic batch publish, which --atomic-transactions needs to store each transaction whole (G20)", name),
+			fmt.Sprintf("allow it (nats stream edit %s --allow-batch, or \"allow_atomic\": true in its configuration; the relay never changes an existing stream), or run without --atomic-transactions", name))
 	}
 	if v, ok := parseVersion(serverVersion); ok {
 		if c.AtomicBatches && less(v, versionAtomic) {

@@ -55,7 +55,9 @@ func TestContractChecks(t *testing.T) {
 		{"no TTL", func(c *jetstream.StreamConfig) { c.AllowMsgTTL = false }, "2.15.2", nil, want, []string{"msg_ttl/warn"}},
 		{"no TTL, not asked", func(c *jetstream.StreamConfig) { c.AllowMsgTTL = false }, "2.15.2", nil, natssink.Contract{}, nil},
 		{"old server, TTL", nil, "2.10.22", nil, want, []string{"server_version/warn"}},
-		{"old server, atomic", nil, "v2.11.9", nil, natssink.Contract{AtomicBatches: true}, []string{"server_version/refuse"}},
+		{"old server, atomic", func(c *jetstream.StreamConfig) { c.AllowAtomicPublish = true }, "v2.11.9", nil, natssink.Contract{AtomicBatches: true}, []string{"server_version/refuse"}},
+		{"no atomic publish", nil, "2.15.2", nil, natssink.Contract{AtomicBatches: true}, []string{"atomic_publish/refuse"}},
+		{"atomic publish allowed", func(c *jetstream.StreamConfig) { c.AllowAtomicPublish = true }, "2.15.2", nil, natssink.Contract{AtomicBatches: true}, nil},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			cfg := good

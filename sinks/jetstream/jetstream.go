@@ -52,6 +52,19 @@ func New(js API, o Options) *Sink {
 
 // Publish implements sinks.Sink.
 func (s *Sink) Publish(ctx context.Context, m *wire.Message) (sinks.Future, error) {
+	f, err := s.prepare(ctx, m)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := s.pub.publish(f); err != nil {
+		return nil, classify(ctx, s.js, m.Subject, fmt.Errorf("publish %s to %s: %w", m.ID, m.Subject, err))
+	}
+	return f, nil
+}
+
+// prepare checks m, resolves its stream and sets the headers every publish
+// of it carries.
+func (s *Sink) prepare(ctx context.Context, m *wire.Message) (*future, error) {
 	if !m.Checked {
 		if err := checkMessage(m); err != nil {
 			return nil, err
@@ -83,9 +96,6 @@ func (s *Sink) Publish(ctx context.Context, m *wire.Message) (sinks.Future, erro
 		f.id[0] = m.ID
 		f.hdr[jetstream.MsgIDHeader] = f.id[:]
 	}
-	if _, err := s.pub.publish(f); err != nil {
-		return nil, classify(ctx, s.js, m.Subject, fmt.Errorf("publish %s to %s: %w", m.ID, m.Subject, err))
-	}
 	return f, nil
 }
 
@@ -113,6 +123,9 @@ func (f *future) Wait(ctx context.Context) (sinks.Ack, error) {
 	}
 	if errors.Is(f.err, jetstream.ErrAsyncPublishTimeout) {
 		return sinks.Ack{}, fmt.Errorf("ack for %s on %s: %w: %w", f.msg.ID, f.msg.Subject, sinks.ErrAckTimeout, f.err)
+	}
+	if errors.Is(f.err, sinks.ErrBatchRefused) {
+		return sinks.Ack{}, fmt.Errorf("ack for %s on %s: %w", f.msg.ID, f.msg.Subject, f.err)
 	}
 	var apiErr *jetstream.APIError
 	if errors.As(f.err, &apiErr) && apiErr.ErrorCode == errCodeMsgTTLDisabled {
@@ -218,6 +231,9 @@ type StreamConfig struct {
 	// MsgTTL creates the stream with per-message TTL allowed (G21), which
 	// can never be turned off on it again.
 	MsgTTL bool
+	// AtomicPublish creates the stream with atomic batch publish allowed
+	// (G20, run --atomic-transactions).
+	AtomicPublish bool
 }
 
 // errCodeHeaderExceedsMaximum is JetStream's "header size exceeds maximum
@@ -317,13 +333,14 @@ func ensureStream(ctx context.Context, js jetstream.StreamManager, c StreamConfi
 		replicas = 1
 	}
 	st, err = js.CreateStream(ctx, jetstream.StreamConfig{
-		Name:        c.Name,
-		Description: "outbox-relay: transactional outbox messages",
-		Subjects:    []string{c.SubjectPrefix + ">"},
-		Storage:     jetstream.FileStorage,
-		Duplicates:  c.DuplicateWindow,
-		Replicas:    replicas,
-		AllowMsgTTL: c.MsgTTL,
+		Name:               c.Name,
+		Description:        "outbox-relay: transactional outbox messages",
+		Subjects:           []string{c.SubjectPrefix + ">"},
+		Storage:            jetstream.FileStorage,
+		Duplicates:         c.DuplicateWindow,
+		Replicas:           replicas,
+		AllowMsgTTL:        c.MsgTTL,
+		AllowAtomicPublish: c.AtomicPublish,
 	})
 	if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
 		// Another instance created it first.

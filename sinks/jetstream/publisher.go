@@ -50,6 +50,11 @@ type publisher struct {
 	disconnects uint64 // RECONNECTING events seen
 
 	acks ackParser // the reply subscription's goroutine only
+
+	// Atomic batches' IDs: batchPrefix (random, set once) and a counter.
+	batchOnce   sync.Once
+	batchPrefix string
+	batches     atomic.Uint64
 }
 
 // nats.go's retry of a publish that found no responders (a stream leader
@@ -182,6 +187,11 @@ func (p *publisher) handle(m *nats.Msg, prefixLen int) {
 		return
 	}
 	p.remove(f, token)
+	if f.batch != nil {
+		p.mu.Unlock()
+		p.resolveBatch(f, m)
+		return
+	}
 	if len(m.Data) == 0 && m.Header.Get("Status") == "503" {
 		// No responders, as nats.go detects it.
 		if f.retries < noRespondersRetries {
@@ -304,6 +314,13 @@ type future struct {
 	deadline int64
 	retries  int
 
+	// batch, on the last message of an atomic batch (the one that commits
+	// it and is answered), is every message of the batch, in order; its
+	// answer resolves them all. batchID is the batch's Nats-Batch-Id.
+	batch   []*future
+	batchID string
+	index   int // the message's place in PublishBatch's arguments
+
 	state atomic.Uint32
 	ch    chan struct{} // closed on resolve once a Wait blocked
 	ack   sinks.Ack
@@ -311,8 +328,20 @@ type future struct {
 }
 
 // resolve records the outcome and wakes a waiter. The publisher calls it
-// exactly once per future: only for the one it took out of its ring.
+// exactly once per future: only for the one it took out of its ring. On
+// the commit of a batch it records the outcome for every message of the
+// batch.
 func (f *future) resolve(ack sinks.Ack, err error) {
+	for _, g := range f.batch {
+		if g != f {
+			g.settle(ack, err)
+		}
+	}
+	f.settle(ack, err)
+}
+
+// settle records the outcome of f alone.
+func (f *future) settle(ack sinks.Ack, err error) {
 	f.ack, f.err = ack, err
 	if f.state.Swap(stateDone) == stateWaiting {
 		close(f.ch)
