@@ -133,6 +133,9 @@ func TestAtomicTransactionLargerThanABatch(t *testing.T) {
 // before) ends stored once, each row.
 func TestAtomicReplayOfStoredTransactionSettles(t *testing.T) {
 	h := newHarness(t, sharedSetup(t))
+	// The read-back (G18) would find the stored rows before any batch is
+	// sent: off, to test the broker's refusal and the fallback behind it.
+	h.opts.ReadBackLimit = -1
 	base := startAtomic(t, h)
 	ctx := context.Background()
 	stored := map[string]uint64{}

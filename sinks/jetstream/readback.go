@@ -50,26 +50,43 @@ func (s *Sink) StoredSince(ctx context.Context, since time.Time, limit int, each
 	}
 	read := 0
 	for read < limit {
-		batch, err := c.Fetch(min(readBackBatch, limit-read), jetstream.FetchMaxWait(2*time.Second))
+		// No wait: a fetch that waited for messages the stream does not
+		// have yet would hold every session start (and leave its
+		// goroutine behind when the read stops early).
+		batch, err := c.FetchNoWait(min(readBackBatch, limit-read))
 		if err != nil {
 			return read, false, fmt.Errorf("read back stream %s: %w", o.Stream, err)
 		}
-		n := 0
+		n, done, stop := 0, false, false
+		var merr error
 		for m := range batch.Messages() {
 			n++
+			if done || stop || merr != nil {
+				continue // drain: the fetch ends with its messages taken
+			}
 			read++
 			md, err := m.Metadata()
 			if err != nil {
-				return read, false, fmt.Errorf("read back stream %s: %w", o.Stream, err)
+				merr = err
+				continue
 			}
 			if id := m.Headers().Get(jetstream.MsgIDHeader); id != "" {
 				if !each(sinks.Stored{ID: id, Stream: o.Stream, Seq: md.Sequence.Stream, Header: m.Headers()}) {
-					return read, false, nil
+					stop = true
+					continue
 				}
 			}
 			if md.Sequence.Stream >= last || md.NumPending == 0 {
-				return read, true, nil
+				done = true
 			}
+		}
+		switch {
+		case merr != nil:
+			return read, false, fmt.Errorf("read back stream %s: %w", o.Stream, merr)
+		case stop:
+			return read, false, nil
+		case done:
+			return read, true, nil
 		}
 		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) {
 			return read, false, fmt.Errorf("read back stream %s: %w", o.Stream, err)
