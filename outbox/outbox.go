@@ -43,7 +43,7 @@
 // On a table partitioned by time (migrate --partition-interval) no index
 // makes work_id unique; Enqueue and EnqueueBatch still find a repeat in any
 // partition the table holds, by waiting for the other enqueues of the same
-// work_id to end and then looking (docs/consumers.md, "Partitioned
+// work_id to end and then looking (docs/design-table.md, "Partitioned
 // table"). Under REPEATABLE READ an enqueue that had to wait for another
 // enqueue of its work_id fails with a serialization failure (40001), as a
 // unique index would make it; retry the transaction.

@@ -31,7 +31,7 @@ GRANT SELECT, INSERT ON {{.Companion "settings"}} TO {{.Relay}};
 -- PostgreSQL 16+: the relay writes a running-transactions record when the
 -- slot's restart position lags, and on a clean stop, so that a restart
 -- decodes seconds of WAL again, not everything since the server's last such
--- record (docs/operations.md, "Restarts and the slot's restart position").
+-- record (docs/deploy.md, "Restarts and the slot's restart position").
 -- pg_log_standby_snapshot() is superuser-only unless granted, and only a
 -- superuser (or a role holding it WITH GRANT OPTION) can grant it: run by
 -- the table's owner alone, this step warns and grants nothing, and the relay
@@ -73,7 +73,7 @@ GRANT EXECUTE ON FUNCTION {{.Companion "give_back_seq"}}(text, text, bigint) TO 
 -- conflict target, kind, subject and payload to tell a repeat of the same
 -- intention from a conflicting one. That lets any producer read every row's
 -- payload: producers that must not read each other's work need separate
--- outbox tables (docs/operations.md, Security). Not state, attempts or
+-- outbox tables (docs/security.md, Security). Not state, attempts or
 -- errors: those are the relay's and the operator's.
 GRANT SELECT (work_id, kind, subject, payload) ON {{.Table}} TO {{.Producer}};
 

@@ -68,7 +68,7 @@ func tuneGC() {
 // matters when rows are large: each then leaves its own size or more in
 // garbage, and at GOGC 400 the heap grew to several times the budget before
 // a collection. Under the soft limit the collector runs earlier instead
-// (docs/benchmarks.md, "One large transaction").
+// (docs/benchmarks-scale.md, "One large transaction").
 const memoryLimitBase = 48 << 20
 
 // tuneMemoryLimit sets Go's soft memory limit from the byte budget, unless

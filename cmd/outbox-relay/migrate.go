@@ -21,17 +21,17 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	var inboxTable string
 	var printGrants bool
 	var roles store.Roles
-	fs := newFlagSet("migrate", "Creates or upgrades the outbox table and its indexes (versioned, idempotent, safe to run concurrently and beside producers: indexes are built concurrently, and no lock their INSERTs queue behind is waited for longer than --lock-timeout) and the insert-only publication. Run it as the table's owner: any other role, a superuser included, is refused (docs/operations.md, \"migrate runs as the table's owner\").\n"+
+	fs := newFlagSet("migrate", "Creates or upgrades the outbox table and its indexes (versioned, idempotent, safe to run concurrently and beside producers: indexes are built concurrently, and no lock their INSERTs queue behind is waited for longer than --lock-timeout) and the insert-only publication. Run it as the table's owner: any other role, a superuser included, is refused (docs/security.md, \"migrate runs as the table's owner\").\n"+
 		"With --inbox, creates a consumer's inbox tables (package inbox) instead, usually in the consumer's own database.", stderr)
 	var recordSettings bool
 	var ordering string
 	var lockTimeout time.Duration
 	c.register(fs, flagDatabaseURL, flagTable, flagPublication, flagOnPublish)
-	fs.BoolVar(&recordSettings, "record-settings", false, "record --ordering and --on-publish as the table's settings, which every `run` of it must use (stop every instance first: docs/operations.md, \"Changing --ordering or --on-publish\"); without it, migrate prints the recorded ones")
+	fs.BoolVar(&recordSettings, "record-settings", false, "record --ordering and --on-publish as the table's settings, which every `run` of it must use (stop every instance first: docs/upgrading.md, \"Changing --ordering or --on-publish\"); without it, migrate prints the recorded ones")
 	fs.StringVar(&ordering, "ordering", app.OrderingNone, "with --record-settings: the table's --ordering, none or aggregate")
-	fs.DurationVar(&lockTimeout, "lock-timeout", store.DefaultLockTimeout, "longest wait for a lock that producers' INSERTs queue behind (PostgreSQL lock_timeout); past it migrate gives up, names the session holding the table, and a rerun resumes (docs/operations.md, \"Migrating a large table\")")
+	fs.DurationVar(&lockTimeout, "lock-timeout", store.DefaultLockTimeout, "longest wait for a lock that producers' INSERTs queue behind (PostgreSQL lock_timeout); past it migrate gives up, names the session holding the table, and a rerun resumes (docs/upgrading.md, \"Migrating a large table\")")
 	var partitionInterval string
-	fs.StringVar(&partitionInterval, "partition-interval", "", "create a NEW table partitioned by created_at in ranges of this interval (1h, 1d, Nd, or a Go duration of at least 5m in whole minutes); prune then drops whole partitions. Refused on an existing plain table (docs/operations.md, \"Converting a plain table to a partitioned one\")")
+	fs.StringVar(&partitionInterval, "partition-interval", "", "create a NEW table partitioned by created_at in ranges of this interval (1h, 1d, Nd, or a Go duration of at least 5m in whole minutes); prune then drops whole partitions. Refused on an existing plain table (docs/partitions.md, \"Converting a plain table to a partitioned one\")")
 	fs.StringVar(&inboxTable, "inbox", "", "create the inbox table with this name (name or schema.name) and its <name>_fences table for consumers using package inbox, instead of the outbox table and publication")
 	fs.BoolVar(&printGrants, "print-grants", false, "print the least-privilege roles and grants (sql/roles.sql) for --table and exit; run the output as the table's owner")
 	fs.StringVar(&roles.Relay, "relay-role", "outbox_relay", "with --print-grants: the relay's role (LOGIN REPLICATION)")

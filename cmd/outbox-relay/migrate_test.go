@@ -47,7 +47,7 @@ func TestMigrateFiltersThePublication(t *testing.T) {
 }
 
 // The procedure for changing a table's --ordering or --on-publish
-// (docs/operations.md): migrate prints the recorded settings, migrate
+// (docs/upgrading.md): migrate prints the recorded settings, migrate
 // --record-settings replaces them (from flags or the environment, as run
 // reads them), and a run with other settings exits 1 naming each one.
 func TestMigrateRecordSettings(t *testing.T) {

@@ -261,7 +261,7 @@ func TestPruneCommand(t *testing.T) {
 		t.Fatalf("dry run: exit %d, stdout %q", code, out)
 	}
 	// The 9 rows created before the cutoff are read 3 at a time, and a
-	// fourth batch finds none left (docs/operations.md, prune).
+	// fourth batch finds none left (docs/operator-commands.md, prune).
 	code, out, _ = run(t, "prune", "--database-url", url, "--older-than", "7d", "--batch", "3")
 	if code != 0 || !strings.Contains(out, "pruned 7 published rows older than 168h0m0s") || !strings.HasSuffix(strings.TrimSpace(out), "in 4 batches") {
 		t.Fatalf("exit %d, stdout %q", code, out)

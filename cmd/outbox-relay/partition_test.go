@@ -86,7 +86,7 @@ func streamIDs(t *testing.T, js jetstream.JetStream, stream string) map[string]i
 	return ids
 }
 
-// The procedure of docs/operations.md, "Converting a plain table to a
+// The procedure of docs/partitions.md, "Converting a plain table to a
 // partitioned one", step by step, while a relay serves the plain table:
 // the new partitioned table beside it (its own publication and slot), the
 // aggregates' counters carried over, producers switched, the old table

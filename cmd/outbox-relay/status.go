@@ -152,7 +152,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		rep.Warnings = append(rep.Warnings, fmt.Sprintf("WARNING: partitions of %s are out of the table: %s; their rows are not reachable through it and the relay holds its checkpoint at a row it cannot find: run `outbox-relay prune` as the table's owner (it attaches them back, or drops those with nothing to keep), or let the relay's partition keeper attach them back", t.Qualified(), strings.Join(p.Detached, ", ")))
 	}
 	if p := rep.Partitions; p != nil && p.DefaultRows > 0 {
-		rep.Warnings = append(rep.Warnings, fmt.Sprintf("WARNING: the DEFAULT partition of %s holds about %d rows that found no partition of their own (was the relay stopped longer than the partitions made ahead?); prune never drops them (docs/operations.md, \"Partition sizing\")", t.Qualified(), p.DefaultRows))
+		rep.Warnings = append(rep.Warnings, fmt.Sprintf("WARNING: the DEFAULT partition of %s holds about %d rows that found no partition of their own (was the relay stopped longer than the partitions made ahead?); prune never drops them (docs/partitions.md, \"Partition sizing\")", t.Qualified(), p.DefaultRows))
 	}
 	if slot.Exists {
 		if rep.Slot.Failover, rep.Slot.Synced, err = replication.SlotFailover(ctx, pool, c.slot); err != nil {
@@ -215,7 +215,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	}
 	fmt.Fprintf(stdout, "rows       ")
 	for _, s := range store.States {
-		// How exact each figure is: docs/operations.md, "How exact the
+		// How exact each figure is: docs/operator-commands.md, "How exact the
 		// counts are". ~ an estimate, + at least this many.
 		n, mark := strconv.FormatInt(rep.ByState[s], 10), ""
 		switch {

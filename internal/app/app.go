@@ -608,7 +608,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 					kl.Warn().Err(err).Msg("could not create partitions ahead; retrying in a minute (producers insert into partitions made earlier, then into the DEFAULT partition)")
 					return
 				case made.DefaultRows > 0:
-					kl.Warn().Int64("default_rows", made.DefaultRows).Msgf("the DEFAULT partition of %s holds rows that found no partition of their own; prune never drops them (docs/operations.md, \"Partition sizing\")", o.Table.Qualified())
+					kl.Warn().Int64("default_rows", made.DefaultRows).Msgf("the DEFAULT partition of %s holds rows that found no partition of their own; prune never drops them (docs/partitions.md, \"Partition sizing\")", o.Table.Qualified())
 				}
 				m.DefaultPartitionRows.Set(float64(made.DefaultRows))
 				if len(made.Created) > 0 {

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"path"
 	"reflect"
 	"regexp"
 	"slices"
@@ -24,7 +25,7 @@ import (
 const (
 	alertsFile    = "../../deploy/prometheus/alerts.yml"
 	dashboardFile = "../../deploy/grafana/outbox-relay.json"
-	runbookFile   = "../../docs/operations.md"
+	docsDir       = "../../docs/"
 )
 
 var metricName = regexp.MustCompile(`\boutbox_relay_[a-zA-Z0-9_:]+`)
@@ -189,7 +190,7 @@ func TestAlertRulesUseRegisteredMetrics(t *testing.T) {
 	if len(rf.Groups) == 0 {
 		t.Fatalf("%s has no groups", alertsFile)
 	}
-	anchors := headingAnchors(t)
+	anchors := map[string]map[string]bool{} // docs page -> its anchors
 	seen := map[string]bool{}
 	var exprs []string
 	for _, g := range rf.Groups {
@@ -220,10 +221,16 @@ func TestAlertRulesUseRegisteredMetrics(t *testing.T) {
 			}
 			url := r.Annotations["runbook_url"]
 			doc, anchor, ok := strings.Cut(url, "#")
-			if !ok || !strings.HasSuffix(doc, "docs/operations.md") {
-				t.Errorf("%s: runbook_url %q does not point into docs/operations.md#...", id, url)
-			} else if !anchors[anchor] {
-				t.Errorf("%s: runbook_url anchor #%s matches no heading of docs/operations.md", id, anchor)
+			page := path.Base(doc)
+			if !ok || !strings.HasSuffix(doc, "docs/"+page) || !strings.HasSuffix(page, ".md") {
+				t.Errorf("%s: runbook_url %q does not point into a page of docs/ (docs/<page>.md#<heading>)", id, url)
+				continue
+			}
+			if anchors[page] == nil {
+				anchors[page] = headingAnchors(t, docsDir+page)
+			}
+			if !anchors[page][anchor] {
+				t.Errorf("%s: runbook_url anchor #%s matches no heading of docs/%s", id, anchor, page)
 			}
 		}
 	}
@@ -240,11 +247,11 @@ func TestAlertRulesUseRegisteredMetrics(t *testing.T) {
 	}
 }
 
-// headingAnchors returns the GitHub anchors of docs/operations.md's headings:
+// headingAnchors returns the GitHub anchors of a docs page's headings:
 // lower case, punctuation other than '-' and '_' dropped, spaces to '-'.
-func headingAnchors(t *testing.T) map[string]bool {
+func headingAnchors(t *testing.T, file string) map[string]bool {
 	t.Helper()
-	raw, err := os.ReadFile(runbookFile)
+	raw, err := os.ReadFile(file)
 	if err != nil {
 		t.Fatal(err)
 	}

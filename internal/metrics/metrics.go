@@ -166,7 +166,7 @@ func New() *Metrics {
 		Name: "outbox_relay_failover_path_total", Help: "Sessions that found the slot a synced failover slot after a promotion (slot_survived); a slot re-created instead counts in outbox_relay_slots_created_total.",
 	}, []string{"path"})
 	m.BrokerContract = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Name: "outbox_relay_broker_contract", Help: "1 for each check of the broker contract (G21) the stream or server falls short of, as found at the last session's start, by check and level (warn, refuse); docs/operations.md lists the checks.",
+		Name: "outbox_relay_broker_contract", Help: "1 for each check of the broker contract (G21) the stream or server falls short of, as found at the last session's start, by check and level (warn, refuse); docs/deploy.md lists the checks.",
 	}, []string{"check", "level"})
 	m.ReadBackFound = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "outbox_relay_readback_found_total", Help: "Replayed rows a session start found already stored in the stream (published before a restart, a takeover or a reconnect) and settled with their stored sequence instead of publishing them again (G18).",

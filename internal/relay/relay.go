@@ -112,14 +112,14 @@ const (
 	DefaultMaxInFlightBytes = 4 << 20
 	// DefaultMaxBufferedBytes keeps the relay's heap, which Go's collector
 	// lets grow to about twice what is live, well inside 128 MB
-	// (docs/benchmarks.md, bigtx).
+	// (docs/benchmarks-scale.md, bigtx).
 	DefaultMaxBufferedBytes = 32 << 20
 	DefaultStatusInterval   = 2 * time.Second
 	DefaultDrainTimeout     = 10 * time.Second
 	// DefaultLinger groups transactions that arrive less than this apart:
 	// at one row per transaction it cuts the relay's wake-ups and system
 	// calls per message, for at most this much added latency
-	// (docs/benchmarks.md).
+	// (docs/benchmarks-second-round.md).
 	DefaultLinger = 2 * time.Millisecond
 
 	// DefaultAtomicBatchMax is nats-server's default max_batch_size.

@@ -24,7 +24,7 @@ import (
 // (or without the grant) only the stop does, by creating a temporary
 // logical slot, which writes the records with the REPLICATION attribute
 // the relay has anyway; while streaming there the slot follows the
-// server's own records (docs/operations.md).
+// server's own records (docs/deploy.md).
 
 // Defaults of the restart position's upkeep.
 const (

@@ -25,7 +25,7 @@ func restartHarness(t *testing.T, minVersion int) *harness {
 	}
 	t.Cleanup(pg.Close)
 	if v := pg.Version(); v < minVersion {
-		t.Skipf("PostgreSQL %d has no pg_log_standby_snapshot() (16+): while streaming, the slot's restart position follows only the server's own running-transactions records there (docs/operations.md, \"Restarts and the slot's restart position\"); run with OUTBOX_RELAY_TEST_PG_VERSION=17", v)
+		t.Skipf("PostgreSQL %d has no pg_log_standby_snapshot() (16+): while streaming, the slot's restart position follows only the server's own running-transactions records there (docs/deploy.md, \"Restarts and the slot's restart position\"); run with OUTBOX_RELAY_TEST_PG_VERSION=17", v)
 	}
 	stream, prefix := env.StreamName(t)
 	return newHarness(t, setup{dbURL: pg.URL("postgres"), natsURL: env.NATS.URL(), stream: stream, subjectPrefix: prefix})

@@ -24,8 +24,8 @@ import (
 
 // takeoverBound is how long the docs promise a waiting instance takes to
 // stream the slot after the active instance's connection ends
-// (operations.md: "a standby takes over within a second or two";
-// guarantees.md, Takeover times: the walsender exits when its socket
+// (deploy.md: "a standby takes over within a second or two";
+// guarantees-chaos.md, Takeover times: the walsender exits when its socket
 // closes and the waiting instance takes
 // the slot at its next START_REPLICATION retry, which comes every
 // relay.Config.WaitingRetry, 1 s by default). One retry interval plus a

@@ -114,7 +114,7 @@ func (l Layout) Partitioned() bool { return l.PartitionInterval > 0 }
 // MinPartitionInterval is the shortest --partition-interval. Short
 // intervals suit high volume with retention of hours; each partition is one
 // more index probe for every statement that finds a row by work_id
-// (docs/operations.md, Partition sizing), which PartitionsAhead bounds.
+// (docs/partitions.md, Partition sizing), which PartitionsAhead bounds.
 const MinPartitionInterval = 5 * time.Minute
 
 // MaxPartitionInterval is the longest --partition-interval: a year. Far
@@ -277,7 +277,7 @@ type MigrateOptions struct {
 
 // ErrConvertPlain refuses --partition-interval on a table that exists as a
 // plain table.
-var ErrConvertPlain = errors.New("the table exists and is not partitioned: migrate --partition-interval only creates a new table partitioned; convert an existing one with the procedure in docs/operations.md, \"Converting a plain table to a partitioned one\" (a new partitioned table beside it, producers switched to it, the old one drained by a relay and dropped)")
+var ErrConvertPlain = errors.New("the table exists and is not partitioned: migrate --partition-interval only creates a new table partitioned; convert an existing one with the procedure in docs/partitions.md, \"Converting a plain table to a partitioned one\" (a new partitioned table beside it, producers switched to it, the old one drained by a relay and dropped)")
 
 // Migrate is MigrateWith with the default options.
 func Migrate(ctx context.Context, conn *pgx.Conn, t Table) ([]Migration, error) {
@@ -323,7 +323,7 @@ func MigrateWith(ctx context.Context, conn *pgx.Conn, t Table, opts MigrateOptio
 	case layout.Exists && !layout.Partitioned() && opts.PartitionInterval > 0:
 		return nil, fmt.Errorf("migrate %s --partition-interval %s: %w", t.Qualified(), opts.PartitionInterval, ErrConvertPlain)
 	case layout.Exists && layout.Partitioned() && opts.PartitionInterval > 0 && layout.PartitionInterval != opts.PartitionInterval:
-		return nil, fmt.Errorf("migrate %s --partition-interval %s: the table is partitioned by %s already; the interval of an existing table does not change (a new table with the procedure in docs/operations.md, \"Converting a plain table to a partitioned one\")", t.Qualified(), opts.PartitionInterval, layout.PartitionInterval)
+		return nil, fmt.Errorf("migrate %s --partition-interval %s: the table is partitioned by %s already; the interval of an existing table does not change (a new table with the procedure in docs/partitions.md, \"Converting a plain table to a partitioned one\")", t.Qualified(), opts.PartitionInterval, layout.PartitionInterval)
 	case !layout.Exists:
 		layout.Layout = Layout{PartitionInterval: opts.PartitionInterval}
 	}

@@ -109,7 +109,7 @@ func TestBlockedAggregatesBounded(t *testing.T) {
 
 // BenchmarkCountsWithBlockedAggregates is Counts (status, the overview and
 // the table metrics read it) on a plain table of n blocked aggregates
-// (testenv.InsertBlockedAggregates), for docs/benchmarks.md:
+// (testenv.InsertBlockedAggregates), for docs/benchmarks-scale.md:
 //
 //	go test -run '^$' -bench CountsWithBlockedAggregates -benchtime 3x ./internal/store/
 func BenchmarkCountsWithBlockedAggregates(b *testing.B) {

@@ -39,7 +39,7 @@ const maxBuffers = 1000
 // waiting behind it), the top row of the long aggregate is with the poller,
 // and one unordered row is with the poller past its deadline. Each
 // statement's latency (EXPLAIN ANALYZE) is logged (-v) for
-// docs/benchmarks.md.
+// docs/benchmarks-scale.md.
 func TestOrderStatementsAtScale(t *testing.T) {
 	ctx := context.Background()
 	url := scaleDatabase(t)

@@ -28,7 +28,7 @@ type PartitionsMade struct {
 	Created []string
 	// DefaultRows is how many rows the DEFAULT partition holds (counted up
 	// to 1,000,000): rows that found no partition of their own. Prune never
-	// drops it; docs/operations.md says what to do.
+	// drops it; docs/partitions.md says what to do.
 	DefaultRows int64
 }
 
@@ -39,7 +39,7 @@ func (m PartitionsMade) Describe() string {
 		fmt.Fprintf(&b, "; created %s", strings.Join(m.Created, ", "))
 	}
 	if m.DefaultRows > 0 {
-		fmt.Fprintf(&b, "; the DEFAULT partition holds %d rows that found no partition of their own (docs/operations.md, \"Partition sizing\")", m.DefaultRows)
+		fmt.Fprintf(&b, "; the DEFAULT partition holds %d rows that found no partition of their own (docs/partitions.md, \"Partition sizing\")", m.DefaultRows)
 	}
 	return b.String()
 }

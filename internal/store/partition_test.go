@@ -130,7 +130,7 @@ func TestMigratePartitioned(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err = store.MigrateWith(ctx, conn, plain, store.MigrateOptions{PartitionInterval: time.Hour})
-	if !errors.Is(err, store.ErrConvertPlain) || !strings.Contains(err.Error(), "docs/operations.md") {
+	if !errors.Is(err, store.ErrConvertPlain) || !strings.Contains(err.Error(), "docs/partitions.md") {
 		t.Errorf("--partition-interval on a plain table: %v, want ErrConvertPlain naming the procedure", err)
 	}
 

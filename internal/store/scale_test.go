@@ -50,7 +50,7 @@ func (r *recorder) take() []recorded {
 // the outbox table's seq_scan does not move while the statement runs, no
 // plan (EXPLAIN ANALYZE of the very statement with its arguments) has a Seq
 // Scan of it, and none reads more than a small part of the table's pages.
-// The latencies it logs are in docs/benchmarks.md.
+// The latencies it logs are in docs/benchmarks-scale.md.
 func TestObserverStatementsAtScale(t *testing.T) {
 	ctx := context.Background()
 	url := scaleDatabase(t)

@@ -132,7 +132,7 @@ func (s *Store) CheckSettings(ctx context.Context, want Settings, by string) (re
 	if len(differ) > 0 {
 		return rec, false, fmt.Errorf("%w %s: %s (recorded by %s at %s). Every instance of a table runs with the same --ordering and --on-publish: %s. "+
 			"Start this instance with %s; or, to change the table's settings, stop every instance, run `outbox-relay migrate --record-settings %s` "+
-			"with the same --database-url and --table, and start every instance with the new flags (docs/operations.md, \"Changing --ordering or --on-publish\")",
+			"with the same --database-url and --table, and start every instance with the new flags (docs/upgrading.md, \"Changing --ordering or --on-publish\")",
 			ErrSettingsDiffer, s.table.Qualified(), strings.Join(differ, "; "), termsafe.String(rec.RecordedBy), rec.RecordedAt.UTC().Format(time.RFC3339),
 			strings.Join(why, "; "), rec.Flags(), want.Flags())
 	}

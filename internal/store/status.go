@@ -12,7 +12,7 @@ import (
 // Counts is the table's health at a glance. Every figure is read through an
 // index and costs the rows it counts, never the table (G16); which figures
 // are exact is said by ReadyAtLeast and PublishedEstimated, and in
-// docs/operations.md ("How exact the counts are").
+// docs/operator-commands.md ("How exact the counts are").
 type Counts struct {
 	// ByState: scheduled and running are exact (poll_idx), failed,
 	// cancelled and expired are exact (parked_idx); ready is exact unless

@@ -31,7 +31,7 @@ import (
 //     read; a row of a transaction still running when the snapshot was
 //     taken is not covered by it, only by a later one.
 //
-// docs/design.md, "The watermark", states the same against long and aborted
+// docs/design-watermark.md, "The watermark", states the same against long and aborted
 // transactions, subtransactions, wraparound and freezing, and two
 // instances.
 

@@ -546,7 +546,7 @@ func (b *bench) live(ctx context.Context, p *path) (Result, error) {
 // insertWindow records where the machine's CPU went while the producers
 // inserted (the window their insert rate is measured over), by process, as
 // Extra entries insert_<name>_cpu_s beside insert_seconds: the figures that
-// split the producers' lost share beside the relay (docs/benchmarks.md,
+// split the producers' lost share beside the relay (docs/benchmarks-append-only.md,
 // "Where the producers' share goes"). The counters go on past the window
 // (the meters are read again at the case's end); these are read at its end.
 func insertWindow(el time.Duration, cpu map[string]float64) map[string]float64 {

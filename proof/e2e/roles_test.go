@@ -44,7 +44,7 @@ func TestLeastPrivilegeRoles(t *testing.T) {
 		}
 	}
 	// PostgreSQL 16+: the relay's role may write running-transactions
-	// records (the slot's restart position, docs/operations.md), and not
+	// records (the slot's restart position, docs/deploy.md), and not
 	// because everyone may: the function is superuser-only unless granted.
 	if v := env.PG.Version(); v >= 16 {
 		for role, want := range map[string]bool{relayRole: true, producerRole: false} {

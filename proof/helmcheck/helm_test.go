@@ -453,7 +453,7 @@ func TestDefaultRelease(t *testing.T) {
 		t.Error("Secret has a console-token by default")
 	}
 
-	// Sized from docs/benchmarks.md.
+	// Sized from docs/benchmarks-second-round.md.
 	if c.Resources.Requests["cpu"] != "100m" || c.Resources.Requests["memory"] != "96Mi" || c.Resources.Limits["memory"] != "256Mi" {
 		t.Errorf("resources %+v, want requests 100m/96Mi and a 256Mi memory limit", c.Resources)
 	}

@@ -6,7 +6,7 @@
 # counts only) and prints the count of the relay's drain run. Instruction
 # counts repeat where timings on a shared 2-core machine do not; run it at
 # two sizes and divide the difference by the difference in rows to get
-# instructions per message without the start-up (docs/benchmarks.md):
+# instructions per message without the start-up (docs/benchmarks-second-round.md):
 #
 #   proof/scripts/relay-instructions.sh /tmp/outbox-relay 5000  -rows-per-tx 100 -cases cdc-backlog
 #   proof/scripts/relay-instructions.sh /tmp/outbox-relay 15000 -rows-per-tx 100 -cases cdc-backlog

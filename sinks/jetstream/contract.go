@@ -17,7 +17,7 @@ import (
 // server, checked before a session publishes. A guarantee the stream cannot
 // give is said at start (and again when it changes), at the level its
 // consequence deserves: refuse where nothing could be delivered, warn where
-// the stream weakens a guarantee. docs/operations.md, "The broker contract",
+// the stream weakens a guarantee. docs/deploy.md, "The broker contract",
 // lists every check with its fix; Checks is that list.
 
 // Levels of a finding.

@@ -6,7 +6,7 @@
 -- HOT claims of 100k). At 50 every claim is HOT (it changes no indexed
 -- column), and so is every CDC mark, with room left over. Measured on a
 -- 100k-row backlog: poller 17.9k -> 22.5k msg/s and CDC 21.2k -> 30.2k,
--- machine CPU per row down by a quarter (docs/benchmarks.md), for a table
+-- machine CPU per row down by a quarter (docs/benchmarks-second-round.md), for a table
 -- about 40% larger while rows wait. Applies to pages written from now on;
 -- SET takes a lock that blocks neither producers nor the relay.
 -- A partitioned table has no pages of its own and takes no storage

@@ -5,7 +5,7 @@
 -- rows before the earlier one. The first instance records its --ordering and
 -- --on-publish here; every later one compares at start and refuses to run
 -- with different ones. `outbox-relay migrate --record-settings` changes the
--- record (docs/operations.md, "Changing --ordering or --on-publish").
+-- record (docs/upgrading.md, "Changing --ordering or --on-publish").
 --
 -- One row per table: the key is a constant. on_publish admits 'none' (G17) so
 -- that policy needs no migration of this table when it comes.

@@ -5,7 +5,7 @@
 -- once the slot's confirmed position has passed that position. Every
 -- transaction the snapshot sees as finished committed before the position,
 -- was streamed and settled: a 'ready' row whose transaction the watermark
--- sees is published. docs/design.md, "The watermark", gives the proof.
+-- sees is published. docs/design-watermark.md, "The watermark", gives the proof.
 --
 -- xact_id: the inserting transaction's top-level id, as a 64-bit xid8.
 -- Not xmin: a row inserted inside a savepoint or a PL/pgSQL exception block
