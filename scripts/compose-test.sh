@@ -219,7 +219,7 @@ sock="${run}/docker.sock"
 dockerd --iptables=false --ip6tables=false --ip-forward=false --ip-masq=false --bridge=none \
 	--data-root "${datadir}" --exec-root "${run}/exec" --pidfile "${pidfile}" \
 	-H "unix://${sock}" --containerd-namespace "${prefix}" --containerd-plugins-namespace "${prefix}-plugins" \
-	>"${run}/dockerd.log" 2>&1 &
+	>"${run}/dockerd.log" 2>&1 9>&- &
 dockerd_pid=$!
 export DOCKER_HOST="unix://${sock}"
 # The legacy builder: BuildKit would fetch a frontend for `# syntax=` and
@@ -285,7 +285,9 @@ step "module proxy on loopback"
 # Every module the builds need is in the host's cache after this.
 go mod download
 (cd proof && go build -o "${run}/outbox-compose-test" ./cmd/outbox-compose-test) || fail "go build of proof/cmd/outbox-compose-test failed"
-oct modproxy -dir "$(go env GOMODCACHE)/cache/download" -port-file "${run}/modproxy.port" &
+# The binary itself in the background (not through the oct function, whose
+# subshell a kill would leave it behind), without the lock's descriptor.
+"${run}/outbox-compose-test" modproxy -dir "$(go env GOMODCACHE)/cache/download" -port-file "${run}/modproxy.port" 9>&- &
 modproxy_pid=$!
 for _ in $(seq 1 40); do
 	[[ -s "${run}/modproxy.port" ]] && break
