@@ -287,10 +287,14 @@ go mod download
 (cd proof && go build -o "${run}/outbox-compose-test" ./cmd/outbox-compose-test) || fail "go build of proof/cmd/outbox-compose-test failed"
 # The binary itself in the background (not through the oct function, whose
 # subshell a kill would leave it behind), without the lock's descriptor.
-"${run}/outbox-compose-test" modproxy -dir "$(go env GOMODCACHE)/cache/download" -port-file "${run}/modproxy.port" 9>&- &
+# A fixed port: the proxy's URL is a build arg, and a new one each run would
+# void the builder's layer cache.
+"${run}/outbox-compose-test" modproxy -dir "$(go env GOMODCACHE)/cache/download" \
+	-addr "127.0.0.1:${OUTBOX_RELAY_COMPOSE_MODPROXY_PORT:-15380}" -port-file "${run}/modproxy.port" 9>&- &
 modproxy_pid=$!
 for _ in $(seq 1 40); do
 	[[ -s "${run}/modproxy.port" ]] && break
+	kill -0 "${modproxy_pid}" 2>/dev/null || fail "the module proxy exited (port ${OUTBOX_RELAY_COMPOSE_MODPROXY_PORT:-15380} in use? set OUTBOX_RELAY_COMPOSE_MODPROXY_PORT)"
 	sleep 0.25
 done
 [[ -s "${run}/modproxy.port" ]] || fail "the module proxy did not start"
@@ -302,9 +306,13 @@ cp "${images}/golang-warm/Dockerfile" "${run}/warm/"
 go list -deps -f '{{if and .Module (not .Module.Main)}}{{.ImportPath}}{{end}}' ./cmd/outbox-relay ./examples/producer ./examples/consumer |
 	sort >"${run}/warm/pkgs.txt"
 [[ -s "${run}/warm/pkgs.txt" ]] || fail "go list found no dependencies to compile"
-warm_image="${prefix}/golang-warm:${go_version#go}"
-build_image "golang stand-in with a warm build cache" --build-arg GO_IMAGE="${go_image}" \
-	--build-arg GOPROXY="${goproxy}" --build-arg GOSUMDB=off -t "${warm_image}" "${run}/warm"
+# Tagged by what goes into it, and built only when that changed.
+warm_key=$( (cat "${run}/warm/go.mod" "${run}/warm/go.sum" "${run}/warm/pkgs.txt" "${run}/warm/Dockerfile"; echo "${go_image}") | sha256sum | cut -c1-12)
+warm_image="${prefix}/golang-warm:${go_version#go}-${warm_key}"
+if ! docker image inspect "${warm_image}" >/dev/null 2>&1; then
+	build_image "golang stand-in with a warm build cache" --build-arg GO_IMAGE="${go_image}" \
+		--build-arg GOPROXY="${goproxy}" --build-arg GOSUMDB=off -t "${warm_image}" "${run}/warm"
+fi
 
 step "the compose override"
 oct override -base "${repo}/docker-compose.yml" -o "${run}/override.yml" \

@@ -118,12 +118,13 @@ func override(args []string) error {
 func modproxy(args []string) error {
 	fs := flag.NewFlagSet("modproxy", flag.ExitOnError)
 	dir := fs.String("dir", "", "GOMODCACHE/cache/download")
-	portFile := fs.String("port-file", "", "write the chosen port here once listening")
+	addr := fs.String("addr", "127.0.0.1:0", "loopback address to listen on")
+	portFile := fs.String("port-file", "", "write the port here once listening")
 	fs.Parse(args) //nolint:errcheck
 	if _, err := os.Stat(*dir); err != nil {
 		return fmt.Errorf("module cache download dir: %w", err)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ln, err := net.Listen("tcp", *addr)
 	if err != nil {
 		return err
 	}
