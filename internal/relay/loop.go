@@ -62,6 +62,7 @@ type loop struct {
 	// cover is what the watermark still owes (--on-publish none,
 	// watermark.go); nil under the other policies.
 	cover *coverage
+	xids  []uint64 // handleResults' buffer of acked ids for cover
 	// A clean stop under --on-publish none: its watermark candidate, and
 	// whether every transaction committing before the candidate's
 	// position was handed over before the stop stopped reading.
@@ -454,21 +455,22 @@ func (l *loop) settleDue() {
 
 // handleResults takes a group of acks from the collector.
 func (l *loop) handleResults(ctx context.Context, its []*item) error {
-	var lo, hi uint64
+	xids := l.xids[:0]
 	for _, it := range its {
 		if err := l.handleResult(ctx, it); err != nil {
 			return err
 		}
-		if x := it.settle.XactID; x != 0 && it.settle.Outcome == store.Published {
-			if lo == 0 || x < lo {
-				lo = x
-			}
-			hi = max(hi, x)
+		// The rows of a transaction come one after another: each id
+		// once per run.
+		if x := it.settle.XactID; l.cover != nil && x != 0 && it.settle.Outcome == store.Published &&
+			(len(xids) == 0 || xids[len(xids)-1] != x) {
+			xids = append(xids, x)
 		}
 	}
-	if l.cover != nil && lo != 0 {
-		l.cover.add(lo, hi)
+	if len(xids) > 0 {
+		l.cover.add(xids)
 	}
+	l.xids = xids[:0]
 	l.r.metrics.InFlight.Set(float64(l.inflight))
 	l.r.metrics.InFlightBytes.Set(float64(l.inflightBytes))
 	l.r.metrics.BufferedBytes.Set(float64(l.budget.Held()))

@@ -20,26 +20,46 @@ const DefaultWatermarkEvery = time.Second
 
 // coverage is what the watermark still owes: the transaction ids (xact_id)
 // of the rows this session acked that no recorded watermark is known to
-// cover, as a range. A range loses nothing: a recorded snapshot's verdict on
-// every id in it is exact, so the range only shrinks by ids known to be
-// covered, and an id outside the rows acked can only keep the recorder
-// going a little longer (an unrelated transaction still running inside the
-// range), never let it rest early.
+// cover. It keeps them as a set (ids), which the stop's watermark needs
+// (stopSnapshot), and as a range, which is what counts once the set grew
+// past maxOwedIDs (lossy) and was dropped. A range loses nothing: a
+// recorded snapshot's verdict on every id in it is exact, so the range
+// only shrinks by ids known to be covered, and an id outside the rows
+// acked can only keep the recorder going a little longer (an unrelated
+// transaction still running inside the range), never let it rest early.
 type coverage struct {
 	mu     sync.Mutex
 	lo, hi uint64
 	owed   bool
+	ids    map[uint64]struct{}
+	lossy  bool
 }
 
-// add owes the ids lo..hi.
-func (c *coverage) add(lo, hi uint64) {
+// maxOwedIDs bounds the set of owed ids (a recorder that cannot record
+// for long, at one row per transaction): past it, only the range is kept
+// until nothing is owed.
+const maxOwedIDs = 1 << 16
+
+// add owes the ids of rows just acked (each id once or more).
+func (c *coverage) add(xids []uint64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if !c.owed {
-		c.lo, c.hi, c.owed = lo, hi, true
-		return
+	for _, x := range xids {
+		if !c.owed {
+			c.lo, c.hi, c.owed = x, x, true
+		}
+		c.lo, c.hi = min(c.lo, x), max(c.hi, x)
+		if c.lossy {
+			continue
+		}
+		if c.ids == nil {
+			c.ids = make(map[uint64]struct{})
+		}
+		c.ids[x] = struct{}{}
+		if len(c.ids) > maxOwedIDs {
+			c.ids, c.lossy = nil, true
+		}
 	}
-	c.lo, c.hi = min(c.lo, lo), max(c.hi, hi)
 }
 
 // owes reports whether an acked row is not known to be covered.
@@ -50,8 +70,8 @@ func (c *coverage) owes() bool {
 }
 
 // recorded takes a watermark just recorded with snapshot snap: every owed
-// id below the first one snap does not see as ended is covered. It reports
-// whether anything is still owed.
+// id snap sees as ended is covered. It reports whether anything is still
+// owed.
 func (c *coverage) recorded(snap string) (owed bool, err error) {
 	s, err := store.ParseSnapshot(snap)
 	if err != nil {
@@ -67,7 +87,32 @@ func (c *coverage) recorded(snap string) (owed bool, err error) {
 	} else {
 		c.owed = false
 	}
+	if !c.lossy {
+		for x := range c.ids {
+			if s.Finished(x) {
+				delete(c.ids, x)
+			}
+		}
+		// Exact: an unrelated transaction running inside the range
+		// keeps nothing owed.
+		c.owed = len(c.ids) > 0
+	} else if !c.owed {
+		c.lossy = false
+	}
 	return c.owed, nil
+}
+
+// unfinished is the owed ids that s does not see as ended; complete is
+// false when the set was dropped (lossy), so that more may be owed.
+func (c *coverage) unfinished(s store.Snapshot) (ids []uint64, complete bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for x := range c.ids {
+		if !s.Finished(x) {
+			ids = append(ids, x)
+		}
+	}
+	return ids, !c.lossy
 }
 
 // recordWatermarks keeps the table's watermark moving while this session
@@ -181,6 +226,35 @@ func (l *loop) noteRecorded(c store.WatermarkCandidate) (owed bool) {
 // it (recordAtStop). All of it within --drain-timeout: out of time, the
 // stop is as before, and the rows after the last recorded watermark wait
 // for the next session's.
+//
+// The candidate's snapshot S alone would not cover every transaction the
+// stop streams: the position L is read after S, and a transaction may
+// commit before L and yet not be one S sees as ended: one that began
+// after S was taken (measured under load: its commit record 48 bytes
+// before L, its id S's xmax), or one that had written its commit record
+// but not left the running set when S was taken (for as long as a
+// synchronous standby holds it). The stop streams and settles it (its
+// commit is before L), and S would leave its rows uncovered. Taking a
+// fresh candidate until one covers everything does not converge under
+// load: each one has its own such tail. So the stop records S with the
+// owed ids of the rows it acked read as ended as well (stopSnapshot,
+// store.Snapshot.WithFinished). That is sound by the same argument as a
+// plain candidate, for each id it reads as ended: an id S sees as ended
+// committed before L, so it was streamed and settled before L is
+// confirmed; an id added is a transaction this session streamed (a row of
+// it was acked), and the candidate is recorded only once every
+// transaction the session began is settled (finish: stopReached and no
+// transaction open), each of them committed before L (the stop hands over
+// none committing at or after L, and transactions come whole, in commit
+// order). Nothing else is read as ended: a transaction running at the
+// stop that the relay did not stream stays running in the recorded
+// snapshot (relay TestNoneCleanStopCoversARowAckedWhileInvisible). A
+// later watermark, a plain snapshot, may see such an added transaction
+// as running still (its commit waiting for a standby): its rows then
+// show as in flight again until one sees it, never the other way round.
+// Left uncovered at a stop only: the owed ids when the set of them was
+// dropped (more than maxOwedIDs), and ids far above S's xmax
+// (stopGrowIDs); the stop says so.
 
 // stopReachShare: the stop streams up to its candidate until this share
 // of --drain-timeout (counted from the stop's start, after the restart
@@ -224,6 +298,7 @@ func (l *loop) recordAtStop(ctx context.Context, wait time.Duration) {
 		case <-time.After(promptPoll):
 		}
 	}
+	c.Snapshot = l.stopSnapshot(c.Snapshot)
 	rec, _, err := r.store.AdvanceWatermark(ctx, r.cfg.Slot, l.slotLSN, c)
 	if err != nil {
 		r.log.Warn().Err(err).Msg("stopped; recording the watermark failed: the rows acked since the last recorded watermark count as in flight, and would be handed over again after a slot loss")
@@ -249,8 +324,37 @@ func (l *loop) recordAtStop(ctx context.Context, wait time.Duration) {
 		r.log.Warn().Err(err).Msg("stopped; could not read the recorded watermark's snapshot")
 	case owed:
 		r.log.Warn().Str("lsn", c.LSN.String()).
-			Msg("stopped; recorded the watermark, but it does not cover some rows acked during the stop (committed after its snapshot was taken, or not visible yet then: a commit waiting for a synchronous standby?): they count as in flight until the next session's watermark, and would be handed over again after a slot loss")
+			Msg("stopped; recorded the watermark, but it does not cover some rows acked (too many transactions acked since the last recorded watermark to list, or a newer watermark recorded meanwhile that does not see them yet): they count as in flight until the next session's watermark, and would be handed over again after a slot loss")
 	default:
 		r.log.Info().Str("lsn", c.LSN.String()).Msg("stopped; recorded the watermark: it covers every row acked")
 	}
+}
+
+// stopGrowIDs bounds how far above the stop's snapshot's xmax an acked id
+// is read as ended: the ids between are listed as running, and those that
+// began after the snapshot and committed before the position read just
+// after it are a handful.
+const stopGrowIDs = 1 << 14
+
+// stopSnapshot is the stop's snapshot snap with the owed ids of the rows
+// acked that it does not see as ended read as ended too; see the comment
+// before stopReachShare for why that is sound. Only for a stop that
+// reached its candidate with every transaction settled.
+func (l *loop) stopSnapshot(snap string) string {
+	s, err := store.ParseSnapshot(snap)
+	if err != nil {
+		return snap
+	}
+	ids, complete := l.cover.unfinished(s)
+	if !complete {
+		l.r.log.Warn().Msg("stopping: too many transactions acked since the last recorded watermark to list; the stop's watermark covers only those its snapshot sees as ended")
+	}
+	if len(ids) == 0 {
+		return snap
+	}
+	w, skipped := s.WithFinished(ids, stopGrowIDs)
+	if skipped > 0 {
+		l.r.log.Warn().Int("transactions", skipped).Msg("stopping: transactions acked far past the stop's snapshot are left out of its watermark")
+	}
+	return w.String()
 }

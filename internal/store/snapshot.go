@@ -2,6 +2,7 @@ package store
 
 import (
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -96,4 +97,61 @@ func (s Snapshot) FirstRunning(lo, hi uint64) (xid uint64, ok bool) {
 		first, ok = top, true
 	}
 	return first, ok
+}
+
+// String renders s as pg_snapshot's text, which pg_snapshot's input takes
+// back: xmin:xmax:xip, the ids in ascending order.
+func (s Snapshot) String() string {
+	xip := make([]uint64, 0, len(s.xip))
+	for x := range s.xip {
+		xip = append(xip, x)
+	}
+	slices.Sort(xip)
+	var b strings.Builder
+	b.WriteString(strconv.FormatUint(s.xmin, 10))
+	b.WriteByte(':')
+	b.WriteString(strconv.FormatUint(s.xmax, 10))
+	b.WriteByte(':')
+	for i, x := range xip {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(strconv.FormatUint(x, 10))
+	}
+	return b.String()
+}
+
+// WithFinished is s with the transactions ids read as finished as well,
+// every other id as s reads it: an id s lists as running leaves the list;
+// an id at or above xmax raises xmax past it, and the ids between the old
+// xmax and the new one that are not in ids are listed as running. An id
+// more than grow above xmax is left out (not finished), so that the list
+// stays short; skipped counts those.
+//
+// The watermark of a clean stop (internal/relay, watermark.go) uses it for
+// the transactions the relay streamed and settled before the stop's
+// position that the stop's snapshot did not see as finished yet.
+func (s Snapshot) WithFinished(ids []uint64, grow uint64) (out Snapshot, skipped int) {
+	done := make(map[uint64]struct{}, len(ids))
+	xmax := s.xmax
+	for _, x := range ids {
+		if x >= s.xmax && x-s.xmax >= grow {
+			skipped++
+			continue
+		}
+		done[x] = struct{}{}
+		xmax = max(xmax, x+1)
+	}
+	out = Snapshot{xmin: s.xmin, xmax: xmax, xip: make(map[uint64]struct{}, len(s.xip))}
+	for x := range s.xip {
+		if _, ok := done[x]; !ok {
+			out.xip[x] = struct{}{}
+		}
+	}
+	for x := s.xmax; x < xmax; x++ {
+		if _, ok := done[x]; !ok {
+			out.xip[x] = struct{}{}
+		}
+	}
+	return out, skipped
 }

@@ -39,3 +39,39 @@ func TestSnapshotFinishedAndFirstRunning(t *testing.T) {
 		}
 	}
 }
+
+func TestSnapshotWithFinished(t *testing.T) {
+	s, err := ParseSnapshot("100:110:100,104,107")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := s.String(); got != "100:110:100,104,107" {
+		t.Errorf("String() = %q", got)
+	}
+	// 104 was listed as running, 112 and 113 began after the snapshot; 500
+	// is too far above xmax for a grow of 10.
+	w, skipped := s.WithFinished([]uint64{104, 112, 113, 99, 500}, 10)
+	if skipped != 1 {
+		t.Errorf("skipped %d, want 1", skipped)
+	}
+	if got, want := w.String(), "100:114:100,107,110,111"; got != want {
+		t.Errorf("WithFinished = %q, want %q", got, want)
+	}
+	for x := uint64(90); x < 600; x++ {
+		want := s.Finished(x) || x == 104 || x == 112 || x == 113
+		if got := w.Finished(x); got != want {
+			t.Errorf("WithFinished: Finished(%d) = %v, want %v", x, got, want)
+		}
+	}
+	if back, err := ParseSnapshot(w.String()); err != nil || back.String() != w.String() {
+		t.Errorf("round trip of %q: %q, %v", w.String(), back.String(), err)
+	}
+	// Nothing to add: the same snapshot.
+	if w, _ := s.WithFinished(nil, 10); w.String() != s.String() {
+		t.Errorf("WithFinished(nil) = %q, want %q", w.String(), s.String())
+	}
+	e, _ := ParseSnapshot("200:200:")
+	if w, _ := e.WithFinished([]uint64{200}, 10); w.String() != "200:201:" {
+		t.Errorf("WithFinished on an empty list = %q, want 200:201:", w.String())
+	}
+}
