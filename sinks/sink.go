@@ -103,3 +103,23 @@ type Batcher interface {
 // already holds, a message it refuses, an incomplete batch): nothing of
 // it was stored.
 var ErrBatchRefused = errors.New("the broker refused the batch whole")
+
+// Wanted is a message looked up by FindStored: its ID (the row's work ID)
+// and the subject it was published to.
+type Wanted struct {
+	ID      string
+	Subject string
+}
+
+// Finder is what a Sink may also implement: looking up whether the broker
+// stored given messages, to settle rows whose last publish had an
+// uncertain outcome (no ack came) instead of publishing them again past the
+// broker's duplicate window (G19).
+type Finder interface {
+	// FindStored reads, on the wanted messages' subjects only, what was
+	// stored at or after since, at most limit messages in all, and
+	// returns the wanted messages it found by ID. complete is false when
+	// the read stopped at limit before the streams' ends: a message not
+	// found then may still be stored (inconclusive).
+	FindStored(ctx context.Context, want []Wanted, since time.Time, limit int) (found map[string]Stored, complete bool, err error)
+}

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outbox-relay/outbox-relay/internal/app"
+	"github.com/outbox-relay/outbox-relay/internal/poller"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/termsafe"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
@@ -187,8 +188,9 @@ A row whose deadline passed needs a new one (--expires-at) or none (--no-deadlin
 
   outbox-relay redrive --reason "INC-42: limit raised" --work-id w1 --work-id w2
   outbox-relay redrive --reason "INC-42" --state failed --kind order.created --since 24h`, stderr)
-	o.register(fs, store.ActionRedrive, flagDatabaseURL, flagNATSURL, flagTable, flagStream)
+	o.register(fs, store.ActionRedrive, flagDatabaseURL, flagNATSURL, flagTable, flagStream, flagSubjectPrefix)
 	stagger := fs.Duration("stagger", store.DefaultStagger, "row i (oldest first) becomes due at now + i*stagger, so a bulk redrive does not hit the broker at once")
+	lookupLimit := fs.Int("lookup-limit", poller.DefaultLookupLimit, "with --nats-url: messages the stream lookup of the uncertain rows reads at most, on their subjects from their last attempt on (G19); rows not found when it stops there are inconclusive and sent again")
 	dupWindow := fs.Duration("duplicate-window", natssink.DefaultDuplicateWindow, "the stream's duplicate window, for the uncertain-outcome warning (read from the stream instead when --nats-url is given)")
 	expiresAt := fs.String("expires-at", "", "a new business deadline for the redriven rows: RFC3339 (2026-12-01T12:00:00Z) or a duration from now (2h); needed for rows whose deadline passed")
 	noDeadline := fs.Bool("no-deadline", false, "redriven rows have no deadline any more (rows whose deadline passed need this or --expires-at)")
@@ -213,6 +215,9 @@ A row whose deadline passed needs a new one (--expires-at) or none (--no-deadlin
 	if err := app.ValidateStream(o.stream); err != nil {
 		return err
 	}
+	if *lookupLimit < 1 {
+		return fmt.Errorf("--lookup-limit %d: must be 1 or more", *lookupLimit)
+	}
 	if *stagger < 0 || *stagger > maxStagger {
 		return fmt.Errorf("--stagger %s: must be from 0 to %s", *stagger, maxStagger)
 	}
@@ -223,11 +228,13 @@ A row whose deadline passed needs a new one (--expires-at) or none (--no-deadlin
 	}
 	defer closeDB()
 	window, windowFrom := *dupWindow, "--duplicate-window"
+	streamOK := false
 	if o.natsGiven(fs) {
 		if si := readStream(ctx, o.natsURL, o.stream); si.Error != "" {
 			fmt.Fprintf(stderr, "stream %s: %s; using --duplicate-window %s\n", o.stream, termsafe.String(si.Error), window)
 		} else {
 			window, windowFrom = time.Duration(si.DuplicateWindowSeconds*float64(time.Second)), "stream "+o.stream
+			streamOK = true
 		}
 	}
 	res, err := st.Redrive(ctx, req)
@@ -251,8 +258,17 @@ A row whose deadline passed needs a new one (--expires-at) or none (--no-deadlin
 				termsafe.String(o.WorkID), o.Seq, o.Aggregate.Type, o.Aggregate.ID, o.Latest)
 		}
 	}
+	var look lookupResult
+	if streamOK {
+		look = lookupUncertain(ctx, &o, st, req, res.Changed, *lookupLimit, stdout, stderr)
+	}
 	var risky []string
 	for _, c := range res.Changed {
+		// Rows the lookup found are settled, and rows it ruled out are not
+		// stored: only the rest can be stored twice.
+		if look.done && (look.complete || look.found[c.WorkID]) {
+			continue
+		}
 		if c.Uncertain() && c.SinceLastAttempt > window {
 			risky = append(risky, c.WorkID)
 		}

@@ -324,6 +324,15 @@ func (o *Options) pollerConfig(connected func() bool) poller.Config {
 		Ordered: o.Ordering == OrderingAggregate, DeadlineMargin: o.DeadlineMargin,
 		SweepInterval: o.SweepInterval,
 	}
+	// --readback-limit bounds the uncertain rows' stream lookup too (G19),
+	// capped at the poller's default: it runs on a batch's time, within
+	// its lease. 0 (off) turns the lookup off as it does the read-back.
+	switch {
+	case o.ReadBackLimit < 0:
+		c.LookupLimit = -1
+	case o.ReadBackLimit > 0:
+		c.LookupLimit = min(o.ReadBackLimit, poller.DefaultLookupLimit)
+	}
 	if c.WorkerID == "" {
 		c.WorkerID = DefaultWorkerID()
 	}

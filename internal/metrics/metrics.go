@@ -39,6 +39,7 @@ type Metrics struct {
 	Role                 *prometheus.GaugeVec // role: 1 for the CDC path's current role
 	SlotsCreated         prometheus.Counter
 	DeadLetters          *prometheus.CounterVec // class: rows the poller moved to failed
+	UncertainResolved    *prometheus.CounterVec // outcome: uncertain rows looked up in the stream before a republish
 	LeaseRenewals        prometheus.Counter
 	BackfilledRows       prometheus.Counter
 	SlotInvalidations    prometheus.Counter
@@ -137,6 +138,9 @@ func New() *Metrics {
 	m.SlotsCreated = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "outbox_relay_slots_created_total", Help: "Replication slots this instance created (first start, dropped or invalidated slot); each is followed by a backfill.",
 	})
+	m.UncertainResolved = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "outbox_relay_uncertain_resolved_total", Help: "Rows whose last attempt was uncertain, looked up in the stream before the poller published them again, by outcome: found (settled as published, not sent again), not_found (published), inconclusive (the lookup hit its bound or failed: published, repeats left to the duplicate window).",
+	}, []string{"outcome"})
 	m.DeadLetters = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "outbox_relay_dead_letters_total", Help: "Rows the poller moved to failed, by class (rejected, uncertain).",
 	}, []string{"class"})
@@ -183,7 +187,7 @@ func New() *Metrics {
 	m.AtomicSplit = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "outbox_relay_atomic_split_transactions_total", Help: "Transactions too large for one atomic batch (--atomic-batch-max rows, or the bytes of --max-in-flight-bytes), published as consecutive batches, each stored whole (G20).",
 	})
-	for _, c := range []prometheus.Collector{m.AtomicBatches, m.AtomicSplit, m.ReadBackFound, m.ReadBackMessages, m.ReadBackSeconds, m.BrokerContract, m.FailoverPath, m.StandbyLagBytes, m.StandbySlotMissing, m.StandbyGated, m.Expired, m.BlockedAggregates, m.SlotLagSeconds, m.DefaultPartitionRows, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.WatermarkLSN, m.ServerWALEnd,
+	for _, c := range []prometheus.Collector{m.AtomicBatches, m.AtomicSplit, m.ReadBackFound, m.ReadBackMessages, m.ReadBackSeconds, m.BrokerContract, m.FailoverPath, m.StandbyLagBytes, m.StandbySlotMissing, m.StandbyGated, m.Expired, m.UncertainResolved, m.BlockedAggregates, m.SlotLagSeconds, m.DefaultPartitionRows, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.WatermarkLSN, m.ServerWALEnd,
 		m.SlotLagBytes, m.InFlight, m.InFlightBytes, m.BufferedBytes, m.Handoffs, m.SettleRetries, m.Sessions, m.SlotOwner, m.Claims,
 		m.StaleCompletions, m.Failures, m.RowsByState, m.OldestEligible} {
 		f(c)

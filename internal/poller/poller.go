@@ -71,6 +71,11 @@ type Config struct {
 	Standby     *standby.Gate
 	WALPosition func(ctx context.Context) (replication.LSN, error)
 
+	// LookupLimit bounds the messages a batch's stream lookup of its
+	// uncertain rows reads (G19, resolveUncertain). 0: DefaultLookupLimit;
+	// negative: no lookup, uncertain rows are published again as they are.
+	LookupLimit int
+
 	// Connected reports whether the broker is reachable; while it is not,
 	// the poller claims nothing (a claim would only burn an attempt). nil:
 	// always connected.
@@ -417,7 +422,10 @@ func (p *Poller) process(ctx context.Context, claimed []store.Claimed) error {
 		}
 	}
 
-	singles, runs := p.split(claimed)
+	// The rows found stored are completed beside the acked ones; the
+	// lease keeper goes on holding every claim of the batch until then.
+	toPublish, found := p.resolveUncertain(wctx, claimed)
+	singles, runs := p.split(toPublish)
 	// Each run of an aggregate is published in sequence order, one row at
 	// a time, beside the rest of the batch (see publishRun).
 	runAcked := make(chan []store.Completion, len(runs))
@@ -441,7 +449,8 @@ func (p *Poller) process(ctx context.Context, claimed []store.Claimed) error {
 		batch = append(batch, inflight{c: c, f: f, err: err})
 	}
 
-	acked := make([]store.Completion, 0, len(claimed))
+	acked := make([]store.Completion, 0, len(claimed)+len(found))
+	acked = append(acked, found...)
 	for i := range batch {
 		in := &batch[i]
 		if in.err == nil {

@@ -144,6 +144,7 @@ func (e *OutOfOrderError) Error() string {
 type OpRow struct {
 	WorkID             string
 	Kind               string
+	Subject            string // the subject column; "" when NULL (the default subject)
 	PreviousState      string
 	PreviousAttempts   int
 	PreviousGeneration int64
@@ -352,7 +353,9 @@ func (s *Store) opSQL(a Action, r *OpRequest) (string, args) {
 	case ActionRedrive:
 		// attempts start over, so last_error starts over too: the evidence
 		// of the attempts before moves to the history row.
-		set = `state = 'scheduled', attempts = 0, last_error = NULL,
+		// An uncertain row keeps the evidence the poller's stream lookup
+		// needs (redrivenUncertainSQL, G19).
+		set = `state = 'scheduled', attempts = 0, last_error = ` + redrivenUncertainSQL("n.last_error", "n.last_try") + `,
 			available_at = clock_timestamp() + n.i * ` + p.add(micros(r.Stagger)) + `::bigint * interval '1 microsecond',`
 		switch {
 		case r.NoDeadline:
@@ -375,7 +378,7 @@ func (s *Store) opSQL(a Action, r *OpRequest) (string, args) {
 		FROM n WHERE t.work_id = n.work_id AND t.state = ANY(` + from + `::text[])
 		RETURNING t.work_id, t.kind, n.state AS prev_state, n.attempts AS prev_attempts,
 			n.claim_generation AS prev_generation, n.last_error AS prev_error,
-			t.redriven_at, t.available_at, n.last_try, ` + deadline + ` AS deadline),
+			t.redriven_at, t.available_at, n.last_try, ` + deadline + ` AS deadline, coalesce(t.subject, '') AS subject),
 	h AS (
 		INSERT INTO ` + s.table.derived("redrives", true) + `
 			(work_id, action, at, "by", reason, previous_state, previous_attempts, previous_generation, previous_error, deadline)
@@ -383,7 +386,8 @@ func (s *Store) opSQL(a Action, r *OpRequest) (string, args) {
 			prev_state, prev_attempts, prev_generation, prev_error, deadline FROM u)
 	SELECT work_id, kind, prev_state, prev_attempts, prev_generation, coalesce(prev_error, ''),
 		redriven_at, available_at,
-		CASE WHEN isfinite(available_at) AND isfinite(last_try) THEN extract(epoch FROM available_at - last_try)::float8 END
+		CASE WHEN isfinite(available_at) AND isfinite(last_try) THEN extract(epoch FROM available_at - last_try)::float8 END,
+		subject
 	FROM u ORDER BY available_at, work_id`
 	return q, p
 }
@@ -443,7 +447,7 @@ func (s *Store) op(ctx context.Context, a Action, r OpRequest) (res OpResult, er
 		var o OpRow
 		var since *float64
 		err := row.Scan(&o.WorkID, &o.Kind, &o.PreviousState, &o.PreviousAttempts, &o.PreviousGeneration,
-			&o.PreviousError, &o.ChangedAt, anyTime{&o.AvailableAt}, &since)
+			&o.PreviousError, &o.ChangedAt, anyTime{&o.AvailableAt}, &since, &o.Subject)
 		if since != nil {
 			o.SinceLastAttempt = time.Duration(*since * float64(time.Second))
 		}

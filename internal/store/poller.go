@@ -39,6 +39,9 @@ type Claimed struct {
 	AggregateType, AggregateID string
 	AggregateSeq               int64
 	ExpiresAt                  time.Time
+	// AvailableAt is when the row became due (the claim leaves it as it
+	// was): after a reschedule, its last attempt's time plus the backoff.
+	AvailableAt time.Time
 }
 
 // ClaimOptions are the rules a claim follows beyond due and unlocked.
@@ -85,7 +88,7 @@ func (s *Store) Claim(ctx context.Context, workerID string, lease time.Duration,
 		// Payload and Headers scan straight into []byte (a copy of the
 		// row's text; nil for NULL headers): no string in between.
 		err := r.Scan(&c.WorkID, &c.Kind, &c.Subject, &c.Payload, &c.Headers, &c.Attempts, &c.ClaimGeneration, &c.LastError, &c.Reclaimed,
-			&c.AggregateType, &c.AggregateID, &aggSeq, anyTimePtr{&expires})
+			&c.AggregateType, &c.AggregateID, &aggSeq, anyTimePtr{&expires}, anyTime{&c.AvailableAt})
 		if aggSeq != nil {
 			c.AggregateSeq = *aggSeq
 		}
@@ -335,7 +338,7 @@ func (s *Store) claimUpdateSQL() string {
 	FROM c WHERE t.work_id = c.work_id
 	RETURNING t.work_id, t.kind, coalesce(t.subject, ''), t.payload::text, t.headers::text, t.attempts,
 		t.claim_generation, coalesce(t.last_error, ''), c.prev_state = 'running',
-		coalesce(t.aggregate_type, ''), coalesce(t.aggregate_id, ''), t.aggregate_seq, t.expires_at`
+		coalesce(t.aggregate_type, ''), coalesce(t.aggregate_id, ''), t.aggregate_seq, t.expires_at, t.available_at`
 }
 
 // orderedClaimSQL is the claim with the order rule (G12): it takes, per

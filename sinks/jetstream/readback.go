@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/sinks"
 )
 
@@ -26,13 +28,77 @@ func (s *Sink) StoredSince(ctx context.Context, since time.Time, limit int, each
 	if o.Stream == "" || o.SubjectPrefix == "" {
 		return 0, false, errors.New("read back: no own stream and prefix")
 	}
-	st, err := s.js.Stream(ctx, o.Stream)
+	return s.readStored(ctx, o.Stream, []string{o.SubjectPrefix + ">"}, since, limit, each)
+}
+
+var _ sinks.Finder = (*Sink)(nil)
+
+// FindStored implements sinks.Finder: per stream that binds the wanted
+// subjects (the binding's check, as a publish resolves it), one ordered
+// headers-only read filtered on those subjects, from since to the stream's
+// last message when the read began, stopping early once every wanted
+// message of that stream is found.
+func (s *Sink) FindStored(ctx context.Context, want []sinks.Wanted, since time.Time, limit int) (map[string]sinks.Stored, bool, error) {
+	found := make(map[string]sinks.Stored, len(want))
+	byStream := map[string]map[string]bool{} // stream -> subjects
+	ids := map[string]map[string]bool{}      // stream -> IDs
+	var order []string
+	for _, w := range want {
+		st, err := s.binding.check(ctx, s.js, w.Subject)
+		if err != nil {
+			if _, ok := wire.IsRejected(err); ok {
+				continue // never publishable there: nothing to find
+			}
+			return found, false, fmt.Errorf("find stored messages: %w", err)
+		}
+		if byStream[st] == nil {
+			byStream[st], ids[st] = map[string]bool{}, map[string]bool{}
+			order = append(order, st)
+		}
+		byStream[st][w.Subject] = true
+		ids[st][w.ID] = true
+	}
+	complete, read := true, 0
+	for _, st := range order {
+		if read >= limit {
+			return found, false, nil
+		}
+		subjects := make([]string, 0, len(byStream[st]))
+		for subj := range byStream[st] {
+			subjects = append(subjects, subj)
+		}
+		slices.Sort(subjects)
+		left := len(ids[st])
+		n, done, err := s.readStored(ctx, st, subjects, since, limit-read, func(m sinks.Stored) bool {
+			if ids[st][m.ID] {
+				if _, dup := found[m.ID]; !dup {
+					found[m.ID] = m // the first stored copy is the one kept
+					left--
+				}
+			}
+			return left > 0
+		})
+		read += n
+		if err != nil {
+			return found, false, err
+		}
+		if !done && left > 0 {
+			complete = false
+		}
+	}
+	return found, complete, nil
+}
+
+// readStored reads the headers of stream's messages on filters from since
+// on, calling each in stream order (see StoredSince).
+func (s *Sink) readStored(ctx context.Context, stream string, filters []string, since time.Time, limit int, each func(sinks.Stored) bool) (int, bool, error) {
+	st, err := s.js.Stream(ctx, stream)
 	if err != nil {
-		return 0, false, fmt.Errorf("read back stream %s: %w", o.Stream, err)
+		return 0, false, fmt.Errorf("read back stream %s: %w", stream, err)
 	}
 	info, err := st.Info(ctx)
 	if err != nil {
-		return 0, false, fmt.Errorf("read back stream %s: %w", o.Stream, err)
+		return 0, false, fmt.Errorf("read back stream %s: %w", stream, err)
 	}
 	last := info.State.LastSeq
 	if info.State.Msgs == 0 || info.State.LastTime.Before(since) {
@@ -40,13 +106,13 @@ func (s *Sink) StoredSince(ctx context.Context, since time.Time, limit int, each
 	}
 	start := since
 	c, err := st.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
-		FilterSubjects: []string{o.SubjectPrefix + ">"},
+		FilterSubjects: filters,
 		DeliverPolicy:  jetstream.DeliverByStartTimePolicy,
 		OptStartTime:   &start,
 		HeadersOnly:    true,
 	})
 	if err != nil {
-		return 0, false, fmt.Errorf("read back stream %s: create an ordered consumer (the relay's NATS user needs to create consumers on it): %w", o.Stream, err)
+		return 0, false, fmt.Errorf("read back stream %s: create an ordered consumer (the relay's NATS user needs to create consumers on it): %w", stream, err)
 	}
 	read := 0
 	for read < limit {
@@ -55,7 +121,7 @@ func (s *Sink) StoredSince(ctx context.Context, since time.Time, limit int, each
 		// goroutine behind when the read stops early).
 		batch, err := c.FetchNoWait(min(readBackBatch, limit-read))
 		if err != nil {
-			return read, false, fmt.Errorf("read back stream %s: %w", o.Stream, err)
+			return read, false, fmt.Errorf("read back stream %s: %w", stream, err)
 		}
 		n, done, stop := 0, false, false
 		var merr error
@@ -71,7 +137,7 @@ func (s *Sink) StoredSince(ctx context.Context, since time.Time, limit int, each
 				continue
 			}
 			if id := m.Headers().Get(jetstream.MsgIDHeader); id != "" {
-				if !each(sinks.Stored{ID: id, Stream: o.Stream, Seq: md.Sequence.Stream, Header: m.Headers()}) {
+				if !each(sinks.Stored{ID: id, Stream: stream, Seq: md.Sequence.Stream, Header: m.Headers()}) {
 					stop = true
 					continue
 				}
@@ -82,14 +148,14 @@ func (s *Sink) StoredSince(ctx context.Context, since time.Time, limit int, each
 		}
 		switch {
 		case merr != nil:
-			return read, false, fmt.Errorf("read back stream %s: %w", o.Stream, merr)
+			return read, false, fmt.Errorf("read back stream %s: %w", stream, merr)
 		case stop:
 			return read, false, nil
 		case done:
 			return read, true, nil
 		}
 		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) {
-			return read, false, fmt.Errorf("read back stream %s: %w", o.Stream, err)
+			return read, false, fmt.Errorf("read back stream %s: %w", stream, err)
 		}
 		if n == 0 {
 			// Nothing more on these subjects up to now.

@@ -1,0 +1,78 @@
+package poller_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/internal/poller"
+	"github.com/outbox-relay/outbox-relay/internal/store"
+)
+
+// G19: a row whose last attempt was uncertain is looked up in the stream
+// before the poller publishes it again, past a duplicate window of 1 s:
+// "in" (rescheduled after an uncertain attempt) and "redriven" (a dead
+// letter redriven through the store, as the console does) are in the
+// stream already and are settled as published with the sequence found, not
+// sent again; "out" is not in it and is published, once.
+func TestPollerResolvesUncertainFromStream(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	st, err := f.js.Stream(ctx, f.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := st.CachedInfo().Config
+	cfg.Duplicates = time.Second
+	if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	// The earlier, uncertain attempts that did reach the broker.
+	stored := map[string]uint64{}
+	for _, id := range []string{"in", "redriven"} {
+		m := nats.NewMsg(f.prefix + "k")
+		m.Header.Set(jetstream.MsgIDHeader, id)
+		m.Data = []byte(`{}`)
+		ack, err := f.js.PublishMsg(ctx, m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		stored[id] = ack.Sequence
+	}
+	time.Sleep(1500 * time.Millisecond) // past the duplicate window: a republish would be stored again
+	if _, err := f.pool.Exec(ctx, `INSERT INTO outbox (work_id, kind, payload, state, attempts, last_error, available_at) VALUES
+		('in', 'k', '{}', 'scheduled', 1, 'uncertain: no ack in time', clock_timestamp() - interval '1 second'),
+		('out', 'k', '{}', 'scheduled', 1, 'uncertain: no ack in time', clock_timestamp() - interval '1 second'),
+		('redriven', 'k', '{}', 'failed', 10, 'uncertain: lease expired after 10 attempts', clock_timestamp() - interval '2 seconds')`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := store.New(f.pool, table, store.PolicyMark).Redrive(ctx, store.OpRequest{
+		Selection: store.Selection{WorkIDs: []string{"redriven"}}, By: "t", Reason: "test"}); err != nil {
+		t.Fatal(err)
+	}
+	p, m := f.poller("w1", poller.Config{}.WithDefaults())
+	pollOnce(t, p)
+
+	if n := streamMsgs(t, f.js, f.stream); n != 3 {
+		t.Errorf("stream holds %d messages, want 3 (in and redriven once each, out published once)", n)
+	}
+	for _, id := range []string{"in", "redriven"} {
+		r := f.row(id)
+		if r.state != "published" || uint64(r.streamSeq) != stored[id] || r.streamName != f.stream || !strings.HasPrefix(r.lastError, "found:") {
+			t.Errorf("%s: %+v, want published at the found sequence %d with a found note", id, r, stored[id])
+		}
+	}
+	if r := f.row("out"); r.state != "published" || r.streamSeq != 3 {
+		t.Errorf("out: %+v, want published at sequence 3", r)
+	}
+	if got := counter(t, m.UncertainResolved.WithLabelValues("found")); got != 2 {
+		t.Errorf("found %v, want 2", got)
+	}
+	if got := counter(t, m.UncertainResolved.WithLabelValues("not_found")); got != 1 {
+		t.Errorf("not_found %v, want 1", got)
+	}
+}
