@@ -215,17 +215,36 @@ func TestRedriveCommandUncertainWarning(t *testing.T) {
 		t.Fatalf("exit %d, stderr %q; want no warning inside a 1h window", code, errOut)
 	}
 
-	// With --nats-url the stream's own window counts: 1s here, so even the
-	// fresh uncertain row, due 2s after its attempt, is outside it.
+	// With --nats-url the uncertain rows are looked up in the stream
+	// first (TestRedriveCommandResolvesUncertainFromStream); the warning
+	// is left for those the lookup could not rule out, here past a
+	// --lookup-limit of 1 on a subject with other messages. The stream's
+	// own window counts: 1s here, so even the fresh uncertain row, due 2s
+	// after its attempt, is outside it.
 	env := testenv.Shared(t)
 	stream, prefix := env.StreamName(t)
-	createStream(t, env.NATS.URL(), stream, prefix, time.Second)
+	js := createStream(t, env.NATS.URL(), stream, prefix, time.Second)
+	for _, id := range []string{"other-1", "other-2"} {
+		m := nats.NewMsg(prefix + "k")
+		m.Header.Set(jetstream.MsgIDHeader, id)
+		if _, err := js.PublishMsg(context.Background(), m); err != nil {
+			t.Fatal(err)
+		}
+	}
 	insert()
 	mustExec(t, pool, `UPDATE outbox SET available_at = clock_timestamp() - interval '2 seconds' WHERE work_id = 'u-new'`)
-	code, _, errOut = run(t, "redrive", "--database-url", url, "--reason", "r", "--state", "failed",
-		"--duplicate-window", "1h", "--nats-url", env.NATS.URL(), "--stream", stream)
-	if code != 0 || !strings.Contains(errOut, "WARNING: 2 rows redriven") || !strings.Contains(errOut, "(1s, from stream "+stream+")") {
-		t.Fatalf("exit %d, stderr %q; want the stream's 1s window used", code, errOut)
+	code, out, errOut = run(t, "redrive", "--database-url", url, "--reason", "r", "--state", "failed",
+		"--duplicate-window", "1h", "--nats-url", env.NATS.URL(), "--stream", stream, "--subject-prefix", prefix, "--lookup-limit", "1")
+	if code != 0 || !strings.Contains(out, "0 found, 0 not found, 2 inconclusive") || !strings.Contains(errOut, "lookup inconclusive") ||
+		!strings.Contains(errOut, "WARNING: 2 rows redriven") || !strings.Contains(errOut, "(1s, from stream "+stream+")") {
+		t.Fatalf("exit %d, stdout %q, stderr %q; want an inconclusive lookup and the stream's 1s window used", code, out, errOut)
+	}
+	// Read to the end, the lookup rules both out: no warning.
+	insert()
+	code, out, errOut = run(t, "redrive", "--database-url", url, "--reason", "r", "--state", "failed",
+		"--nats-url", env.NATS.URL(), "--stream", stream, "--subject-prefix", prefix)
+	if code != 0 || !strings.Contains(out, "0 found, 2 not found, 0 inconclusive") || strings.Contains(errOut, "WARNING") {
+		t.Fatalf("exit %d, stdout %q, stderr %q; want both ruled out, no warning", code, out, errOut)
 	}
 }
 
