@@ -84,6 +84,13 @@ func TestRedriveCommandResolvesUncertainFromStream(t *testing.T) {
 		t.Fatal(err)
 	}
 	if state != "published" || seq == nil || uint64(*seq) != ack.Sequence {
-		t.Errorf("u-in: %s at %v, want published at the found sequence %d", state, seq, ack.Sequence)
+		t.Errorf("u-in: %s at %d, want published at the found sequence %d", state, derefSeq(seq), ack.Sequence)
 	}
+}
+
+func derefSeq(p *int64) int64 {
+	if p == nil {
+		return 0
+	}
+	return *p
 }
