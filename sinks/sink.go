@@ -114,7 +114,7 @@ type Wanted struct {
 // Finder is what a Sink may also implement: looking up whether the broker
 // stored given messages, to settle rows whose last publish had an
 // uncertain outcome (no ack came) instead of publishing them again past the
-// broker's duplicate window (G19).
+// broker's duplicate window (G18).
 type Finder interface {
 	// FindStored reads, on the wanted messages' subjects only, what was
 	// stored at or after since, at most limit messages in all, and

@@ -25,7 +25,7 @@ type lookupResult struct {
 	inconclusive []string        // uncertain rows neither found nor ruled out
 }
 
-// lookupUncertain looks redrive's uncertain rows up in the stream (G19):
+// lookupUncertain looks redrive's uncertain rows up in the stream (G18):
 // those the stream holds are settled as published with the sequence found
 // instead of sent again, which past the duplicate window would store them
 // twice. The read is on the rows' subjects, from the earliest of their

@@ -18,7 +18,7 @@ import (
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
 
-// G19, issue 31 item 2: an uncertain dead letter whose message the stream
+// G18, issue 31 item 2: an uncertain dead letter whose message the stream
 // does hold, redriven after the stream's duplicate window (1 s) passed, is
 // found in the stream and settled as published with the sequence found:
 // after the poller ran, the stream holds it once (before the lookup, twice).

@@ -324,7 +324,7 @@ func (o *Options) pollerConfig(connected func() bool) poller.Config {
 		Ordered: o.Ordering == OrderingAggregate, DeadlineMargin: o.DeadlineMargin,
 		SweepInterval: o.SweepInterval,
 	}
-	// --readback-limit bounds the uncertain rows' stream lookup too (G19),
+	// --readback-limit bounds the uncertain rows' stream lookup too (G18),
 	// capped at the poller's default: it runs on a batch's time, within
 	// its lease. 0 (off) turns the lookup off as it does the read-back.
 	switch {

@@ -72,7 +72,7 @@ type Config struct {
 	WALPosition func(ctx context.Context) (replication.LSN, error)
 
 	// LookupLimit bounds the messages a batch's stream lookup of its
-	// uncertain rows reads (G19, resolveUncertain). 0: DefaultLookupLimit;
+	// uncertain rows reads (G18, resolveUncertain). 0: DefaultLookupLimit;
 	// negative: no lookup, uncertain rows are published again as they are.
 	LookupLimit int
 

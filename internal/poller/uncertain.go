@@ -34,7 +34,7 @@ func (p *Poller) uncertainSince(c store.Claimed) (time.Time, bool) {
 }
 
 // resolveUncertain looks the claimed rows whose last attempt was uncertain
-// up in the stream before they are published again (G19): past the
+// up in the stream before they are published again (G18): past the
 // broker's duplicate window a republish of a message the broker did store
 // is stored a second time. The rows found are returned as completions
 // (published with the sequence found, not sent again); the rest are

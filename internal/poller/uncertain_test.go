@@ -13,7 +13,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/store"
 )
 
-// G19: a row whose last attempt was uncertain is looked up in the stream
+// G18: a row whose last attempt was uncertain is looked up in the stream
 // before the poller publishes it again, past a duplicate window of 1 s:
 // "in" (rescheduled after an uncertain attempt) and "redriven" (a dead
 // letter redriven through the store, as the console does) are in the

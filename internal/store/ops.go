@@ -354,7 +354,7 @@ func (s *Store) opSQL(a Action, r *OpRequest) (string, args) {
 		// attempts start over, so last_error starts over too: the evidence
 		// of the attempts before moves to the history row.
 		// An uncertain row keeps the evidence the poller's stream lookup
-		// needs (redrivenUncertainSQL, G19).
+		// needs (redrivenUncertainSQL, G18).
 		set = `state = 'scheduled', attempts = 0, last_error = ` + redrivenUncertainSQL("n.last_error", "n.last_try") + `,
 			available_at = clock_timestamp() + n.i * ` + p.add(micros(r.Stagger)) + `::bigint * interval '1 microsecond',`
 		switch {

@@ -11,7 +11,7 @@ import (
 
 // redrivenUncertainPrefix starts the last_error a redrive leaves on a row
 // whose last attempt was uncertain: the evidence the poller needs to look
-// the message up in the stream before publishing it again (G19), and the
+// the message up in the stream before publishing it again (G18), and the
 // earliest time that attempt can have happened (its row's available_at,
 // see OpRow.SinceLastAttempt).
 const redrivenUncertainPrefix = "uncertain: redriven; last attempt at or after "
@@ -58,7 +58,7 @@ type Found struct {
 }
 
 // SettleFound moves redriven rows still 'scheduled' under generation to
-// published with the stream sequence found (redrive, G19), as Complete
+// published with the stream sequence found (redrive, G18), as Complete
 // does for an acked claim. A row the poller claimed meanwhile is left to
 // it (it looks the message up itself). It returns the work IDs settled.
 func (s *Store) SettleFound(ctx context.Context, items []Found) ([]string, error) {
