@@ -156,8 +156,16 @@ func TestRedriveByWorkID(t *testing.T) {
 		if !ok {
 			t.Fatalf("%s gone", id)
 		}
-		if r.State != "scheduled" || r.Attempts != 0 || r.Payload != payload || r.LastError != nil || r.ClaimedBy != nil {
-			t.Errorf("%s = %+v, want scheduled, attempts 0, payload %s, last_error cleared", id, r, payload)
+		// An uncertain row keeps its evidence for the poller's stream
+		// lookup (G18); any other last_error is cleared.
+		wantErr := id == "cancelled-1"
+		if r.State != "scheduled" || r.Attempts != 0 || r.Payload != payload || (r.LastError != nil) != wantErr || r.ClaimedBy != nil {
+			t.Errorf("%s = %+v, want scheduled, attempts 0, payload %s, last_error cleared unless uncertain", id, r, payload)
+		}
+		if wantErr {
+			if since, ok := store.RedrivenUncertainSince(*r.LastError); !ok || since.IsZero() || !strings.HasSuffix(*r.LastError, "(uncertain: timeout)") {
+				t.Errorf("%s last_error %q, want the redriven uncertain evidence", id, *r.LastError)
+			}
 		}
 		if r.RedrivenAt == nil || r.RedrivenBy == nil || *r.RedrivenBy != "alice@host" || r.RedriveReason == nil || *r.RedriveReason != "INC-42: stream limit raised" {
 			t.Errorf("%s audit = %v %v %v", id, r.RedrivenAt, r.RedrivenBy, r.RedriveReason)
