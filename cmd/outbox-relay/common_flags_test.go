@@ -23,7 +23,7 @@ var ignoredBy = map[string][]string{
 	"migrate": {"nats-url", "slot", "stream", "subject-prefix", "log-level", "log-format"},
 	"run":     nil,
 	"status":  {"publication", "subject-prefix", "on-publish", "log-level", "log-format"},
-	"redrive": {"slot", "publication", "subject-prefix", "on-publish", "log-level", "log-format"},
+	"redrive": {"slot", "publication", "on-publish", "log-level", "log-format"},
 	"cancel":  {"nats-url", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"},
 	"prune":   {"nats-url", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"},
 	"version": {"database-url", "nats-url", "table", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"},
