@@ -37,17 +37,22 @@ var _ sinks.Finder = (*Sink)(nil)
 // subjects (the binding's check, as a publish resolves it), one ordered
 // headers-only read filtered on those subjects, from since to the stream's
 // last message when the read began, stopping early once every wanted
-// message of that stream is found.
+// message of that stream is found. A subject no allowed stream binds is
+// not read, and makes the answer incomplete.
 func (s *Sink) FindStored(ctx context.Context, want []sinks.Wanted, since time.Time, limit int) (map[string]sinks.Stored, bool, error) {
 	found := make(map[string]sinks.Stored, len(want))
 	byStream := map[string]map[string]bool{} // stream -> subjects
 	ids := map[string]map[string]bool{}      // stream -> IDs
 	var order []string
+	complete := true
 	for _, w := range want {
 		st, err := s.binding.check(ctx, s.js, w.Subject)
 		if err != nil {
 			if _, ok := wire.IsRejected(err); ok {
-				continue // never publishable there: nothing to find
+				// Not on a stream this sink may read: not looked for,
+				// so not ruled out either.
+				complete = false
+				continue
 			}
 			return found, false, fmt.Errorf("find stored messages: %w", err)
 		}
@@ -58,7 +63,7 @@ func (s *Sink) FindStored(ctx context.Context, want []sinks.Wanted, since time.T
 		byStream[st][w.Subject] = true
 		ids[st][w.ID] = true
 	}
-	complete, read := true, 0
+	read := 0
 	for _, st := range order {
 		if read >= limit {
 			return found, false, nil
