@@ -79,8 +79,7 @@ func (p *Poller) resolveUncertain(ctx context.Context, claimed []store.Claimed) 
 		p.noisy.Warn().Err(err).Int("rows", len(want)).
 			Msg("could not look uncertain rows up in the stream; publishing them again, repeats left to the duplicate window (repeats are sampled)")
 	}
-	rest = claimed[:0:0]
-	notFound := 0
+	rest = make([]store.Claimed, 0, len(claimed))
 	for _, c := range claimed {
 		if s, ok := stored[c.WorkID]; ok {
 			found = append(found, store.Completion{WorkID: c.WorkID, Generation: c.ClaimGeneration, Seq: s.Seq, Stream: s.Stream,
@@ -89,7 +88,7 @@ func (p *Poller) resolveUncertain(ctx context.Context, claimed []store.Claimed) 
 		}
 		rest = append(rest, c)
 	}
-	notFound = len(want) - len(found)
+	notFound := len(want) - len(found)
 	p.m.UncertainResolved.WithLabelValues("found").Add(float64(len(found)))
 	outcome := "not_found"
 	if !complete {
