@@ -602,7 +602,7 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row, held int) er
 		aggType, aggID, aggSeq = row.Aggregate.Type, row.Aggregate.ID, row.Aggregate.Seq
 	}
 	if l.curHeaders == nil {
-		l.curHeaders = wire.SharedHeaders(CDCHeaders(l.curCommitLSN, l.curCommitTime))
+		l.curHeaders = cdcSharedHeaders(l.curCommitLSN, l.curCommitTime)
 	}
 	msg, err := wire.BuildMessageShared(wire.Row{
 		WorkID: row.WorkID, Kind: row.Kind, Subject: row.Subject, Payload: row.Payload, Headers: row.Headers,
