@@ -60,11 +60,19 @@ type Beginner interface {
 // a few times at most (the next round goes on).
 func AddPartitions(ctx context.Context, db Beginner, t Table, lockTimeout time.Duration) (PartitionsMade, error) {
 	var m PartitionsMade
-	for range 4 {
+	// A call attaches one partition at most while a guard is in place
+	// (0017): a round after a long stop or a raised ahead takes a call
+	// per partition; the bound stops a loop that makes no progress.
+	for call := range 4 + maxAhead {
 		var made []string
 		var guarded bool
 		err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 			if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, lockTimeoutSetting(lockTimeout)); err != nil {
+				return err
+			}
+			// The first call of a round drops a guard an unfinished
+			// round left (0017): none of this round's is there yet.
+			if _, err := tx.Exec(ctx, `SELECT set_config('outbox_relay.fresh_round', $1, true)`, map[bool]string{true: "on", false: "off"}[call == 0]); err != nil {
 				return err
 			}
 			if err := tx.QueryRow(ctx, `SELECT created, default_rows FROM `+t.derived("add_partitions", true)+`()`).Scan(&made, &m.DefaultRows); err != nil {
@@ -84,6 +92,9 @@ func AddPartitions(ctx context.Context, db Beginner, t Table, lockTimeout time.D
 	}
 	return m, nil
 }
+
+// maxAhead bounds how many partitions a round expects to make.
+const maxAhead = 400
 
 // defaultName is the name of the DEFAULT partition (0014).
 func defaultName(t Table) string {
