@@ -158,3 +158,37 @@ func TestPartitionKeeperDoesNotBlockProducers(t *testing.T) {
 		t.Errorf("%d constraints left on the DEFAULT partition (%v), want 0", guards, err)
 	}
 }
+
+// A guard that a round left on the DEFAULT partition (the keeper killed
+// between the call that added it and the one that drops it) is gone after
+// the next round, which drops it at its first call (0017): a producer's
+// row in its range is not refused, and no guard is left.
+func TestPartitionKeeperDropsLeftoverGuard(t *testing.T) {
+	ctx := context.Background()
+	tbl, pool, _ := newHourlyTable(t)
+	exec(t, pool, `INSERT INTO outbox (work_id, kind, payload, state, created_at, published_at) VALUES ('old', 'k', '{}', 'published', '2001-01-01', '2001-01-02')`)
+	lo := time.Now().UTC().Truncate(time.Hour).Add(3 * time.Hour)
+	exec(t, pool, `DROP TABLE `+pgx.Identifier{"outbox_p" + lo.Format("2006010215")}.Sanitize())
+	exec(t, pool, fmt.Sprintf(`ALTER TABLE outbox_default ADD CONSTRAINT outbox_default_guard CHECK (created_at < '%s' OR created_at >= '%s') NOT VALID`,
+		lo.Format(time.RFC3339), lo.Add(time.Hour).Format(time.RFC3339)))
+	exec(t, pool, `UPDATE outbox_partitioning SET guard_from = $1, guard_to = $2`, lo, lo.Add(time.Hour))
+	insert := func(id string) error {
+		_, err := pool.Exec(ctx, `INSERT INTO outbox (work_id, kind, payload, created_at) VALUES ($1, 'k', '{}', $2)`, id, lo.Add(time.Minute))
+		return err
+	}
+	if err := insert("before"); err == nil {
+		t.Fatal("the planted guard did not refuse a row in its range")
+	}
+	made, err := store.AddPartitions(ctx, pool, tbl, 3*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var guards int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_constraint WHERE conrelid = 'outbox_default'::regclass AND conname = 'outbox_default_guard'`).Scan(&guards); err != nil || guards != 0 {
+		t.Errorf("%d guards left on the DEFAULT partition after a round (%v), want 0", guards, err)
+	}
+	if err := insert("after"); err != nil {
+		t.Errorf("a row in the leftover guard's range was refused after the next round: %v", err)
+	}
+	t.Logf("the round made %v", made.Created)
+}

@@ -65,6 +65,7 @@ DECLARE
     digits text;
     parts  text[];
     los    timestamptz[];
+    more   boolean := false;
 BEGIN
     created := ARRAY[]::text[];
     SELECT p.interval_seconds, p.ahead, p.guard_from, p.guard_to INTO STRICT step, n, gfrom, gto FROM {{.Companion "partitioning"}} p;
@@ -181,7 +182,10 @@ BEGIN
             -- again while it is there): an ATTACH holds the DEFAULT
             -- partition's lock for about 10 ms to the commit, and those of
             -- one call would add up.
-            EXIT WHEN i >= 2 AND coalesce(array_length(parts, 1), 0) >= 1;
+            IF i >= 2 AND coalesce(array_length(parts, 1), 0) >= 1 THEN
+                more := true;
+                EXIT;
+            END IF;
         END IF;
         EXECUTE format('CREATE TABLE %I.%I (LIKE %I.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING GENERATED INCLUDING STORAGE INCLUDING INDEXES) WITH (fillfactor = 50)',
             sch, part, sch, tbl);
@@ -195,11 +199,8 @@ BEGIN
             sch, tbl, sch, parts[i], los[i], los[i] + make_interval(secs => step));
         created := created || parts[i];
     END LOOP;
-    -- The guard goes once every partition in its range is there.
-    IF gvalid IS TRUE AND NOT EXISTS (
-        SELECT 1 FROM generate_series(gfrom, gto - make_interval(secs => step), make_interval(secs => step)) g(lo)
-        WHERE to_regclass(format('%I.%I', sch, tbl || '_p' || to_char(g.lo AT TIME ZONE 'UTC', fmt))) IS NULL
-          AND NOT EXISTS (SELECT 1 FROM unnest(parts) p(name) WHERE p.name = tbl || '_p' || to_char(g.lo AT TIME ZONE 'UTC', fmt))) THEN
+    -- The guard goes once no partition under it is left to attach.
+    IF gvalid IS TRUE AND NOT more THEN
         EXECUTE format('ALTER TABLE %I.%I DROP CONSTRAINT %I', sch, dflt, guard);
         UPDATE {{.Companion "partitioning"}} SET guard_from = NULL, guard_to = NULL;
     END IF;
