@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -191,4 +192,34 @@ func TestPartitionKeeperDropsLeftoverGuard(t *testing.T) {
 		t.Errorf("a row in the leftover guard's range was refused after the next round: %v", err)
 	}
 	t.Logf("the round made %v", made.Created)
+}
+
+// prune of a partitioned table run as a role that does not own it says
+// whose it is and what to do, not only PostgreSQL's "must be owner".
+func TestPruneAsNonOwnerNamesOwner(t *testing.T) {
+	ctx := context.Background()
+	tbl, pool, url := newHourlyTable(t)
+	seedPartition(t, pool, time.Now().UTC().Truncate(time.Hour).Add(-6*time.Hour), map[string]int{"published": 3})
+	super := connect(t, url)
+	var owner string
+	if err := super.QueryRow(ctx, `SELECT current_user`).Scan(&owner); err != nil {
+		t.Fatal(err)
+	}
+	ownerRole(t, super, url, "prune_not_owner")
+	exec(t, pool, `GRANT SELECT, DELETE ON ALL TABLES IN SCHEMA public TO prune_not_owner`)
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.User = "prune_not_owner"
+	np, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer np.Close()
+	_, err = store.New(np, tbl, store.PolicyMark).Prune(ctx, store.PruneRequest{OlderThan: time.Hour, Batch: 100})
+	if err == nil || !strings.Contains(err.Error(), fmt.Sprintf("run prune as the table's owner %q", owner)) {
+		t.Errorf("prune as a role that does not own the table: %v, want it to name the owner %q and say what to do", err, owner)
+	}
+	t.Logf("%v", err)
 }
