@@ -326,6 +326,11 @@ func (s *Store) countPartition(ctx context.Context, q DBTX, part string, cutoff 
 // are finished: finalized, then dropped when nothing keeps them and they
 // end before the cutoff, attached back otherwise (restorePartition).
 func (s *Store) prunePartitions(ctx context.Context, r PruneRequest, res PruneResult, lockTimeout time.Duration) (PruneResult, error) {
+	if !r.DryRun {
+		if err := s.dropLeftoverGuard(ctx, lockTimeout); err != nil {
+			return res, fmt.Errorf("prune %s: %w", s.table.Qualified(), err)
+		}
+	}
 	parts, err := s.Partitions(ctx)
 	if err != nil {
 		return res, err
@@ -374,6 +379,36 @@ func (s *Store) prunePartitions(ctx context.Context, r PruneRequest, res PruneRe
 		res.Partitions = append(res.Partitions, v)
 	}
 	return res, nil
+}
+
+// dropLeftoverGuard drops the DEFAULT partition's guard (0017) when no
+// keeper round is at work (its advisory lock is free): a guard then is one
+// an interrupted round left, which would refuse producers' rows in its
+// range once it comes due while no relay runs to drop it.
+func (s *Store) dropLeftoverGuard(ctx context.Context, lockTimeout time.Duration) error {
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, lockTimeoutSetting(lockTimeout)); err != nil {
+			return err
+		}
+		var free, guarded bool
+		if err := tx.QueryRow(ctx, `SELECT pg_try_advisory_xact_lock(hashtextextended('outbox-relay partitions ' || $1, 0)),
+			EXISTS (SELECT 1 FROM pg_catalog.pg_constraint WHERE conrelid = to_regclass($2) AND conname = $3)`,
+			s.table.Qualified(), pgx.Identifier{s.table.Schema, defaultName(s.table)}.Sanitize(), guardName(s.table)).Scan(&free, &guarded); err != nil {
+			return err
+		}
+		if !free || !guarded {
+			return nil
+		}
+		if _, err := tx.Exec(ctx, `ALTER TABLE `+pgx.Identifier{s.table.Schema, defaultName(s.table)}.Sanitize()+` DROP CONSTRAINT `+pgx.Identifier{guardName(s.table)}.Sanitize()); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, `UPDATE `+s.table.derived("partitioning", true)+` SET guard_from = NULL, guard_to = NULL`)
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("drop the guard an interrupted partition keeper round left on %s: %w", defaultName(s.table), err)
+	}
+	return nil
 }
 
 // lockTimeoutSetting is d as a lock_timeout value (at least 1ms: 0 would
