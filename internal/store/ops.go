@@ -647,7 +647,8 @@ func (s *Store) Prune(ctx context.Context, r PruneRequest) (PruneResult, error) 
 		if r.LockTimeout <= 0 {
 			r.LockTimeout = DefaultLockTimeout
 		}
-		return s.prunePartitions(ctx, r, res, r.LockTimeout)
+		res, err := s.prunePartitions(ctx, r, res, r.LockTimeout)
+		return res, s.ownerHint(ctx, "prune", err)
 	}
 	if r.DryRun {
 		return s.pruneCount(ctx, r, res)
@@ -878,4 +879,21 @@ func (s *Store) OldestReadySeconds(ctx context.Context) (float64, error) {
 		return 0, fmt.Errorf("oldest ready row in %s: %w", s.table.Qualified(), err)
 	}
 	return age, nil
+}
+
+// ownerHint adds to err, when PostgreSQL refused it for want of privilege
+// (42501: only a table's owner may detach or drop its partitions), the
+// role that owns the table and what to do, which "must be owner of table"
+// does not say.
+func (s *Store) ownerHint(ctx context.Context, what string, err error) error {
+	var pgErr *pgconn.PgError
+	if err == nil || !errors.As(err, &pgErr) || pgErr.Code != sqlstateInsufficientPrivilege {
+		return err
+	}
+	o, oerr := ReadOwnership(ctx, s.pool, s.table)
+	if oerr != nil || !o.Exists || o.Owner == o.User {
+		return err
+	}
+	return fmt.Errorf("%w: role %q may not do this; run %s as the table's owner %q (connect as that role, or SET ROLE %s in a session that may)",
+		err, o.User, what, o.Owner, pgx.Identifier{o.Owner}.Sanitize())
 }

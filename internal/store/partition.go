@@ -60,11 +60,19 @@ type Beginner interface {
 // a few times at most (the next round goes on).
 func AddPartitions(ctx context.Context, db Beginner, t Table, lockTimeout time.Duration) (PartitionsMade, error) {
 	var m PartitionsMade
-	for range 4 {
+	// A call attaches one partition at most while a guard is in place
+	// (0017): a round after a long stop or a raised ahead takes a call
+	// per partition; the bound stops a loop that makes no progress.
+	for call := range 4 + maxAhead {
 		var made []string
 		var guarded bool
 		err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 			if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, lockTimeoutSetting(lockTimeout)); err != nil {
+				return err
+			}
+			// The first call of a round drops a guard an unfinished
+			// round left (0017): none of this round's is there yet.
+			if _, err := tx.Exec(ctx, `SELECT set_config('outbox_relay.fresh_round', $1, true)`, map[bool]string{true: "on", false: "off"}[call == 0]); err != nil {
 				return err
 			}
 			if err := tx.QueryRow(ctx, `SELECT created, default_rows FROM `+t.derived("add_partitions", true)+`()`).Scan(&made, &m.DefaultRows); err != nil {
@@ -84,6 +92,9 @@ func AddPartitions(ctx context.Context, db Beginner, t Table, lockTimeout time.D
 	}
 	return m, nil
 }
+
+// maxAhead bounds how many partitions a round expects to make.
+const maxAhead = 400
 
 // defaultName is the name of the DEFAULT partition (0014).
 func defaultName(t Table) string {
@@ -315,6 +326,11 @@ func (s *Store) countPartition(ctx context.Context, q DBTX, part string, cutoff 
 // are finished: finalized, then dropped when nothing keeps them and they
 // end before the cutoff, attached back otherwise (restorePartition).
 func (s *Store) prunePartitions(ctx context.Context, r PruneRequest, res PruneResult, lockTimeout time.Duration) (PruneResult, error) {
+	if !r.DryRun {
+		if err := s.dropLeftoverGuard(ctx, lockTimeout); err != nil {
+			return res, fmt.Errorf("prune %s: %w", s.table.Qualified(), err)
+		}
+	}
 	parts, err := s.Partitions(ctx)
 	if err != nil {
 		return res, err
@@ -363,6 +379,36 @@ func (s *Store) prunePartitions(ctx context.Context, r PruneRequest, res PruneRe
 		res.Partitions = append(res.Partitions, v)
 	}
 	return res, nil
+}
+
+// dropLeftoverGuard drops the DEFAULT partition's guard (0017) when no
+// keeper round is at work (its advisory lock is free): a guard then is one
+// an interrupted round left, which would refuse producers' rows in its
+// range once it comes due while no relay runs to drop it.
+func (s *Store) dropLeftoverGuard(ctx context.Context, lockTimeout time.Duration) error {
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, lockTimeoutSetting(lockTimeout)); err != nil {
+			return err
+		}
+		var free, guarded bool
+		if err := tx.QueryRow(ctx, `SELECT pg_try_advisory_xact_lock(hashtextextended('outbox-relay partitions ' || $1, 0)),
+			EXISTS (SELECT 1 FROM pg_catalog.pg_constraint WHERE conrelid = to_regclass($2) AND conname = $3)`,
+			s.table.Qualified(), pgx.Identifier{s.table.Schema, defaultName(s.table)}.Sanitize(), guardName(s.table)).Scan(&free, &guarded); err != nil {
+			return err
+		}
+		if !free || !guarded {
+			return nil
+		}
+		if _, err := tx.Exec(ctx, `ALTER TABLE `+pgx.Identifier{s.table.Schema, defaultName(s.table)}.Sanitize()+` DROP CONSTRAINT `+pgx.Identifier{guardName(s.table)}.Sanitize()); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, `UPDATE `+s.table.derived("partitioning", true)+` SET guard_from = NULL, guard_to = NULL`)
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("drop the guard an interrupted partition keeper round left on %s: %w", defaultName(s.table), err)
+	}
+	return nil
 }
 
 // lockTimeoutSetting is d as a lock_timeout value (at least 1ms: 0 would
