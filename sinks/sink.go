@@ -103,3 +103,18 @@ type Batcher interface {
 // already holds, a message it refuses, an incomplete batch): nothing of
 // it was stored.
 var ErrBatchRefused = errors.New("the broker refused the batch whole")
+
+// StreamState is where the relay's own stream stands: its first and last
+// sequence, and when it was created.
+type StreamState struct {
+	Stream            string
+	FirstSeq, LastSeq uint64
+	Created           time.Time
+}
+
+// StreamStater is what a Sink may also implement: reading its own
+// stream's state, so the relay can tell acknowledged messages the broker
+// lost (G19).
+type StreamStater interface {
+	OwnStreamState(ctx context.Context) (StreamState, error)
+}
