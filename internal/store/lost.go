@@ -16,7 +16,7 @@ type LostRange struct {
 // RequeueLost hands back to the poller the rows recorded as published
 // into stream at a sequence past last, the stream's last sequence now
 // (G19): the broker acknowledged them and then lost them (its store came
-// back shorter). They become ready, due at once, their attempts kept and
+// back shorter). They become scheduled (the poller's), due at once, their attempts kept and
 // last_error saying what was lost. Rows of another stream, and rows below
 // the stream's first sequence (removed by its own limits) are left alone;
 // so are rows published before created, the stream's creation time: a
@@ -31,7 +31,7 @@ func (s *Store) RequeueLost(ctx context.Context, stream string, last uint64, cre
 	var r LostRange
 	var from, to *int64
 	err := s.pool.QueryRow(ctx, `WITH lost AS (
-		UPDATE `+s.table.String()+` AS o SET state = 'ready', available_at = clock_timestamp(), published_at = NULL, stream_seq = NULL,
+		UPDATE `+s.table.String()+` AS o SET state = 'scheduled', available_at = clock_timestamp(), published_at = NULL,
 			last_error = format('lost: broker acknowledged seq %s in stream %s but the stream ends at %s', o.stream_seq, o.stream_name, $2::bigint)
 		WHERE o.state = 'published' AND o.stream_name = $1 AND o.stream_seq > $2::bigint
 			AND o.published_at >= $3
