@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
 
@@ -84,4 +85,39 @@ func cutStreamTail(t *testing.T, dir string, keep float64) {
 		}
 	}
 	t.Logf("cut %s from %d to %d bytes", newest, fi.Size(), int64(float64(fi.Size())*keep))
+}
+
+// Under none the relay keeps no sequence per row: the loss is detected
+// against the highest sequence its CDC path saw acknowledged and reported
+// at error with the range (G19), not repaired.
+func TestBrokerLostTailReportedUnderNone(t *testing.T) {
+	env := testenv.Shared(t)
+	n, err := testenv.StartNATS(testenv.NATSOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(n.Close)
+	h := newHarness(t, setup{dbURL: env.PG.CreateDatabase(t), natsURL: n.URL(), stream: "LOSTNONE", subjectPrefix: "lostnone."})
+	h.opts.Policy = store.PolicyNone
+	h.opts.LostCheckInterval = 300 * time.Millisecond
+	logs := &testenv.LogBuffer{}
+	h.logs = logs
+	h.start()
+	ids := h.insertRows("ln", 2000, 50)
+	testenv.WaitFor(t, 30*time.Second, "every row stored", func() (bool, error) { return h.streamCount() == uint64(len(ids)), nil })
+	if err := n.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	cutStreamTail(t, filepath.Join(n.StoreDir(), "jetstream", "$G", "streams", "LOSTNONE"), 0.6)
+	if err := n.Start(); err != nil {
+		t.Fatal(err)
+	}
+	left := h.streamCount()
+	if left == 0 || left >= uint64(len(ids)) {
+		t.Fatalf("the cut left %d of %d messages: the test proves nothing", left, len(ids))
+	}
+	want := fmt.Sprintf(`"from_seq":%d,"to_seq":%d,"messages":%d`, left+1, len(ids), uint64(len(ids))-left)
+	testenv.WaitFor(t, 10*time.Second, "the loss reported", func() (bool, error) {
+		return strings.Contains(logs.String(), want), fmt.Errorf("no log with %s", want)
+	})
 }
