@@ -535,6 +535,15 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		AtomicTransactions: o.AtomicTransactions,
 		AtomicBatchMax:     o.AtomicBatchMax,
 	}, pool, st, cdcSink, log, m)
+	// A broker that comes back may have lost what it acknowledged (G19):
+	// check at once rather than at the next --lost-check-interval.
+	reconnected := nc.Opts.ReconnectedCB
+	nc.SetReconnectHandler(func(c *nats.Conn) {
+		if reconnected != nil {
+			reconnected(c)
+		}
+		r.BrokerReconnected()
+	})
 	if o.Started != nil {
 		o.Started(r)
 	}

@@ -82,18 +82,31 @@ func (r *Relay) checkLost(ctx context.Context) {
 	}
 }
 
-// keepCheckingLost runs checkLost every LostCheckInterval until ctx ends.
-func (r *Relay) keepCheckingLost(ctx context.Context) {
-	if r.cfg.LostCheckInterval <= 0 {
-		return
+// BrokerReconnected asks the running session for a check at once: the
+// broker that came back may have lost what it acknowledged.
+func (r *Relay) BrokerReconnected() {
+	select {
+	case r.lostNow <- struct{}{}:
+	default:
 	}
-	t := time.NewTicker(r.cfg.LostCheckInterval)
-	defer t.Stop()
+}
+
+// keepCheckingLost runs checkLost every LostCheckInterval, and when the
+// broker connection is back, until ctx ends.
+func (r *Relay) keepCheckingLost(ctx context.Context) {
+	var tick <-chan time.Time
+	if r.cfg.LostCheckInterval > 0 {
+		t := time.NewTicker(r.cfg.LostCheckInterval)
+		defer t.Stop()
+		tick = t.C
+	}
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case <-t.C:
+		case <-tick:
+			r.checkLost(ctx)
+		case <-r.lostNow:
 			r.checkLost(ctx)
 		}
 	}

@@ -221,6 +221,8 @@ type Relay struct {
 	// by stream: under none and delete, the only record to tell a stream
 	// that came back shorter (G19, lost.go).
 	acked ackedSeqs
+	// lostNow asks the session's lost check to run at once (a reconnect).
+	lostNow chan struct{}
 	// repeats summarises duplicate acks in the log (a replay can bring
 	// thousands).
 	repeats *repeats.Log
@@ -258,7 +260,7 @@ type Relay struct {
 func New(cfg Config, pool *pgxpool.Pool, st *store.Store, sink sinks.Sink, log zerolog.Logger, m *metrics.Metrics) *Relay {
 	cfg.setDefaults()
 	r := &Relay{
-		cfg: cfg, pool: pool, sink: sink, metrics: m,
+		cfg: cfg, pool: pool, sink: sink, metrics: m, lostNow: make(chan struct{}, 1),
 		store: st,
 		log:   log.With().Str("component", "cdc").Str("slot", cfg.Slot).Logger(),
 		sleep: retry.Sleep,
