@@ -39,8 +39,12 @@ const DefaultLostCheckInterval = time.Minute
 const lostCheckTimeout = 30 * time.Second
 
 // checkLost runs one check; errors are logged, never fatal (the check is
-// a repair, not a condition of publishing).
-func (r *Relay) checkLost(ctx context.Context) {
+// a repair, not a condition of publishing). full reads the table under
+// mark whatever the stream says (session starts); otherwise it is read
+// only when the stream ends below the highest sequence this process's CDC
+// path saw acknowledged, so the periodic check costs one StreamInfo, not a
+// scan of the published rows, while nothing is lost.
+func (r *Relay) checkLost(ctx context.Context, full bool) {
 	st, ok := r.sink.(sinks.StreamStater)
 	if !ok {
 		return
@@ -65,11 +69,15 @@ func (r *Relay) checkLost(ctx context.Context) {
 		}
 		return
 	}
+	if !full && r.acked.get(state.Stream) <= state.LastSeq {
+		return
+	}
 	lost, err := r.store.RequeueLost(ctx, state.Stream, state.LastSeq, state.Created)
 	if err != nil {
 		r.log.Warn().Err(err).Msg("could not hand rows the broker lost back to the poller; checking again later")
 		return
 	}
+	r.acked.lower(state.Stream, state.LastSeq)
 	if lost.Rows == 0 {
 		return
 	}
@@ -105,9 +113,9 @@ func (r *Relay) keepCheckingLost(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-tick:
-			r.checkLost(ctx)
+			r.checkLost(ctx, false)
 		case <-r.lostNow:
-			r.checkLost(ctx)
+			r.checkLost(ctx, false)
 		}
 	}
 }

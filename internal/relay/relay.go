@@ -579,7 +579,7 @@ func (r *Relay) session(ctx context.Context) error {
 	l.keeper = r.newRestartKeeper(ctx)
 	// Before the session publishes: rows whose messages the broker lost
 	// go back to the poller (G19).
-	r.checkLost(ctx)
+	r.checkLost(ctx, true)
 	events := make(chan []replication.Event, 16)
 	confirms := make(chan replication.LSN, 1)
 	stop := make(chan struct{})
