@@ -123,3 +123,18 @@ type Finder interface {
 	// found then may still be stored (inconclusive).
 	FindStored(ctx context.Context, want []Wanted, since time.Time, limit int) (found map[string]Stored, complete bool, err error)
 }
+
+// StreamState is where the relay's own stream stands: its first and last
+// sequence, and when it was created.
+type StreamState struct {
+	Stream            string
+	FirstSeq, LastSeq uint64
+	Created           time.Time
+}
+
+// StreamStater is what a Sink may also implement: reading its own
+// stream's state, so the relay can tell acknowledged messages the broker
+// lost (G19).
+type StreamStater interface {
+	OwnStreamState(ctx context.Context) (StreamState, error)
+}

@@ -32,6 +32,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 		atomicBatchMax                                              int
 		natsMonitorURL                                              string
 		readBackLimit                                               int
+		lostCheck                                                   time.Duration
 		allowStreams                                                config.List
 		ordering                                                    string
 		standbySlots                                                config.List
@@ -51,6 +52,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs.IntVar(&atomicBatchMax, "atomic-batch-max", relay.DefaultAtomicBatchMax, "with --atomic-transactions: the most rows of one atomic batch; at most the server's max_batch_size (1000 unless raised)")
 	fs.StringVar(&natsMonitorURL, "nats-monitor-url", "", "nats-server's monitoring endpoint (e.g. http://nats:8222), where the start's broker contract check reads the server's sync setting (empty: unknown, and an R1 file stream is warned about)")
 	fs.IntVar(&readBackLimit, "readback-limit", relay.DefaultReadBackLimit, "message headers a session start reads back from the stream to find the replayed rows it already holds, which it then does not publish again (G18; about 100 bytes of memory each; 0: no read-back, repeats left to the duplicate window); also bounds, capped at 10000, the poller's per-batch lookup of uncertain rows before it publishes them again (0 turns it off too)")
+	fs.DurationVar(&lostCheck, "lost-check-interval", relay.DefaultLostCheckInterval, "how often, beside every session start, the stream's last sequence is compared with the sequences recorded as published, to find messages the broker acknowledged and then lost (G19; under --on-publish mark they are published again, under none and delete reported); 0: only at session starts")
 	fs.IntVar(&replicas, "stream-replicas", 1, "replicas of the stream when the relay creates it (3 on a JetStream cluster)")
 	fs.DurationVar(&ackTimeout, "ack-timeout", natssink.DefaultAckTimeout, "how long a publish waits for the broker's ack before the session restarts")
 	fs.IntVar(&maxInFlight, "max-in-flight", relay.DefaultMaxInFlight, "messages published and not yet acked")
@@ -114,6 +116,13 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 		return fmt.Errorf("--readback-limit %d: must be 0 (off) or more", readBackLimit)
 	}
 	o.ReadBackLimit = readBackLimit
+	if lostCheck < 0 {
+		return fmt.Errorf("--lost-check-interval %s: must be 0 (only at session starts) or more", lostCheck)
+	}
+	o.LostCheckInterval = lostCheck
+	if lostCheck == 0 {
+		o.LostCheckInterval = -1
+	}
 	if readBackLimit == 0 {
 		o.ReadBackLimit = -1
 	}

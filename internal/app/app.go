@@ -117,6 +117,10 @@ type Options struct {
 	// ReadBackLimit bounds a session start's read-back of the stream (run
 	// --readback-limit, G18): 0 the default, negative off.
 	ReadBackLimit int
+	// LostCheckInterval is how often the stream is checked for messages
+	// the broker lost (run --lost-check-interval, G19): 0 the default,
+	// negative only at session starts.
+	LostCheckInterval time.Duration
 	// AtomicTransactions publishes each transaction's rows as one atomic
 	// batch (run --atomic-transactions, G20) and creates the stream
 	// allowing atomic publish; AtomicBatchMax is the most rows of one
@@ -512,33 +516,43 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 
 	settings := store.Settings{Ordering: o.Ordering, OnPublish: o.Policy}
 	r = relay.New(relay.Config{
-		DatabaseURL:      o.DatabaseURL,
-		Table:            o.Table,
-		Slot:             o.Slot,
-		Publication:      o.Publication,
-		SubjectPrefix:    o.SubjectPrefix,
-		AppName:          o.AppName,
-		MaxInFlight:      o.MaxInFlight,
-		Linger:           o.Linger,
-		MaxInFlightBytes: o.MaxInFlightBytes,
-		MaxBufferedBytes: o.MaxBufferedBytes,
-		StatusInterval:   o.StatusInterval,
-		DrainTimeout:     o.DrainTimeout,
-		BeforeSession:    ensureStream,
-		Ordered:          o.Ordering == OrderingAggregate,
-		DeadlineMargin:   o.DeadlineMargin,
-		RejectRetry:      o.RejectRetry,
-		RestartCheck:     o.RestartCheck,
-		Standby:          gate,
-		FailoverSlot:     o.FailoverSlot,
-		HandedOver:       p.Wake,
-		Settings:         &settings,
-		SettingsBy:       "run --worker-id " + pc.WorkerID,
-		ReadBackLimit:    o.ReadBackLimit,
+		DatabaseURL:       o.DatabaseURL,
+		Table:             o.Table,
+		Slot:              o.Slot,
+		Publication:       o.Publication,
+		SubjectPrefix:     o.SubjectPrefix,
+		AppName:           o.AppName,
+		MaxInFlight:       o.MaxInFlight,
+		Linger:            o.Linger,
+		MaxInFlightBytes:  o.MaxInFlightBytes,
+		MaxBufferedBytes:  o.MaxBufferedBytes,
+		StatusInterval:    o.StatusInterval,
+		DrainTimeout:      o.DrainTimeout,
+		BeforeSession:     ensureStream,
+		Ordered:           o.Ordering == OrderingAggregate,
+		DeadlineMargin:    o.DeadlineMargin,
+		RejectRetry:       o.RejectRetry,
+		RestartCheck:      o.RestartCheck,
+		Standby:           gate,
+		FailoverSlot:      o.FailoverSlot,
+		HandedOver:        p.Wake,
+		Settings:          &settings,
+		SettingsBy:        "run --worker-id " + pc.WorkerID,
+		ReadBackLimit:     o.ReadBackLimit,
+		LostCheckInterval: o.LostCheckInterval,
 
 		AtomicTransactions: o.AtomicTransactions,
 		AtomicBatchMax:     o.AtomicBatchMax,
 	}, pool, st, cdcSink, log, m)
+	// A broker that comes back may have lost what it acknowledged (G19):
+	// check at once rather than at the next --lost-check-interval.
+	reconnected := nc.Opts.ReconnectedCB
+	nc.SetReconnectHandler(func(c *nats.Conn) {
+		if reconnected != nil {
+			reconnected(c)
+		}
+		r.BrokerReconnected()
+	})
 	if o.Started != nil {
 		o.Started(r)
 	}

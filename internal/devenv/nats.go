@@ -129,6 +129,9 @@ func StartNATS(opts NATSOptions) (*NATS, error) {
 	}
 }
 
+// StoreDir is the server's -sd store directory (tests cut its files).
+func (n *NATS) StoreDir() string { return n.storeDir }
+
 // Port returns the client port; it stays the same across restarts.
 func (n *NATS) Port() int { return n.port }
 

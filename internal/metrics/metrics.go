@@ -55,6 +55,7 @@ type Metrics struct {
 	// already stored (not published again), messages read, the last
 	// read's duration.
 	ReadBackFound    prometheus.Counter
+	BrokerLost       prometheus.Counter
 	ReadBackMessages prometheus.Counter
 	ReadBackSeconds  prometheus.Gauge
 	AtomicBatches    *prometheus.CounterVec // result (stored, refused): atomic batches of the CDC path (G20)
@@ -172,6 +173,9 @@ func New() *Metrics {
 	m.BrokerContract = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "outbox_relay_broker_contract", Help: "1 for each check of the broker contract (G21) the stream or server falls short of, as found at the last session's start, by check and level (warn, refuse); docs/deploy.md lists the checks.",
 	}, []string{"check", "level"})
+	m.BrokerLost = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "outbox_relay_broker_lost_total", Help: "Messages the broker acknowledged and then lost (its stream ends below sequences the relay recorded, G19): under --on-publish mark the rows are handed back to the poller and published again; under none and delete they are counted and logged only.",
+	})
 	m.ReadBackFound = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "outbox_relay_readback_found_total", Help: "Replayed rows a session start found already stored in the stream (published before a restart, a takeover or a reconnect) and settled with their stored sequence instead of publishing them again (G18).",
 	})
@@ -187,7 +191,7 @@ func New() *Metrics {
 	m.AtomicSplit = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "outbox_relay_atomic_split_transactions_total", Help: "Transactions too large for one atomic batch (--atomic-batch-max rows, or the bytes of --max-in-flight-bytes), published as consecutive batches, each stored whole (G20).",
 	})
-	for _, c := range []prometheus.Collector{m.AtomicBatches, m.AtomicSplit, m.ReadBackFound, m.ReadBackMessages, m.ReadBackSeconds, m.BrokerContract, m.FailoverPath, m.StandbyLagBytes, m.StandbySlotMissing, m.StandbyGated, m.Expired, m.UncertainResolved, m.BlockedAggregates, m.SlotLagSeconds, m.DefaultPartitionRows, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.WatermarkLSN, m.ServerWALEnd,
+	for _, c := range []prometheus.Collector{m.BrokerLost, m.AtomicBatches, m.AtomicSplit, m.ReadBackFound, m.ReadBackMessages, m.ReadBackSeconds, m.BrokerContract, m.FailoverPath, m.StandbyLagBytes, m.StandbySlotMissing, m.StandbyGated, m.Expired, m.UncertainResolved, m.BlockedAggregates, m.SlotLagSeconds, m.DefaultPartitionRows, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.WatermarkLSN, m.ServerWALEnd,
 		m.SlotLagBytes, m.InFlight, m.InFlightBytes, m.BufferedBytes, m.Handoffs, m.SettleRetries, m.Sessions, m.SlotOwner, m.Claims,
 		m.StaleCompletions, m.Failures, m.RowsByState, m.OldestEligible} {
 		f(c)

@@ -325,6 +325,11 @@ func (l *loop) startHelpers(sessCtx context.Context) {
 			l.keeper.keep(sessCtx)
 		}()
 	}
+	l.wg.Add(1)
+	go func() {
+		defer l.wg.Done()
+		l.r.keepCheckingLost(sessCtx)
+	}()
 	if l.r.store.Policy() == store.PolicyNone {
 		l.wg.Add(1)
 		go func() {
@@ -773,6 +778,7 @@ func (l *loop) handleResult(ctx context.Context, it *item) error {
 	it.settle.Outcome = store.Published
 	it.settle.Seq = it.ack.Sequence
 	it.settle.Stream = it.ack.Stream
+	l.r.acked.raise(it.ack.Stream, it.ack.Sequence)
 	// Only what the mark needs stays: the message (payload and headers)
 	// and its future are garbage from here.
 	it.msg, it.fut = nil, nil

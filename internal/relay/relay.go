@@ -93,6 +93,10 @@ type Config struct {
 	// stream before replaying (readback.go, G18): 0 takes
 	// DefaultReadBackLimit, a negative value turns the read-back off.
 	ReadBackLimit int
+	// LostCheckInterval is how often the stream's state is compared with
+	// the sequences the relay recorded, beside every session start (G19,
+	// lost.go); DefaultLostCheckInterval when zero, never when negative.
+	LostCheckInterval time.Duration
 
 	// BeforeSession runs before each session, e.g. to create the stream when
 	// missing. An error fails the session (and is retried with backoff).
@@ -138,6 +142,9 @@ const (
 )
 
 func (c *Config) setDefaults() {
+	if c.LostCheckInterval == 0 {
+		c.LostCheckInterval = DefaultLostCheckInterval
+	}
 	if c.ReadBackLimit == 0 {
 		c.ReadBackLimit = DefaultReadBackLimit
 	}
@@ -210,6 +217,12 @@ type Relay struct {
 	metrics *metrics.Metrics
 	stats   replication.Stats
 	role    atomic.Int32
+	// acked is the highest stream sequence this process saw acknowledged,
+	// by stream: under none and delete, the only record to tell a stream
+	// that came back shorter (G19, lost.go).
+	acked ackedSeqs
+	// lostNow asks the session's lost check to run at once (a reconnect).
+	lostNow chan struct{}
 	// repeats summarises duplicate acks in the log (a replay can bring
 	// thousands).
 	repeats *repeats.Log
@@ -247,7 +260,7 @@ type Relay struct {
 func New(cfg Config, pool *pgxpool.Pool, st *store.Store, sink sinks.Sink, log zerolog.Logger, m *metrics.Metrics) *Relay {
 	cfg.setDefaults()
 	r := &Relay{
-		cfg: cfg, pool: pool, sink: sink, metrics: m,
+		cfg: cfg, pool: pool, sink: sink, metrics: m, lostNow: make(chan struct{}, 1),
 		store: st,
 		log:   log.With().Str("component", "cdc").Str("slot", cfg.Slot).Logger(),
 		sleep: retry.Sleep,
@@ -564,6 +577,9 @@ func (r *Relay) session(ctx context.Context) error {
 	l.slotLSN = ident.SlotLSN
 	l.stream = stream
 	l.keeper = r.newRestartKeeper(ctx)
+	// Before the session publishes: rows whose messages the broker lost
+	// go back to the poller (G19).
+	r.checkLost(ctx, true)
 	events := make(chan []replication.Event, 16)
 	confirms := make(chan replication.LSN, 1)
 	stop := make(chan struct{})

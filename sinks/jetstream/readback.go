@@ -169,3 +169,22 @@ func (s *Sink) readStored(ctx context.Context, stream string, filters []string, 
 	}
 	return read, false, nil
 }
+
+var _ sinks.StreamStater = (*Sink)(nil)
+
+// OwnStreamState implements sinks.StreamStater on the relay's own stream.
+func (s *Sink) OwnStreamState(ctx context.Context) (sinks.StreamState, error) {
+	name := s.binding.opts.Stream
+	if name == "" {
+		return sinks.StreamState{}, errors.New("stream state: no own stream")
+	}
+	st, err := s.js.Stream(ctx, name)
+	if err != nil {
+		return sinks.StreamState{}, fmt.Errorf("stream state of %s: %w", name, err)
+	}
+	info, err := st.Info(ctx)
+	if err != nil {
+		return sinks.StreamState{}, fmt.Errorf("stream state of %s: %w", name, err)
+	}
+	return sinks.StreamState{Stream: name, FirstSeq: info.State.FirstSeq, LastSeq: info.State.LastSeq, Created: info.Created}, nil
+}

@@ -1,0 +1,154 @@
+package relay
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/sinks"
+)
+
+// Acknowledged, then lost (G19). JetStream acknowledges a message before
+// it syncs it to disk; a broker that loses power (or whose store is cut)
+// comes back with a stream that ends below sequences it acknowledged. The
+// rows say published and the slot is confirmed past them: nothing would
+// publish them again. So at every session start, before the first
+// publish, and every LostCheckInterval, the relay reads its own stream's
+// state and compares it with what it recorded.
+//
+// Under --on-publish mark each row carries the stream and sequence it was
+// stored at: the rows of the relay's own stream past the stream's last
+// sequence (and published since the stream was created: a stream created
+// again starts over) are handed back to the poller, which publishes them
+// again with their Nats-Msg-Id. Rows below the stream's first sequence
+// were removed by the stream's own limits, not lost, and are left alone.
+//
+// Under none and delete nothing per row is kept; the relay compares the
+// stream's last sequence with the highest it saw acknowledged in this
+// process and reports a shortfall (log at error, the metric), without
+// republishing: the rows to publish again are not known from the table
+// (docs/guarantees-broker.md says how the operator republishes).
+
+// DefaultLostCheckInterval is how often a running session checks the
+// stream for lost messages between session starts.
+const DefaultLostCheckInterval = time.Minute
+
+// lostCheckTimeout bounds one check: a broker too slow to answer is
+// checked again at the next interval.
+const lostCheckTimeout = 30 * time.Second
+
+// checkLost runs one check; errors are logged, never fatal (the check is
+// a repair, not a condition of publishing). full reads the table under
+// mark whatever the stream says (session starts); otherwise it is read
+// only when the stream ends below the highest sequence this process's CDC
+// path saw acknowledged, so the periodic check costs one StreamInfo, not a
+// scan of the published rows, while nothing is lost.
+func (r *Relay) checkLost(ctx context.Context, full bool) {
+	st, ok := r.sink.(sinks.StreamStater)
+	if !ok {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, lostCheckTimeout)
+	defer cancel()
+	state, err := st.OwnStreamState(ctx)
+	if err != nil {
+		r.log.Warn().Err(err).Msg("could not read the stream's state to check for messages the broker lost; checking again later")
+		return
+	}
+	if r.store.Policy() != store.PolicyMark {
+		seen := r.acked.get(state.Stream)
+		if seen > state.LastSeq {
+			lost := seen - state.LastSeq
+			r.metrics.BrokerLost.Add(float64(lost))
+			r.log.Error().Str("stream", state.Stream).Uint64("from_seq", state.LastSeq+1).Uint64("to_seq", seen).Uint64("messages", lost).
+				Msg("the broker lost messages it had acknowledged: the stream ends below sequences it acknowledged to this relay; " +
+					"under --on-publish " + string(r.store.Policy()) + " the rows are not known from the table and are not published again: " +
+					"republish the range as docs/guarantees-broker.md says")
+			r.acked.lower(state.Stream, state.LastSeq)
+		}
+		return
+	}
+	if !full && r.acked.get(state.Stream) <= state.LastSeq {
+		return
+	}
+	lost, err := r.store.RequeueLost(ctx, state.Stream, state.LastSeq, state.Created)
+	if err != nil {
+		r.log.Warn().Err(err).Msg("could not hand rows the broker lost back to the poller; checking again later")
+		return
+	}
+	r.acked.lower(state.Stream, state.LastSeq)
+	if lost.Rows == 0 {
+		return
+	}
+	r.metrics.BrokerLost.Add(float64(lost.Rows))
+	r.log.Error().Str("stream", state.Stream).Uint64("stream_last_seq", state.LastSeq).Uint64("from_seq", lost.From).Uint64("to_seq", lost.To).
+		Int("rows", lost.Rows).Msg("the broker lost messages it had acknowledged (its stream ends below sequences recorded as published): " +
+		"handed the rows back to the poller, which publishes them again")
+	if r.cfg.HandedOver != nil {
+		r.cfg.HandedOver()
+	}
+}
+
+// BrokerReconnected asks the running session for a check at once: the
+// broker that came back may have lost what it acknowledged.
+func (r *Relay) BrokerReconnected() {
+	select {
+	case r.lostNow <- struct{}{}:
+	default:
+	}
+}
+
+// keepCheckingLost runs checkLost every LostCheckInterval, and when the
+// broker connection is back, until ctx ends.
+func (r *Relay) keepCheckingLost(ctx context.Context) {
+	var tick <-chan time.Time
+	if r.cfg.LostCheckInterval > 0 {
+		t := time.NewTicker(r.cfg.LostCheckInterval)
+		defer t.Stop()
+		tick = t.C
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick:
+			r.checkLost(ctx, false)
+		case <-r.lostNow:
+			r.checkLost(ctx, false)
+		}
+	}
+}
+
+// ackedSeqs is the highest acknowledged sequence by stream.
+type ackedSeqs struct {
+	mu  sync.Mutex
+	seq map[string]uint64
+}
+
+func (a *ackedSeqs) raise(stream string, seq uint64) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.seq == nil {
+		a.seq = map[string]uint64{}
+	}
+	if seq > a.seq[stream] {
+		a.seq[stream] = seq
+	}
+}
+
+func (a *ackedSeqs) get(stream string) uint64 {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.seq[stream]
+}
+
+// lower sets stream's highest to seq once a shortfall was reported, so it
+// is reported once.
+func (a *ackedSeqs) lower(stream string, seq uint64) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.seq != nil {
+		a.seq[stream] = seq
+	}
+}

@@ -1,0 +1,47 @@
+package store
+
+import (
+	"context"
+	"fmt"
+	"time"
+)
+
+// LostRange is what RequeueLost handed back to the poller: how many rows,
+// and the lowest and highest stream sequence they were acknowledged at.
+type LostRange struct {
+	Rows     int
+	From, To uint64
+}
+
+// RequeueLost hands back to the poller the rows recorded as published
+// into stream at a sequence past last, the stream's last sequence now
+// (G19): the broker acknowledged them and then lost them (its store came
+// back shorter). They become scheduled (the poller's), due at once, their attempts kept and
+// last_error saying what was lost. Rows of another stream, and rows below
+// the stream's first sequence (removed by its own limits) are left alone;
+// so are rows published before created, the stream's creation time: a
+// stream deleted and created again under the same name starts its
+// sequences over, and its old rows' messages were never lost by the broker.
+// The state filter is re-checked under the row lock, so of two instances
+// running this at once, each row is handed back by one only.
+//
+// Only published rows carry a stream sequence, so this does something
+// under --on-publish mark only.
+func (s *Store) RequeueLost(ctx context.Context, stream string, last uint64, created time.Time) (LostRange, error) {
+	var r LostRange
+	var from, to *int64
+	err := s.pool.QueryRow(ctx, `WITH lost AS (
+		UPDATE `+s.table.String()+` AS o SET state = 'scheduled', available_at = clock_timestamp(), published_at = NULL,
+			last_error = format('lost: broker acknowledged seq %s in stream %s but the stream ends at %s', o.stream_seq, o.stream_name, $2::bigint)
+		WHERE o.state = 'published' AND o.stream_name = $1 AND o.stream_seq > $2::bigint
+			AND o.published_at >= $3
+		RETURNING o.stream_seq)
+	SELECT count(*), min(stream_seq), max(stream_seq) FROM lost`, stream, int64(last), created).Scan(&r.Rows, &from, &to)
+	if err != nil {
+		return LostRange{}, fmt.Errorf("hand rows the broker lost back to the poller (stream %s past seq %d): %w", stream, last, err)
+	}
+	if from != nil {
+		r.From, r.To = uint64(*from), uint64(*to)
+	}
+	return r, nil
+}
