@@ -147,7 +147,7 @@ func TestPartitionKeeperDoesNotBlockProducers(t *testing.T) {
 	}
 	// The DEFAULT partition's lock, which the producer's repeat check
 	// waits for, is held for one ATTACH a transaction: the partitions and
-	// their indexes are made before it (0017, step 3). The old function
+	// their indexes are made before it (0018). The old function
 	// held it from its first ATTACH to its commit, through the making of
 	// the other partitions: 8 here, the producer waited 0.25-0.3 s for it;
 	// now about 10 ms. 50 ms leaves room for a loaded machine.
@@ -163,7 +163,7 @@ func TestPartitionKeeperDoesNotBlockProducers(t *testing.T) {
 // A guard that a round left on the DEFAULT partition (the keeper killed
 // between the call that added it and the one that drops it) is gone after
 // a prune and after the next round, which drops it at its first call
-// (0017): a producer's row in its range is not refused, and no guard is
+// (0018): a producer's row in its range is not refused, and no guard is
 // left.
 func TestPartitionKeeperDropsLeftoverGuard(t *testing.T) {
 	ctx := context.Background()

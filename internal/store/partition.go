@@ -51,7 +51,7 @@ type Beginner interface {
 
 // AddPartitions creates the partitions of partitioned table t that are due,
 // and attaches back those left detached, waiting at most lockTimeout for
-// each lock (<table>_add_partitions(), migration 0017: a partition is made
+// each lock (<table>_add_partitions(), migrations 0017 and 0018: a partition is made
 // on its own and attached, which producers' INSERTs do not wait for; the
 // DEFAULT partition's lock, which reads through the table need, is taken
 // for a catalog change only). While the DEFAULT partition holds rows the

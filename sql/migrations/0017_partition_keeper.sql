@@ -63,9 +63,6 @@ DECLARE
     gvalid boolean;
     orphan text;
     digits text;
-    parts  text[];
-    los    timestamptz[];
-    more   boolean := false;
 BEGIN
     created := ARRAY[]::text[];
     SELECT p.interval_seconds, p.ahead, p.guard_from, p.guard_to INTO STRICT step, n, gfrom, gto FROM {{.Companion "partitioning"}} p;
@@ -88,12 +85,8 @@ BEGIN
         WHERE c.conrelid = format('%I.%I', sch, dflt)::regclass AND c.conname = guard;
     first := to_timestamp(floor(extract(epoch FROM clock_timestamp()) / step) * step);
     -- A guard that could soon refuse a producer's row goes, whatever its
-    -- step; so does any guard at the first call of a round (the caller
-    -- sets outbox_relay.fresh_round for it, store.AddPartitions): it was
-    -- left by a round that did not finish (a process killed between its
-    -- calls, a lost connection), and no later call of that round would
-    -- drop it before its range comes due and it refuses producers' rows.
-    IF gvalid IS NOT NULL AND (coalesce(current_setting('outbox_relay.fresh_round', true), '') = 'on' OR gfrom IS NULL OR gfrom < first + make_interval(secs => 2 * step)) THEN
+    -- step.
+    IF gvalid IS NOT NULL AND (gfrom IS NULL OR gfrom < first + make_interval(secs => 2 * step)) THEN
         EXECUTE format('ALTER TABLE %I.%I DROP CONSTRAINT %I', sch, dflt, guard);
         UPDATE {{.Companion "partitioning"}} SET guard_from = NULL, guard_to = NULL;
         gvalid := NULL;
@@ -157,15 +150,6 @@ BEGIN
         END IF;
     END IF;
     -- Step 3 (and the only step while the DEFAULT partition is empty).
-    -- Every partition is first made as a table of its own, with its
-    -- indexes (INCLUDING INDEXES: ATTACH then adopts them instead of
-    -- building them) and a CHECK of its bounds; only then are they all
-    -- attached, one statement each: the ACCESS EXCLUSIVE lock ATTACH takes
-    -- on the DEFAULT partition, held to the commit, covers catalog changes
-    -- only, not the creation of tables and indexes (which held it about
-    -- 30 ms a partition).
-    parts := ARRAY[]::text[];
-    los := ARRAY[]::timestamptz[];
     FOR i IN 0..n LOOP
         lo := first + make_interval(secs => i * step);
         hi := lo + make_interval(secs => step);
@@ -178,29 +162,16 @@ BEGIN
             -- From two ahead, only under a valid guard (the next call
             -- makes one); the current and next intervals with the scan.
             CONTINUE WHEN i >= 2 AND NOT (gvalid IS TRUE AND lo >= gfrom AND hi <= gto);
-            -- One a call under the guard, which stays (the caller calls
-            -- again while it is there): an ATTACH holds the DEFAULT
-            -- partition's lock for about 10 ms to the commit, and those of
-            -- one call would add up.
-            IF i >= 2 AND coalesce(array_length(parts, 1), 0) >= 1 THEN
-                more := true;
-                EXIT;
-            END IF;
         END IF;
-        EXECUTE format('CREATE TABLE %I.%I (LIKE %I.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING GENERATED INCLUDING STORAGE INCLUDING INDEXES) WITH (fillfactor = 50)',
+        EXECUTE format('CREATE TABLE %I.%I (LIKE %I.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING GENERATED INCLUDING STORAGE) WITH (fillfactor = 50)',
             sch, part, sch, tbl);
         EXECUTE format('ALTER TABLE %I.%I ADD CONSTRAINT %I CHECK (created_at >= %L AND created_at < %L)',
             sch, part, left(part, 56) || '_bounds', lo, hi);
-        parts := parts || part;
-        los := los || lo;
-    END LOOP;
-    FOR i IN 1..coalesce(array_length(parts, 1), 0) LOOP
         EXECUTE format('ALTER TABLE %I.%I ATTACH PARTITION %I.%I FOR VALUES FROM (%L) TO (%L)',
-            sch, tbl, sch, parts[i], los[i], los[i] + make_interval(secs => step));
-        created := created || parts[i];
+            sch, tbl, sch, part, lo, hi);
+        created := created || part;
     END LOOP;
-    -- The guard goes once no partition under it is left to attach.
-    IF gvalid IS TRUE AND NOT more THEN
+    IF gvalid IS TRUE THEN
         EXECUTE format('ALTER TABLE %I.%I DROP CONSTRAINT %I', sch, dflt, guard);
         UPDATE {{.Companion "partitioning"}} SET guard_from = NULL, guard_to = NULL;
     END IF;
