@@ -30,6 +30,18 @@ import (
 // republishing: the rows to publish again are not known from the table
 // (docs/guarantees-broker.md says how the operator republishes).
 
+// lostLookback bounds the check at a session start that has seen no
+// acknowledgement above the stream's end (a process just started: a
+// relay restarted with its broker after a power loss) to the rows created
+// this long ago or less, read through the index on created_at, not every
+// published row of the table (G16). A broker loses what it acknowledged
+// and had not yet synced (sync_interval: 2 minutes by default), so the
+// rows it loses are recent: this covers that window and a restart up to
+// about 28 minutes later. Rows created before it, and published in that
+// window (a backlog drained just before the fault), are found only by a
+// process that saw their acknowledgements.
+const lostLookback = 30 * time.Minute
+
 // DefaultLostCheckInterval is how often a running session checks the
 // stream for lost messages between session starts.
 const DefaultLostCheckInterval = time.Minute
@@ -40,7 +52,8 @@ const lostCheckTimeout = 30 * time.Second
 
 // checkLost runs one check; errors are logged, never fatal (the check is
 // a repair, not a condition of publishing). full reads the table under
-// mark whatever the stream says (session starts); otherwise it is read
+// mark whatever the stream says (session starts; only the rows created
+// within lostLookback when this process saw no shortfall); otherwise it is read
 // only when the stream ends below the highest sequence this process's CDC
 // path saw acknowledged, so the periodic check costs one StreamInfo, not a
 // scan of the published rows, while nothing is lost.
@@ -69,10 +82,15 @@ func (r *Relay) checkLost(ctx context.Context, full bool) {
 		}
 		return
 	}
-	if !full && r.acked.get(state.Stream) <= state.LastSeq {
+	shortfall := r.acked.get(state.Stream) > state.LastSeq
+	if !full && !shortfall {
 		return
 	}
-	lost, err := r.store.RequeueLost(ctx, state.Stream, state.LastSeq, state.Created)
+	var since time.Time
+	if !shortfall {
+		since = time.Now().Add(-lostLookback)
+	}
+	lost, err := r.store.RequeueLost(ctx, state.Stream, state.LastSeq, state.Created, since)
 	if err != nil {
 		r.log.Warn().Err(err).Msg("could not hand rows the broker lost back to the poller; checking again later")
 		return

@@ -27,16 +27,29 @@ type LostRange struct {
 //
 // Only published rows carry a stream sequence, so this does something
 // under --on-publish mark only.
-func (s *Store) RequeueLost(ctx context.Context, stream string, last uint64, created time.Time) (LostRange, error) {
+//
+// A non-zero createdSince reads only the rows created since then, through
+// the index on created_at: the check at a process's start, which has no
+// acknowledgement of its own to compare the stream with, would otherwise
+// read every published row of the table at every start (G16). A zero
+// createdSince reads them all: the check after this process saw the
+// stream end below what it acknowledged, a loss known to have happened.
+func (s *Store) RequeueLost(ctx context.Context, stream string, last uint64, created, createdSince time.Time) (LostRange, error) {
 	var r LostRange
 	var from, to *int64
+	args := []any{stream, int64(last), created}
+	recent := ""
+	if !createdSince.IsZero() {
+		recent = " AND o.created_at >= $4"
+		args = append(args, createdSince)
+	}
 	err := s.pool.QueryRow(ctx, `WITH lost AS (
 		UPDATE `+s.table.String()+` AS o SET state = 'scheduled', available_at = clock_timestamp(), published_at = NULL,
 			last_error = format('lost: broker acknowledged seq %s in stream %s but the stream ends at %s', o.stream_seq, o.stream_name, $2::bigint)
 		WHERE o.state = 'published' AND o.stream_name = $1 AND o.stream_seq > $2::bigint
-			AND o.published_at >= $3
+			AND o.published_at >= $3`+recent+`
 		RETURNING o.stream_seq)
-	SELECT count(*), min(stream_seq), max(stream_seq) FROM lost`, stream, int64(last), created).Scan(&r.Rows, &from, &to)
+	SELECT count(*), min(stream_seq), max(stream_seq) FROM lost`, args...).Scan(&r.Rows, &from, &to)
 	if err != nil {
 		return LostRange{}, fmt.Errorf("hand rows the broker lost back to the poller (stream %s past seq %d): %w", stream, last, err)
 	}

@@ -38,7 +38,7 @@ func TestRequeueLostHandsBackOnlyLostRowsOnce(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			r, err := st.RequeueLost(ctx, "S", 60, created)
+			r, err := st.RequeueLost(ctx, "S", 60, created, time.Time{})
 			if err != nil {
 				t.Error(err)
 				return
@@ -65,5 +65,35 @@ func TestRequeueLostHandsBackOnlyLostRowsOnce(t *testing.T) {
 	}
 	if n != 60+100+11 {
 		t.Errorf("%d rows left published, want %d (S up to 60, OTHER, the old stream's)", n, 60+100+11)
+	}
+}
+
+// RequeueLost with a createdSince reads only the rows created since then
+// (the check at a process's start, bounded for G16): a lost row created
+// before it stays published; one created after it is handed back.
+func TestRequeueLostBoundedByCreatedSince(t *testing.T) {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, testenv.Shared(t).PG.CreateOutboxDatabase(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	exec(t, pool, `INSERT INTO outbox (work_id, kind, payload, state, created_at, published_at, stream_seq, stream_name)
+		VALUES ('recent', 'k', '{}'::jsonb, 'published', now(), now(), 11, 'S'),
+		       ('early', 'k', '{}'::jsonb, 'published', now() - interval '2 hours', now(), 12, 'S')`)
+	st := store.New(pool, testenv.OutboxTable, store.PolicyMark)
+	r, err := st.RequeueLost(ctx, "S", 10, time.Now().Add(-3*time.Hour), time.Now().Add(-30*time.Minute))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Rows != 1 || r.From != 11 || r.To != 11 {
+		t.Fatalf("handed back %+v, want the row at seq 11 only", r)
+	}
+	var state string
+	if err := pool.QueryRow(ctx, `SELECT state FROM outbox WHERE work_id = 'early'`).Scan(&state); err != nil {
+		t.Fatal(err)
+	}
+	if state != "published" {
+		t.Errorf("the row created before the bound is %s, want published", state)
 	}
 }
