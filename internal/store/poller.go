@@ -127,14 +127,7 @@ func (s *Store) Complete(ctx context.Context, items []Completion, workerID strin
 	if len(items) == 0 {
 		return nil, nil
 	}
-	ids := make([]string, len(items))
-	gens := make([]int64, len(items))
-	seqs := make([]int64, len(items))
-	streams := make([]string, len(items))
-	notes := make([]string, len(items))
-	for i, it := range items {
-		ids[i], gens[i], seqs[i], streams[i], notes[i] = it.WorkID, it.Generation, int64(it.Seq), it.Stream, it.Note
-	}
+	ids, gens, seqs, streams, notes := completionArrays(items)
 	args := []any{unplanned, ids, workerID, gens, seqs, streams, notes}
 	if s.policy == PolicyDelete {
 		args = args[:4]
@@ -167,11 +160,29 @@ func completeSQL(t Table, policy Policy) string {
 			WHERE t.work_id = u.work_id AND t.claim_generation = u.gen AND ` + batchGuard + `
 			RETURNING t.work_id`
 	}
-	return `UPDATE ` + t.String() + ` AS t SET state = 'published', published_at = clock_timestamp(), stream_seq = u.seq,
-			stream_name = u.stream, last_error = nullif(u.note, ''), claimed_by = NULL, lease_until = NULL
+	return `UPDATE ` + t.String() + ` AS t SET ` + publishedSet + `
 		FROM unnest($1::text[], $3::bigint[], $4::bigint[], $5::text[], $6::text[]) AS u(work_id, gen, seq, stream, note)
 		WHERE t.work_id = u.work_id AND t.claim_generation = u.gen AND ` + batchGuard + `
 		RETURNING t.work_id`
+}
+
+// publishedSet is what settling a row as published writes under mark and
+// none, from an unnest row u(work_id, gen, seq, stream, note): Complete's
+// acked claims and SettleFound's rows found in the stream.
+const publishedSet = `state = 'published', published_at = clock_timestamp(), stream_seq = u.seq,
+			stream_name = u.stream, last_error = nullif(u.note, ''), claimed_by = NULL, lease_until = NULL`
+
+// completionArrays are the unnest parameters of a settle statement.
+func completionArrays(items []Completion) (ids []string, gens, seqs []int64, streams, notes []string) {
+	ids = make([]string, len(items))
+	gens = make([]int64, len(items))
+	seqs = make([]int64, len(items))
+	streams = make([]string, len(items))
+	notes = make([]string, len(items))
+	for i, it := range items {
+		ids[i], gens[i], seqs[i], streams[i], notes[i] = it.WorkID, it.Generation, int64(it.Seq), it.Stream, it.Note
+	}
+	return ids, gens, seqs, streams, notes
 }
 
 func (s *Store) guarded(ctx context.Context, op, workID, set string, args ...any) (bool, error) {

@@ -57,28 +57,26 @@ type Found struct {
 	Seq        uint64
 }
 
-// SettleFound moves redriven rows still 'scheduled' under generation to
-// published with the stream sequence found (redrive, G18), as Complete
-// does for an acked claim. A row the poller claimed meanwhile is left to
-// it (it looks the message up itself). It returns the work IDs settled.
+// SettleFound settles redriven rows still 'scheduled' under generation as
+// published with the stream sequence found (redrive, G18), under the
+// on-publish policy as Complete does for an acked claim: marked published
+// with the sequence (mark, none) or deleted (delete). A row the poller
+// claimed meanwhile is left to it (it looks the message up itself). It
+// returns the work IDs settled.
 func (s *Store) SettleFound(ctx context.Context, items []Found) ([]string, error) {
 	if len(items) == 0 {
 		return nil, nil
 	}
-	ids := make([]string, len(items))
-	gens := make([]int64, len(items))
-	seqs := make([]int64, len(items))
-	streams := make([]string, len(items))
-	notes := make([]string, len(items))
+	settle := make([]Completion, len(items))
 	for i, it := range items {
-		ids[i], gens[i], seqs[i], streams[i], notes[i] = it.WorkID, it.Generation, int64(it.Seq), it.Stream, FoundNote(it.Stream, it.Seq)
+		settle[i] = Completion{WorkID: it.WorkID, Generation: it.Generation, Seq: it.Seq, Stream: it.Stream, Note: FoundNote(it.Stream, it.Seq)}
 	}
-	q := `UPDATE ` + s.table.String() + ` AS t SET state = 'published', published_at = clock_timestamp(), stream_seq = u.seq,
-			stream_name = u.stream, last_error = u.note, claimed_by = NULL, lease_until = NULL
-		FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::text[], $5::text[]) AS u(work_id, gen, seq, stream, note)
-		WHERE t.work_id = u.work_id AND t.claim_generation = u.gen AND t.state = 'scheduled'
-		RETURNING t.work_id`
-	rows, err := s.pool.Query(ctx, q, ids, gens, seqs, streams, notes)
+	ids, gens, seqs, streams, notes := completionArrays(settle)
+	args := []any{ids, gens, seqs, streams, notes}
+	if s.policy == PolicyDelete {
+		args = args[:2]
+	}
+	rows, err := s.pool.Query(ctx, settleFoundSQL(s.table, s.policy), args...)
 	if err != nil {
 		return nil, fmt.Errorf("settle %d rows found in the stream as published in %s: %w", len(items), s.table.Qualified(), err)
 	}
@@ -87,4 +85,21 @@ func (s *Store) SettleFound(ctx context.Context, items []Found) ([]string, error
 		return nil, fmt.Errorf("settle %d rows found in the stream as published in %s: %w", len(items), s.table.Qualified(), err)
 	}
 	return done, nil
+}
+
+// settleFoundSQL is SettleFound's statement: $1 work IDs, $2 claim
+// generations, $3 stream sequences, $4 streams and $5 notes (not under
+// delete). The guard is the row still scheduled under the generation the
+// redrive read, not a claim.
+func settleFoundSQL(t Table, policy Policy) string {
+	const guard = `t.work_id = u.work_id AND t.claim_generation = u.gen AND t.state = 'scheduled'`
+	if policy == PolicyDelete {
+		return `DELETE FROM ` + t.String() + ` AS t USING unnest($1::text[], $2::bigint[]) AS u(work_id, gen)
+			WHERE ` + guard + `
+			RETURNING t.work_id`
+	}
+	return `UPDATE ` + t.String() + ` AS t SET ` + publishedSet + `
+		FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::text[], $5::text[]) AS u(work_id, gen, seq, stream, note)
+		WHERE ` + guard + `
+		RETURNING t.work_id`
 }

@@ -44,3 +44,42 @@ func TestSettleFoundIsGuardedByStateAndGeneration(t *testing.T) {
 		}
 	}
 }
+
+// Under --on-publish delete a row found in the stream goes as an acked
+// claim does (deleted), not left published until a prune: the policy is
+// the same whichever way the message was found stored.
+func TestSettleFoundFollowsTheDeletePolicy(t *testing.T) {
+	ctx := context.Background()
+	s, pool := newPollerStore(t, store.PolicyDelete)
+	exec(t, pool, `INSERT INTO outbox (work_id, kind, payload, state, claim_generation) VALUES
+		('due', 'k', '{}', 'scheduled', 3),
+		('reclaimed', 'k', '{}', 'scheduled', 4)`)
+	done, err := s.SettleFound(ctx, []store.Found{
+		{WorkID: "due", Generation: 3, Stream: "S", Seq: 11},
+		{WorkID: "reclaimed", Generation: 3, Stream: "S", Seq: 12},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(done, []string{"due"}) {
+		t.Fatalf("settled %v, want [due]", done)
+	}
+	var left []string
+	rows, err := pool.Query(ctx, `SELECT work_id FROM outbox ORDER BY work_id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		left = append(left, id)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(left, []string{"reclaimed"}) {
+		t.Errorf("rows left %v, want [reclaimed] (due deleted, the reclaimed one left to the poller)", left)
+	}
+}
