@@ -228,11 +228,11 @@ outbox_relay_messages_published_total{path="cdc",result="duplicate_x"} 1000
 func TestRenderReadBack(t *testing.T) {
 	out := renderReadBack(&ReadBackResult{Rate: 2000, DupWindowSeconds: 2, BeforeKillSeconds: 8, Rounds: []ReadBackRound{
 		{ReadBack: true, OutageSeconds: 3, Rows: 22000, StoredAtKill: 15000, ReadBackSeconds: 0.2, ReadBackMessages: 14000, Found: 4000, DrainSeconds: 1.5, DrainMsgsPerSec: 4667, AfterReadBackMsgsPerSec: 5385, LoadAvg: "1.00 0.50 0.20"},
-		{ReadBack: false, OutageSeconds: 3, Rows: 22000, StoredAtKill: 15000, StoredTwice: 4000, DrainSeconds: 1.4, DrainMsgsPerSec: 5000, AfterReadBackMsgsPerSec: 5000},
+		{ReadBack: false, Backlog: true, OutageSeconds: 3, Rows: 22000, StoredAtKill: 15000, StoredTwice: 4000, DrainSeconds: 1.4, DrainMsgsPerSec: 5000, AfterReadBackMsgsPerSec: 5000},
 	}})
 	for _, want := range []string{
-		"| on | 3 | 22000 | 15000 | 0.200 | 14000 | 4000 | 0 | 0 | 1.50 | 4667 | 5385 | 1.00 0.50 0.20 |",
-		"| off (--readback-limit 0) | 3 | 22000 | 15000 | 0.000 | 0 | 0 | 0 | 4000 | 1.40 | 5000 | 5000 |  |",
+		"| 2000 rows/s | on | 3 | 22000 | 15000 | 0.200 | 14000 | 4000 | 0 | 0 | 1.50 | 4667 | 5385 | 1.00 0.50 0.20 |",
+		"| backlog, killed half way | off (--readback-limit 0) | 3 | 22000 | 15000 | 0.000 | 0 | 0 | 0 | 4000 | 1.40 | 5000 | 5000 |  |",
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("renderReadBack lacks %q:\n%s", want, out)

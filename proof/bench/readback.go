@@ -35,9 +35,16 @@ const (
 // read-back should cost about the same after either.
 var readBackOutages = []time.Duration{3 * time.Second, 12 * time.Second}
 
+// readBackBacklog is the backlog of the kill during a drain.
+const readBackBacklog = 60_000
+
 // ReadBackRound is one kill -9 and restart.
 type ReadBackRound struct {
-	ReadBack      bool    `json:"readback"` // --readback-limit default (true) or 0
+	ReadBack bool `json:"readback"` // --readback-limit default (true) or 0
+	// Backlog: the rows were committed before the relay started and it was
+	// killed half way through draining them, no load after; otherwise it
+	// ran readBackBefore under the load, which went on through the outage.
+	Backlog       bool    `json:"backlog"`
 	OutageSeconds float64 `json:"outage_seconds"`
 	Rows          int     `json:"rows"`            // committed in the round (before the kill and during the outage)
 	StoredAtKill  int     `json:"stored_at_start"` // of them in the stream when the relay restarted
@@ -98,7 +105,7 @@ func (b *bench) readBack(ctx context.Context) (ReadBackResult, error) {
 			modes = []bool{false, true}
 		}
 		for _, on := range modes {
-			rr, err := b.readBackRound(ctx, p, rate, outage, on)
+			rr, err := b.readBackRound(ctx, p, rate, outage, on, 0)
 			if err != nil {
 				return res, fmt.Errorf("outage %v, read-back %v: %w", outage, on, err)
 			}
@@ -107,11 +114,23 @@ func (b *bench) readBack(ctx context.Context) (ReadBackResult, error) {
 			res.Rounds = append(res.Rounds, rr)
 		}
 	}
+	// A kill during a backlog drain: what the read-back costs when the first
+	// replayed commit is old, so that everything the session stored is
+	// read (up to --readback-limit).
+	for _, on := range []bool{true, false} {
+		rr, err := b.readBackRound(ctx, p, rate, readBackOutages[0], on, readBackBacklog)
+		if err != nil {
+			return res, fmt.Errorf("backlog, read-back %v: %w", on, err)
+		}
+		b.cfg.logf("readback %v, kill half way through a backlog of %d rows, outage %v: %d stored at the restart; read back %.0f headers in %.3fs, %.0f found stored; %.0f published, %d stored twice; drained in %.2fs (%.0f msg/s, %.0f after the read-back)",
+			on, rr.Rows, readBackOutages[0], rr.StoredAtKill, rr.ReadBackMessages, rr.ReadBackSeconds, rr.Found, rr.PublishedOK, rr.StoredTwice, rr.DrainSeconds, rr.DrainMsgsPerSec, rr.AfterReadBackMsgsPerSec)
+		res.Rounds = append(res.Rounds, rr)
+	}
 	return res, nil
 }
 
-func (b *bench) readBackRound(ctx context.Context, p *path, rate float64, outage time.Duration, on bool) (ReadBackRound, error) {
-	rr := ReadBackRound{ReadBack: on, OutageSeconds: outage.Seconds(), LoadAvg: loadAvg()}
+func (b *bench) readBackRound(ctx context.Context, p *path, rate float64, outage time.Duration, on bool, backlog int) (ReadBackRound, error) {
+	rr := ReadBackRound{ReadBack: on, OutageSeconds: outage.Seconds(), Backlog: backlog > 0, LoadAvg: loadAvg()}
 	n0, err := b.s.streamMsgs(ctx, p.stream)
 	if err != nil {
 		return rr, err
@@ -128,6 +147,18 @@ func (b *bench) readBackRound(ctx context.Context, p *path, rate float64, outage
 		pr, err := startProcEnv("relay", filepath.Join(b.dir, p.db+".log"), b.cfg.RelayBin, b.cfg.RelayEnv, args...)
 		return pr, "http://127.0.0.1:" + port + "/metrics", err
 	}
+	loadDone := make(chan error, 1)
+	if backlog > 0 {
+		// Committed before the relay starts: the first replayed transaction
+		// is the backlog's first, long before the kill.
+		rr.Rows = backlog
+		l := b.newLoad(p, rr.Rows, 0)
+		p.idBase += rr.Rows
+		if _, err := l.run(ctx); err != nil {
+			return rr, err
+		}
+		loadDone <- nil
+	}
 	pr, _, err := start()
 	if err != nil {
 		return rr, err
@@ -136,15 +167,31 @@ func (b *bench) readBackRound(ctx context.Context, p *path, rate float64, outage
 	if _, err := b.s.walsenderPID(ctx, p.db, slotName, 60*time.Second); err != nil {
 		return rr, err
 	}
-	rr.Rows = int(rate * (readBackBefore + outage).Seconds())
-	l := b.newLoad(p, rr.Rows, rate)
-	p.idBase += rr.Rows
-	loadDone := make(chan error, 1)
-	go func() { _, err := l.run(ctx); loadDone <- err }()
-	time.Sleep(readBackBefore)
+	if backlog > 0 {
+		for {
+			n, err := b.s.streamMsgs(ctx, p.stream)
+			if err != nil {
+				return rr, err
+			}
+			if n >= n0+uint64(backlog/2) {
+				break
+			}
+			if pr.exited() {
+				return rr, fmt.Errorf("relay exited: %v (log %s)", pr.err, pr.log)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	} else {
+		rr.Rows = int(rate * (readBackBefore + outage).Seconds())
+		l := b.newLoad(p, rr.Rows, rate)
+		p.idBase += rr.Rows
+		go func() { _, err := l.run(ctx); loadDone <- err }()
+		time.Sleep(readBackBefore)
+	}
 	if pr.exited() {
 		return rr, fmt.Errorf("relay exited: %v (log %s)", pr.err, pr.log)
 	}
+	killed := time.Now()
 	_ = pr.cmd.Process.Kill() // kill -9: a tail of acked rows is not confirmed to the slot
 	<-pr.done
 	if err := b.s.waitSlotInactive(ctx, p.db, slotName, 30*time.Second); err != nil {
@@ -153,6 +200,7 @@ func (b *bench) readBackRound(ctx context.Context, p *path, rate float64, outage
 	if err := <-loadDone; err != nil {
 		return rr, err
 	}
+	time.Sleep(outage - time.Since(killed)) // under load, the load's end is the outage's
 	n1, err := b.s.streamMsgs(ctx, p.stream)
 	if err != nil {
 		return rr, err
@@ -279,14 +327,18 @@ func renderReadBack(r *ReadBackResult) string {
 	var sb strings.Builder
 	fmt.Fprintf(&sb, "\nread-back at restart (G18): kill -9 after %.0f s under %.0f rows/s, load going on through the outage, restart; stream duplicate window %.0f s\n\n",
 		r.BeforeKillSeconds, r.Rate, r.DupWindowSeconds)
-	sb.WriteString("| read-back | outage s | rows | stored at restart | read-back s | headers read | found stored (settled, not sent) | published again, dropped as duplicate | stored twice | restart to drained s | drain msg/s | msg/s after the read-back | load avg |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
+	sb.WriteString("| load | read-back | outage s | rows | stored at restart | read-back s | headers read | found stored (settled, not sent) | published again, dropped as duplicate | stored twice | restart to drained s | drain msg/s | msg/s after the read-back | load avg |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
 	for _, x := range r.Rounds {
 		mode := "on"
 		if !x.ReadBack {
 			mode = "off (--readback-limit 0)"
 		}
-		fmt.Fprintf(&sb, "| %s | %.0f | %d | %d | %.3f | %.0f | %.0f | %.0f | %d | %.2f | %.0f | %.0f | %s |\n",
-			mode, x.OutageSeconds, x.Rows, x.StoredAtKill, x.ReadBackSeconds, x.ReadBackMessages, x.Found, x.PublishedDup, x.StoredTwice, x.DrainSeconds, x.DrainMsgsPerSec, x.AfterReadBackMsgsPerSec, x.LoadAvg)
+		load := fmt.Sprintf("%.0f rows/s", r.Rate)
+		if x.Backlog {
+			load = "backlog, killed half way"
+		}
+		fmt.Fprintf(&sb, "| %s | %s | %.0f | %d | %d | %.3f | %.0f | %.0f | %.0f | %d | %.2f | %.0f | %.0f | %s |\n",
+			load, mode, x.OutageSeconds, x.Rows, x.StoredAtKill, x.ReadBackSeconds, x.ReadBackMessages, x.Found, x.PublishedDup, x.StoredTwice, x.DrainSeconds, x.DrainMsgsPerSec, x.AfterReadBackMsgsPerSec, x.LoadAvg)
 	}
 	return sb.String()
 }
