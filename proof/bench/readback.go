@@ -52,7 +52,7 @@ type ReadBackRound struct {
 	ReadBackSeconds  float64 `json:"readback_seconds"`
 	ReadBackMessages float64 `json:"readback_messages"`
 	Found            float64 `json:"readback_found"`      // replayed rows settled from the stream, not published
-	PublishedOK      float64 `json:"published_ok"`        // new messages stored
+	PublishedOK      float64 `json:"published_ok"`        // rows settled as ok: new messages stored and the rows found stored
 	PublishedDup     float64 `json:"published_duplicate"` // repeats the duplicate window dropped
 	// StoredTwice is the stream's messages beyond the rows: repeats stored.
 	StoredTwice int `json:"stored_twice"`
