@@ -163,7 +163,11 @@ func (b *bench) readBackRound(ctx context.Context, p *path, rate float64, outage
 	if err != nil {
 		return rr, err
 	}
-	defer func() { _ = pr.cmd.Process.Kill() }()
+	defer func() {
+		if pr != nil {
+			_ = pr.cmd.Process.Kill() // the error paths; a stopped relay is gone already
+		}
+	}()
 	if _, err := b.s.walsenderPID(ctx, p.db, slotName, 60*time.Second); err != nil {
 		return rr, err
 	}
