@@ -212,7 +212,9 @@ chaos-failover: setup pg-versions
 
 ## bench: the end-to-end benchmark (proof/bench): ceilings, CDC and poller
 ## paths, the naive polling publisher, idle cost, one slot's decode ceiling
-## (decode) and restarts (restart); flags via BENCH_FLAGS. Production scale,
+## (decode), restarts (restart) and the read-back after a kill -9 (readback:
+## G18's cost and rows stored twice without it, about 100 s); flags via
+## BENCH_FLAGS. Production scale,
 ## only when named: BENCH_FLAGS='-cases bigtx,bigtable,restart' (a 10M-row
 ## transaction with and without --standby-slot, a 20M-row table: G15, G16);
 ## BENCH_FLAGS='-cases soak' is issue 23's retention soak (an hour per

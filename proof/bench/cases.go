@@ -50,7 +50,7 @@ type path struct {
 
 func caseKind(k string) string {
 	switch k {
-	case CDCBacklog, CDCLive, Decode:
+	case CDCBacklog, CDCLive, Decode, ReadBack:
 		return "cdc"
 	case PollerBacklog, PollerLive:
 		return "poller"

@@ -36,7 +36,7 @@ const (
 )
 
 // AllCases is the default -cases.
-var AllCases = []string{CeilingPG, CeilingJS, CDCBacklog, CDCLive, PollBacklog, PollLive, PollerBacklog, PollerLive, Idle, Decode, Restart}
+var AllCases = []string{CeilingPG, CeilingJS, CDCBacklog, CDCLive, PollBacklog, PollLive, PollerBacklog, PollerLive, Idle, Decode, Restart, ReadBack}
 
 // Config is the workload and what to run.
 type Config struct {
@@ -92,6 +92,7 @@ type Report struct {
 	Medians  []Result          `json:"medians"`
 	Idle     *IdleResult       `json:"idle,omitempty"`
 	Restart  *RestartResult    `json:"restart,omitempty"`
+	ReadBack *ReadBackResult   `json:"readback,omitempty"`
 	Profile  *Result           `json:"profiled_in_process,omitempty"`
 	Warnings []string          `json:"warnings,omitempty"`
 	BigTable *bigtable.Result  `json:"bigtable,omitempty"`
@@ -224,6 +225,14 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 		rep.Restart = &rr
 	}
+	if want(ReadBack) {
+		cfg.logf("readback: kill -9 under load, restart after %v, with the read-back on and off", readBackOutages)
+		rr, err := b.readBack(ctx)
+		if err != nil {
+			return fmt.Errorf("readback: %w", err)
+		}
+		rep.ReadBack = &rr
+	}
 	if cfg.CPUProfile != "" {
 		cfg.logf("profiling an in-process %s into %s", cfg.ProfileCase, cfg.CPUProfile)
 		profile := b.profiledBacklog
@@ -241,6 +250,9 @@ func Run(ctx context.Context, cfg Config) error {
 	fmt.Fprint(cfg.Out, Render(rep))
 	if rep.Restart != nil {
 		fmt.Fprint(cfg.Out, renderRestart(rep.Restart))
+	}
+	if rep.ReadBack != nil {
+		fmt.Fprint(cfg.Out, renderReadBack(rep.ReadBack))
 	}
 	if cfg.JSONPath != "" {
 		data, err := json.MarshalIndent(rep, "", "  ")
