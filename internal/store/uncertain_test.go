@@ -5,6 +5,8 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/outbox-relay/outbox-relay/internal/store"
 )
 
@@ -64,19 +66,12 @@ func TestSettleFoundFollowsTheDeletePolicy(t *testing.T) {
 	if !slices.Equal(done, []string{"due"}) {
 		t.Fatalf("settled %v, want [due]", done)
 	}
-	var left []string
 	rows, err := pool.Query(ctx, `SELECT work_id FROM outbox ORDER BY work_id`)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for rows.Next() {
-		var id string
-		if err := rows.Scan(&id); err != nil {
-			t.Fatal(err)
-		}
-		left = append(left, id)
-	}
-	if err := rows.Err(); err != nil {
+	left, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
 		t.Fatal(err)
 	}
 	if !slices.Equal(left, []string{"reclaimed"}) {
