@@ -13,8 +13,8 @@ import (
 // republish command reads it to look its message up in the stream and
 // publish it again when the broker lost it (G19).
 type PublishedRow struct {
-	Claimed            // what the message is built from (Attempts and ClaimGeneration as the row has them)
-	State     string   // published, or ready (covered by the watermark)
+	Claimed          // what the message is built from (Attempts and ClaimGeneration as the row has them)
+	State     string // published, or ready (covered by the watermark)
 	CreatedAt time.Time
 	// Stream and Seq: where the broker acknowledged it (state published;
 	// empty for a ready row, of which nothing per row is kept).
