@@ -200,3 +200,36 @@ func cutTail(t *testing.T, dir string, keep float64) {
 		}
 	}
 }
+
+// --force republishes the rows the lookup did not reach: the one missing
+// is stored, and one the stream does hold is stored a second time past
+// the duplicate window, as the warning says. Without it neither is.
+func TestRepublishForcePublishesNotChecked(t *testing.T) {
+	url, pool := migrated(t)
+	env := testenv.Shared(t)
+	stream, prefix := env.StreamName(t)
+	js := createStream(t, env.NATS.URL(), stream, prefix, time.Second)
+	ctx := context.Background()
+	mustExec(t, pool, `INSERT INTO outbox (work_id, kind, payload) VALUES ('f-1', 'k', '{}'), ('f-2', 'k', '{}'), ('f-3', 'k', '{}')`)
+	for _, id := range []string{"f-1", "f-2"} {
+		m := nats.NewMsg(prefix + "k")
+		m.Header.Set(jetstream.MsgIDHeader, id)
+		m.Data = []byte(`{}`)
+		if _, err := js.PublishMsg(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mustExec(t, pool, `INSERT INTO outbox_slots (slot_name) VALUES ('outbox_relay')`)
+	mustExec(t, pool, `UPDATE outbox_slots SET watermark_snapshot = pg_current_snapshot(), watermark_lsn = pg_current_wal_insert_lsn(), watermark_system_identifier = (SELECT system_identifier FROM pg_control_system()), watermark_timeline = (SELECT timeline_id FROM pg_control_checkpoint()), watermark_at = clock_timestamp()`)
+	time.Sleep(1500 * time.Millisecond)
+	args := []string{"republish", "--database-url", url, "--nats-url", env.NATS.URL(), "--stream", stream, "--subject-prefix", prefix, "--on-publish", "none", "--since", "1h", "--lookup-limit", "1"}
+	code, out, _ := run(t, args...)
+	if got := streamIDs(t, js, stream); code == 0 || !strings.Contains(out, "checked 1, found stored 1, republished 0, not checked 2") || got["f-2"] != 1 || got["f-3"] != 0 {
+		t.Errorf("without --force: exit %d, stream %v, stdout %q", code, got, out)
+	}
+	code, out, errOut := run(t, append(args, "--force")...)
+	if got := streamIDs(t, js, stream); code != 0 || !strings.Contains(errOut, "the broker's duplicate window is the only guard") ||
+		!strings.Contains(out, "republished 2 rows: f-2, f-3") || got["f-1"] != 1 || got["f-2"] != 2 || got["f-3"] != 1 {
+		t.Errorf("--force: exit %d, stream %v, stdout %q, stderr %q", code, got, out, errOut)
+	}
+}
