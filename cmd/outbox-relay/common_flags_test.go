@@ -20,15 +20,16 @@ import (
 // Stated here rather than derived from the commands, so that a command that
 // starts or stops reading one changes this test too.
 var ignoredBy = map[string][]string{
-	"migrate": {"nats-url", "slot", "stream", "subject-prefix", "log-level", "log-format"},
-	"run":     nil,
-	"status":  {"publication", "subject-prefix", "on-publish", "log-level", "log-format"},
-	"redrive": {"slot", "publication", "on-publish", "log-level", "log-format"},
-	"cancel":  {"nats-url", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"},
-	"prune":   {"nats-url", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"},
-	"version": {"database-url", "nats-url", "table", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"},
-	"demo":    nil,
-	"console": {"nats-url", "publication", "stream", "subject-prefix", "on-publish"},
+	"migrate":   {"nats-url", "slot", "stream", "subject-prefix", "log-level", "log-format"},
+	"run":       nil,
+	"status":    {"publication", "subject-prefix", "on-publish", "log-level", "log-format"},
+	"redrive":   {"slot", "publication", "on-publish", "log-level", "log-format"},
+	"republish": {"slot", "publication", "log-level", "log-format"},
+	"cancel":    {"nats-url", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"},
+	"prune":     {"nats-url", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"},
+	"version":   {"database-url", "nats-url", "table", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"},
+	"demo":      nil,
+	"console":   {"nats-url", "publication", "stream", "subject-prefix", "on-publish"},
 }
 
 var allCommonFlags = []string{"database-url", "nats-url", "table", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"}

@@ -27,6 +27,7 @@ func commands() []command {
 		{"run", "stream outbox rows from the replication slot to JetStream", runRun},
 		{"status", "print slot lag, rows by state, oldest eligible age and failures", runStatus},
 		{"redrive", "move failed or cancelled rows back to scheduled, keeping work_id and payload", runRedrive},
+		{"republish", "publish again the published rows whose messages the broker lost (G19), looked up in the stream first", runRepublish},
 		{"cancel", "stop scheduled or failed rows (cancelled), with who and why", runCancel},
 		{"console", "serve the operator console (health, dead letters, redrive, cancel) without streaming", runConsole},
 		{"prune", "delete published (and cancelled) rows older than an age, in batches", runPrune},

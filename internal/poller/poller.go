@@ -497,12 +497,20 @@ func (p *Poller) process(ctx context.Context, claimed []store.Claimed) error {
 // message builds c's message; extra is a scratch map for the poller's
 // headers, reused across a batch (BuildMessage copies its values).
 func (p *Poller) message(c store.Claimed, extra map[string]string) (*wire.Message, error) {
+	return Message(c, p.cfg.SubjectPrefix, extra)
+}
+
+// Message builds the poller path's message of c (its attempt and claim
+// generation as headers), for the poller and for the republish command,
+// which publishes a row the broker lost in the same format. extra is a
+// scratch map, overwritten.
+func Message(c store.Claimed, subjectPrefix string, extra map[string]string) (*wire.Message, error) {
 	extra[wire.HeaderAttempt] = strconv.Itoa(c.Attempts)
 	extra[wire.HeaderClaimGeneration] = strconv.FormatInt(c.ClaimGeneration, 10)
 	return wire.BuildMessage(wire.Row{
 		WorkID: c.WorkID, Kind: c.Kind, Subject: c.Subject, Payload: c.Payload, Headers: c.Headers,
 		AggregateType: c.AggregateType, AggregateID: c.AggregateID, AggregateSeq: c.AggregateSeq, ExpiresAt: c.ExpiresAt,
-	}, p.cfg.SubjectPrefix, extra)
+	}, subjectPrefix, extra)
 }
 
 // acked counts an ack and returns the completion it calls for.

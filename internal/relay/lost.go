@@ -27,8 +27,9 @@ import (
 // Under none and delete nothing per row is kept; the relay compares the
 // stream's last sequence with the highest it saw acknowledged in this
 // process and reports a shortfall (log at error, the metric), without
-// republishing: the rows to publish again are not known from the table
-// (docs/guarantees-broker.md says how the operator republishes).
+// republishing: the rows to publish again are not known from the table.
+// Under none the log names the republish command, which finds them by
+// looking the published rows up in the stream; under delete they are gone.
 
 // lostLookback bounds the check at a session start that has seen no
 // acknowledgement above the stream's end (a process just started: a
@@ -45,6 +46,11 @@ const lostLookback = 30 * time.Minute
 // DefaultLostCheckInterval is how often a running session checks the
 // stream for lost messages between session starts.
 const DefaultLostCheckInterval = time.Minute
+
+// lostSinceMargin is taken off the process's start in the republish
+// command the error log names under none: the database's clock dates the
+// rows, this process's clock the start.
+const lostSinceMargin = 5 * time.Minute
 
 // lostCheckTimeout bounds one check: a broker too slow to answer is
 // checked again at the next interval.
@@ -74,10 +80,23 @@ func (r *Relay) checkLost(ctx context.Context, full bool) {
 		if seen > state.LastSeq {
 			lost := seen - state.LastSeq
 			r.metrics.BrokerLost.Add(float64(lost))
-			r.log.Error().Str("stream", state.Stream).Uint64("from_seq", state.LastSeq+1).Uint64("to_seq", seen).Uint64("messages", lost).
-				Msg("the broker lost messages it had acknowledged: the stream ends below sequences it acknowledged to this relay; " +
-					"under --on-publish " + string(r.store.Policy()) + " the rows are not known from the table and are not published again: " +
-					"republish the range as docs/guarantees-broker.md says")
+			ev := r.log.Error().Str("stream", state.Stream).Uint64("from_seq", state.LastSeq+1).Uint64("to_seq", seen).Uint64("messages", lost)
+			if r.store.Policy() == store.PolicyNone {
+				// The messages lost are the newest the broker acknowledged
+				// and had not synced; this process acknowledged them all, so
+				// none of their rows was created before it started (less a
+				// margin for the clocks). A row created earlier and published
+				// after the loss point (a backlog) is missed by this bound:
+				// docs/runbook.md says how to widen it.
+				since := r.started.Add(-lostSinceMargin).UTC().Format(time.RFC3339)
+				ev.Str("command", "outbox-relay republish --on-publish none --since "+since).
+					Msg("the broker lost messages it had acknowledged: the stream ends below sequences it acknowledged to this relay; " +
+						"under --on-publish none the relay does not publish them again itself: run the command logged here (with this relay's --database-url, --nats-url, --table, --stream, --subject-prefix), " +
+						"which looks the rows created since then up in the stream and publishes again those it does not hold (docs/runbook.md, \"The broker lost messages\")")
+			} else {
+				ev.Msg("the broker lost messages it had acknowledged: the stream ends below sequences it acknowledged to this relay; " +
+					"under --on-publish delete the rows were deleted once acknowledged and cannot be published again from the table: republish them from their source (docs/runbook.md, \"The broker lost messages\")")
+			}
 			r.acked.lower(state.Stream, state.LastSeq)
 		}
 		return

@@ -116,7 +116,7 @@ func TestBrokerLostTailReportedUnderNone(t *testing.T) {
 	if left == 0 || left >= uint64(len(ids)) {
 		t.Fatalf("the cut left %d of %d messages: the test proves nothing", left, len(ids))
 	}
-	want := fmt.Sprintf(`"from_seq":%d,"to_seq":%d,"messages":%d`, left+1, len(ids), uint64(len(ids))-left)
+	want := fmt.Sprintf(`"from_seq":%d,"to_seq":%d,"messages":%d,"command":"outbox-relay republish --on-publish none --since `, left+1, len(ids), uint64(len(ids))-left)
 	testenv.WaitFor(t, 10*time.Second, "the loss reported", func() (bool, error) {
 		return strings.Contains(logs.String(), want), fmt.Errorf("no log with %s", want)
 	})

@@ -223,6 +223,9 @@ type Relay struct {
 	acked ackedSeqs
 	// lostNow asks the session's lost check to run at once (a reconnect).
 	lostNow chan struct{}
+	// started is when this relay was made: the republish command its lost
+	// check names under none reads the rows created since about then.
+	started time.Time
 	// repeats summarises duplicate acks in the log (a replay can bring
 	// thousands).
 	repeats *repeats.Log
@@ -260,7 +263,7 @@ type Relay struct {
 func New(cfg Config, pool *pgxpool.Pool, st *store.Store, sink sinks.Sink, log zerolog.Logger, m *metrics.Metrics) *Relay {
 	cfg.setDefaults()
 	r := &Relay{
-		cfg: cfg, pool: pool, sink: sink, metrics: m, lostNow: make(chan struct{}, 1),
+		cfg: cfg, pool: pool, sink: sink, metrics: m, lostNow: make(chan struct{}, 1), started: time.Now(),
 		store: st,
 		log:   log.With().Str("component", "cdc").Str("slot", cfg.Slot).Logger(),
 		sleep: retry.Sleep,
