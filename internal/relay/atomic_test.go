@@ -186,3 +186,40 @@ func TestAtomicReplayOfStoredTransactionSettles(t *testing.T) {
 		return past, err
 	})
 }
+
+// G20 with G14: --atomic-transactions behind --standby-slot. A standby
+// that is behind (a physical slot nobody advances) holds each transaction
+// back whole, and once it flushed them each goes as one batch: the rows of
+// a transaction at consecutive stream sequences, every row once. (Without
+// the standby slot the held rows are published within the window and the
+// test fails there.)
+func TestAtomicTransactionsWaitForTheStandby(t *testing.T) {
+	h := newHarness(t, sharedSetup(t))
+	h.exec(`SELECT pg_create_physical_replication_slot('standby_atomic', true)`)
+	t.Cleanup(func() {
+		_, _ = h.pool.Exec(context.Background(), `SELECT pg_drop_replication_slot('standby_atomic')`)
+	})
+	h.opts.StandbySlots = []string{"standby_atomic"}
+	startAtomic(t, h)
+	warm := h.insertRows("sbwarm", 1, 1)
+	h.walSent()
+	latency := h.releaseLatency("standby_atomic", 1)
+	window := max(5*latency, time.Second)
+
+	const txs, perTx = 3, 4
+	held := h.insertRows("sbheld", txs*perTx, perTx)
+	h.walSent()
+	h.gatedFor(window, 1)
+	h.releaseLatency("standby_atomic", 1+txs*perTx)
+	h.assertExactlyOnce(append(warm, held...))
+	seqs := rowSeqs(t, h, "sbheld-%")
+	for tx := 0; tx < txs; tx++ {
+		first := seqs[fmt.Sprintf("sbheld-%d", tx*perTx)]
+		for j := 1; j < perTx; j++ {
+			id := fmt.Sprintf("sbheld-%d", tx*perTx+j)
+			if seqs[id] != first+uint64(j) {
+				t.Errorf("transaction %d: %s at sequence %d, want %d (its transaction's rows consecutive from %d): %v", tx, id, seqs[id], first+uint64(j), first, seqs)
+			}
+		}
+	}
+}
