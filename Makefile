@@ -172,14 +172,16 @@ test-proof-pg17: setup pg-versions
 
 ## chaos: the long chaos run (proof/chaos): the relay under seeded random
 ## faults (SIGKILL, broker kill, PostgreSQL restarts, terminated backends,
-## network cuts, partitions and latency, standby takeover) against real
+## network cuts, partitions and latency, standby takeover, the broker losing
+## its stream's acknowledged tail (nats-lose-tail, G19), a relay outage longer
+## than the stream's 2 s duplicate window (relay-kill-long, G18)) against real
 ## servers; prints one table and fails on loss, phantoms, duplicates or a G3
 ## violation. Flags via CHAOS_FLAGS, e.g. CHAOS_FLAGS='-duration 1h -seed 42 -json chaos.json'.
 CHAOS_FLAGS ?= -duration 30m
 chaos: setup
 	cd proof && $(GO) run ./cmd/outbox-chaos $(CHAOS_FLAGS)
 
-## chaos-short: about 90 seconds of the same (one round of the schedule: every fault kind once; a kind that was not injected or never bit fails the run); part of `make test`.
+## chaos-short: about 90 seconds of the same (one round of the schedule: every fault kind once; a kind that was not injected or never bit fails the run, except one the configuration cannot run, skipped with its reason: nats-lose-tail under --on-publish none); part of `make test`.
 chaos-short: setup
 	@start=$$(date +%s); \
 	if cd proof && $(GO) run ./cmd/outbox-chaos -duration 75s -max-gap 2s $(CHAOS_SHORT_FLAGS); then \
@@ -190,7 +192,8 @@ chaos-short: setup
 
 ## chaos-short-17: chaos-short on PostgreSQL 17, for 60 s, with --on-publish
 ## none (each observation also checks that every row the watermark covers is
-## in the stream, G17); part of `make test`.
+## in the stream, G17); nats-lose-tail is skipped there (under none the relay
+## reports a lost tail and does not republish it); part of `make test`.
 chaos-short-17: setup pg-versions
 	@$(MAKE) --no-print-directory chaos-short CHAOS_SHORT_FLAGS='-pg-version 17 -duration 60s -on-publish none'
 

@@ -300,3 +300,70 @@ func (n *NATS) PID() int {
 	defer n.mu.Unlock()
 	return n.proc.pid()
 }
+
+// TailCut is what CutStreamTail did to a stream's store.
+type TailCut struct {
+	Block        string // the message block cut
+	Before, Kept int64  // its size before and after, in bytes
+	Removed      []string
+}
+
+// CutStreamTail simulates a broker that loses acknowledged writes it had
+// not synced (G19): it truncates the newest message block of stream in the
+// store to keep (0..1) of its size and removes every other file beside the
+// blocks (the stream's index.db and per-block index and state files, which
+// would otherwise restore the stream's state past the cut). The server must
+// be stopped; Start then recovers the stream from what the blocks hold.
+func (n *NATS) CutStreamTail(stream string, keep float64) (TailCut, error) {
+	n.mu.Lock()
+	running := n.proc != nil && !n.proc.exited()
+	n.mu.Unlock()
+	if running {
+		return TailCut{}, fmt.Errorf("cut stream %s: nats-server is running", stream)
+	}
+	return CutStreamTail(filepath.Join(n.storeDir, "jetstream", "$G", "streams", stream), keep)
+}
+
+// CutStreamTail is NATS.CutStreamTail on a stream's store directory
+// (<store>/jetstream/<account>/streams/<name>).
+func CutStreamTail(dir string, keep float64) (TailCut, error) {
+	var cut TailCut
+	if keep < 0 || keep >= 1 {
+		return cut, fmt.Errorf("cut stream tail in %s: keep %v: want 0 <= keep < 1", dir, keep)
+	}
+	msgs := filepath.Join(dir, "msgs")
+	entries, err := os.ReadDir(msgs)
+	if err != nil {
+		return cut, fmt.Errorf("cut stream tail: read %s: %w", msgs, err)
+	}
+	// Blocks are named <index>.blk; the newest has the highest index,
+	// which a name sort gets wrong past 9.
+	newest := -1
+	for _, e := range entries {
+		var i int
+		if _, err := fmt.Sscanf(e.Name(), "%d.blk", &i); err == nil && filepath.Ext(e.Name()) == ".blk" && i > newest {
+			newest, cut.Block = i, filepath.Join(msgs, e.Name())
+		}
+	}
+	if newest < 0 {
+		return cut, fmt.Errorf("cut stream tail: no message blocks in %s", msgs)
+	}
+	fi, err := os.Stat(cut.Block)
+	if err != nil {
+		return cut, fmt.Errorf("cut stream tail: %w", err)
+	}
+	cut.Before, cut.Kept = fi.Size(), int64(float64(fi.Size())*keep)
+	if err := os.Truncate(cut.Block, cut.Kept); err != nil {
+		return cut, fmt.Errorf("cut stream tail: truncate %s: %w", cut.Block, err)
+	}
+	for _, e := range entries {
+		if filepath.Ext(e.Name()) == ".blk" {
+			continue
+		}
+		if err := os.RemoveAll(filepath.Join(msgs, e.Name())); err != nil {
+			return cut, fmt.Errorf("cut stream tail: remove %s: %w", e.Name(), err)
+		}
+		cut.Removed = append(cut.Removed, e.Name())
+	}
+	return cut, nil
+}

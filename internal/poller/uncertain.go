@@ -24,6 +24,15 @@ const LookupSkew = 5 * time.Second
 // became due at most the backoff's cap after it was rescheduled, which was
 // at most a lease after the attempt.
 func (p *Poller) uncertainSince(c store.Claimed) (time.Time, bool) {
+	if strings.HasPrefix(c.LastError, store.LostNotePrefix) {
+		// Handed back because the broker lost it (G19): the session start
+		// that found the loss replays the slot from its confirmed position,
+		// which can lie before the row, and the CDC path publishes what it
+		// replays whatever the row's state. Past the duplicate window a
+		// republish would store it twice; look from the hand-back on (the
+		// check runs before that session's first publish).
+		return c.AvailableAt.Add(-LookupSkew), true
+	}
 	if !strings.HasPrefix(c.LastError, "uncertain") {
 		return time.Time{}, false
 	}

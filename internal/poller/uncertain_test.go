@@ -76,3 +76,52 @@ func TestPollerResolvesUncertainFromStream(t *testing.T) {
 		t.Errorf("not_found %v, want 1", got)
 	}
 }
+
+// G19 with G18: a row handed back because the broker lost it is looked up
+// before the poller publishes it again. The replay of the session start
+// that found the loss may have stored it already (the CDC path publishes
+// what it replays whatever the row's state); past a duplicate window of
+// 1 s a republish would store it twice (the chaos run's nats-lose-tail
+// found 781 such repeats with a 2 s window).
+func TestPollerLooksUpRowsHandedBackAsLost(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	st, err := f.js.Stream(ctx, f.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := st.CachedInfo().Config
+	cfg.Duplicates = time.Second
+	if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.pool.Exec(ctx, `INSERT INTO outbox (work_id, kind, payload, state, attempts, last_error, available_at) VALUES
+		('replayed', 'k', '{}', 'scheduled', 0, 'lost: broker acknowledged seq 9 in stream X but the stream ends at 4', clock_timestamp()),
+		('notreplayed', 'k', '{}', 'scheduled', 0, 'lost: broker acknowledged seq 10 in stream X but the stream ends at 4', clock_timestamp())`); err != nil {
+		t.Fatal(err)
+	}
+	// The CDC replay's copy, stored after the hand-back.
+	m := nats.NewMsg(f.prefix + "k")
+	m.Header.Set(jetstream.MsgIDHeader, "replayed")
+	m.Data = []byte(`{}`)
+	ack, err := f.js.PublishMsg(ctx, m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(1500 * time.Millisecond) // past the duplicate window
+	p, met := f.poller("w1", poller.Config{}.WithDefaults())
+	pollOnce(t, p)
+
+	if n := streamMsgs(t, f.js, f.stream); n != 2 {
+		t.Errorf("stream holds %d messages, want 2 (replayed once, notreplayed published once)", n)
+	}
+	if r := f.row("replayed"); r.state != "published" || uint64(r.streamSeq) != ack.Sequence || !strings.HasPrefix(r.lastError, "found:") {
+		t.Errorf("replayed: %+v, want published at the found sequence %d with a found note", r, ack.Sequence)
+	}
+	if r := f.row("notreplayed"); r.state != "published" || r.streamSeq != 2 {
+		t.Errorf("notreplayed: %+v, want published at sequence 2", r)
+	}
+	if got := counter(t, met.UncertainResolved.WithLabelValues("found")); got != 1 {
+		t.Errorf("found %v, want 1", got)
+	}
+}

@@ -2,8 +2,6 @@ package relay_test
 
 import (
 	"fmt"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -38,7 +36,7 @@ func TestBrokerLostTailRepublished(t *testing.T) {
 	if err := n.Stop(); err != nil {
 		t.Fatal(err)
 	}
-	cutStreamTail(t, filepath.Join(n.StoreDir(), "jetstream", "$G", "streams", "LOSTTAIL"), 0.6)
+	cutStreamTail(t, n, "LOSTTAIL", 0.6)
 	if err := n.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -58,33 +56,16 @@ func TestBrokerLostTailRepublished(t *testing.T) {
 	}
 }
 
-// cutStreamTail truncates the newest message block of the stream stored in
-// dir to keep of its size and removes what would restore the stream's
-// state past it (the index and per-block index files).
-func cutStreamTail(t *testing.T, dir string, keep float64) {
+// cutStreamTail cuts the newest message block of the stopped server's
+// stream to keep of its size (devenv.NATS.CutStreamTail, which the chaos
+// run's nats-lose-tail uses too).
+func cutStreamTail(t *testing.T, n *testenv.NATS, stream string, keep float64) {
 	t.Helper()
-	msgs := filepath.Join(dir, "msgs")
-	blks, err := filepath.Glob(filepath.Join(msgs, "*.blk"))
-	if err != nil || len(blks) == 0 {
-		t.Fatalf("no message blocks in %s: %v", msgs, err)
-	}
-	newest := blks[len(blks)-1]
-	fi, err := os.Stat(newest)
+	cut, err := n.CutStreamTail(stream, keep)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Truncate(newest, int64(float64(fi.Size())*keep)); err != nil {
-		t.Fatal(err)
-	}
-	entries, _ := os.ReadDir(msgs)
-	for _, e := range entries {
-		if !strings.HasSuffix(e.Name(), ".blk") {
-			if err := os.Remove(filepath.Join(msgs, e.Name())); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
-	t.Logf("cut %s from %d to %d bytes", newest, fi.Size(), int64(float64(fi.Size())*keep))
+	t.Logf("cut %s from %d to %d bytes, removed %v", cut.Block, cut.Before, cut.Kept, cut.Removed)
 }
 
 // Under none the relay keeps no sequence per row: the loss is detected
@@ -108,7 +89,7 @@ func TestBrokerLostTailReportedUnderNone(t *testing.T) {
 	if err := n.Stop(); err != nil {
 		t.Fatal(err)
 	}
-	cutStreamTail(t, filepath.Join(n.StoreDir(), "jetstream", "$G", "streams", "LOSTNONE"), 0.6)
+	cutStreamTail(t, n, "LOSTNONE", 0.6)
 	if err := n.Start(); err != nil {
 		t.Fatal(err)
 	}

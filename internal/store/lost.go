@@ -13,6 +13,10 @@ type LostRange struct {
 	From, To uint64
 }
 
+// LostNotePrefix begins the last_error of a row RequeueLost handed back:
+// the poller looks such a row up in the stream before it publishes it.
+const LostNotePrefix = "lost:"
+
 // RequeueLost hands back to the poller the rows recorded as published
 // into stream at a sequence past last, the stream's last sequence now
 // (G19): the broker acknowledged them and then lost them (its store came

@@ -485,3 +485,82 @@ func TestFailoverIsOptIn(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// nats-lose-tail: the ledger forgets the messages above the stream's new
+// end, so a row lost with them counts lost until it is stored again, a
+// repeat below the cut keeps its row stored, and the sequences handed out
+// again are read as new messages.
+func TestLedgerLoseTail(t *testing.T) {
+	l := NewLedger()
+	l.AddWitness([]WitnessRow{{"w-0-1", lsn("0/100")}, {"w-0-2", lsn("0/100")}, {"w-0-3", lsn("0/200")}})
+	l.AddMsg("w-0-1", 1)
+	l.AddMsg("w-0-2", 2)
+	l.AddMsg("w-0-1", 3) // a repeat, cut away with w-0-3
+	l.AddMsg("w-0-3", 4)
+	gone := l.LoseTail(2)
+	if !slices.Equal(gone, []string{"w-0-3"}) || l.LastSeq() != 2 || !l.Stored("w-0-1") || l.Stored("w-0-3") {
+		t.Fatalf("after the cut: gone %v, last seq %d, w-0-1 stored %v, w-0-3 stored %v", gone, l.LastSeq(), l.Stored("w-0-1"), l.Stored("w-0-3"))
+	}
+	if f := l.Figures(nil); f.Lost != 1 || f.StoredDuplicates != 0 || f.StreamMsgs != 2 {
+		t.Fatalf("before the republish: %+v", f)
+	}
+	l.AddMsg("w-0-3", 3) // the relay's republish, at a sequence handed out again
+	if f := l.Figures(nil); f.Lost != 0 || f.StoredDuplicates != 0 || f.StreamMsgs != 3 || f.StreamDistinct != 3 {
+		t.Fatalf("after the republish: %+v", f)
+	}
+	l.AddMsg("w-0-3", 4) // stored twice after all
+	if f := l.Figures(nil); f.StoredDuplicates != 1 {
+		t.Fatalf("a second copy: %+v", f)
+	}
+	// A cut of a repeat's first copy leaves the later one as the first.
+	l.AddMsg("w-0-2", 5)
+	l.LoseTail(1)
+	l.AddMsg("w-0-2", 2)
+	l.AddMsg("w-0-2", 3)
+	if f := l.Figures(nil); f.StoredDuplicates != 1 || f.Lost != 1 {
+		t.Fatalf("after a second cut: %+v", f)
+	}
+}
+
+// A kind this configuration cannot run (nats-lose-tail under none or on a
+// cluster) is skipped with its reason and does not fail the run; under
+// mark on one server it must bite like every other kind.
+func TestNotApplicableFaults(t *testing.T) {
+	for _, c := range []struct {
+		cfg Config
+		na  bool
+	}{
+		{Config{}, false},
+		{Config{OnPublish: "mark"}, false},
+		{Config{OnPublish: "none"}, true},
+		{Config{OnPublish: "delete"}, true},
+		{Config{Cluster: 3}, true},
+	} {
+		why := c.cfg.notApplicable(FaultNATSLoseTail)
+		if (why != "") != c.na {
+			t.Errorf("%+v: nats-lose-tail not applicable %q, want %v", c.cfg, why, c.na)
+		}
+		for _, k := range append(slices.Clone(AllFaults), FaultNATSNodeKill, FaultPGFailover) {
+			if k != FaultNATSLoseTail && c.cfg.notApplicable(k) != "" {
+				t.Errorf("%+v: %s not applicable", c.cfg, k)
+			}
+		}
+	}
+	r := &Report{Seed: 9}
+	r.G3Checks = 1
+	r.FaultsEnabled, r.Faults, r.FaultsBit = bitten(AllFaults, 1)
+	delete(r.Faults, FaultNATSLoseTail)
+	delete(r.FaultsBit, FaultNATSLoseTail)
+	if f := r.Failures(); len(f) != 1 || !strings.Contains(f[0], "fault nats-lose-tail injected 0 times") {
+		t.Fatalf("nats-lose-tail never injected under mark: failures %v", f)
+	}
+	why := (&Config{OnPublish: "none"}).notApplicable(FaultNATSLoseTail)
+	r.FaultsNotApplicable = map[string]string{FaultNATSLoseTail: why}
+	r.FaultsSkipped = map[string]int{FaultNATSLoseTail: 2}
+	if f := r.Failures(); len(f) != 0 {
+		t.Fatalf("nats-lose-tail not applicable: failures %v", f)
+	}
+	if tab := r.Table(); !strings.Contains(tab, "not applicable: --on-publish none") || strings.Contains(tab, "FAIL") {
+		t.Fatalf("table:\n%s", tab)
+	}
+}

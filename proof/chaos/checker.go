@@ -71,7 +71,8 @@ type Ledger struct {
 	known     map[string]bool
 	stream    map[string]*streamEntry
 	streamMsg int
-	lastSeq   uint64 // highest stream sequence added
+	lastSeq   uint64   // highest stream sequence added
+	bySeq     []seqMsg // every message added, in ascending sequence, for LoseTail
 
 	g3Pos        int          // rows[:g3Pos] were covered by an earlier check and verified
 	late         []WitnessRow // rows that arrived inside rows[:g3Pos], not verified yet
@@ -189,12 +190,19 @@ func (l *Ledger) Promote(held map[string]bool, at pglogrepl.LSN, acked []string)
 	return takenBack, joined
 }
 
-// AddMsg records one stored message.
+type seqMsg struct {
+	seq uint64
+	id  string
+}
+
+// AddMsg records one stored message. Messages come in ascending sequence
+// (the stream is read in order).
 func (l *Ledger) AddMsg(id string, seq uint64) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.streamMsg++
 	l.lastSeq = max(l.lastSeq, seq)
+	l.bySeq = append(l.bySeq, seqMsg{seq: seq, id: id})
 	e := l.stream[id]
 	if e == nil {
 		l.stream[id] = &streamEntry{firstSeq: seq, count: 1}
@@ -202,6 +210,50 @@ func (l *Ledger) AddMsg(id string, seq uint64) {
 	}
 	e.count++
 	e.firstSeq = min(e.firstSeq, seq)
+}
+
+// LoseTail forgets every message above seq: the broker lost them
+// (nats-lose-tail) and hands their sequences out again to new messages,
+// which the next read of the stream records. It returns the ids of the
+// forgotten messages that are no longer stored at all, the rows that must
+// be published again for nothing to be lost.
+func (l *Ledger) LoseTail(seq uint64) (gone []string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	i := sort.Search(len(l.bySeq), func(i int) bool { return l.bySeq[i].seq > seq })
+	for _, m := range l.bySeq[i:] {
+		l.streamMsg--
+		e := l.stream[m.id]
+		if e == nil {
+			continue
+		}
+		if e.count--; e.count == 0 {
+			delete(l.stream, m.id)
+			gone = append(gone, m.id)
+			continue
+		}
+		if e.firstSeq == m.seq {
+			// A repeat survives below the cut: its sequence is the first.
+			e.firstSeq = 0
+			for _, o := range l.bySeq[:i] {
+				if o.id == m.id {
+					e.firstSeq = o.seq
+					break
+				}
+			}
+		}
+	}
+	clear(l.bySeq[i:])
+	l.bySeq = l.bySeq[:i]
+	l.lastSeq = min(l.lastSeq, seq)
+	return gone
+}
+
+// Stored reports whether a message with id is in the stream as recorded.
+func (l *Ledger) Stored(id string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.stream[id] != nil
 }
 
 // LastSeq is the highest stream sequence recorded.

@@ -1,8 +1,12 @@
 package chaos
 
 import (
+	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
+	"os"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -40,6 +44,7 @@ func (r *runner) bit(kind string) {
 func (r *runner) skip(kind, why string) {
 	r.mu.Lock()
 	r.report.FaultsSkipped[kind]++
+	r.report.FaultsSkipReason[kind] = why
 	r.mu.Unlock()
 	r.logf("fault %s skipped: %s", kind, why)
 }
@@ -51,7 +56,20 @@ func (r *runner) skip(kind, why string) {
 func (r *runner) inject(ctx context.Context, kind string, n int) error {
 	hold := r.between(time.Second, r.cfg.MaxHold)
 	label := fmt.Sprintf("#%d %s", n, kind)
+	if why := r.cfg.notApplicable(kind); why != "" {
+		r.mu.Lock()
+		r.report.FaultsNotApplicable[kind] = why
+		r.mu.Unlock()
+		r.skip(kind, "not applicable: "+why)
+		return nil
+	}
 	switch kind {
+	case FaultNATSLoseTail:
+		return r.loseTail(ctx, kind, label)
+
+	case FaultRelayKillLong:
+		return r.killLong(ctx, kind, label)
+
 	case FaultRelayKill:
 		ri, pid, err := r.activeRelay(ctx)
 		if err != nil {
@@ -272,4 +290,187 @@ func (r *runner) takeoverFault(ctx context.Context, kind, label string) error {
 		}
 	}
 	return nil
+}
+
+// loseTailKeep is the share of the newest message block nats-lose-tail
+// keeps.
+const loseTailKeep = 0.6
+
+// loseTail is nats-lose-tail: JetStream losing writes it acknowledged and
+// had not synced (G19). The server stops, the newest block of the stream's
+// store is cut and its index files removed, and the server starts again on
+// the same port and store with a stream that ends below sequences it
+// acknowledged. The relay must find the rows recorded published past the
+// new end and publish them again; the checker forgets the lost messages
+// (their sequences are handed out again) so that only the republished
+// copies can count them stored.
+func (r *runner) loseTail(ctx context.Context, kind, label string) error {
+	before, err := r.streamLastSeq(ctx)
+	if err != nil {
+		return err
+	}
+	if before == 0 {
+		r.skip(kind, "the stream is empty")
+		return nil
+	}
+	// The checker holds every message up to before, so it knows which
+	// ones the cut takes away.
+	if err := r.catchUpStream(ctx, before); err != nil {
+		return err
+	}
+	if err := r.ns.Stop(); err != nil {
+		return err
+	}
+	r.count(kind)
+	cut, cutErr := r.ns.CutStreamTail(streamName, loseTailKeep)
+	if err := r.ns.Start(); err != nil {
+		return err
+	}
+	if cutErr != nil {
+		return cutErr
+	}
+	after, err := r.streamLastSeq(ctx)
+	if err != nil {
+		return err
+	}
+	var gone []string
+	r.streamMu.Lock()
+	if after < r.ledger.LastSeq() {
+		gone = r.ledger.LoseTail(after)
+	}
+	r.streamMu.Unlock()
+	bit := after < before
+	if bit {
+		r.bit(kind)
+	}
+	r.logf("fault %s: nats-server stopped, %s cut from %d to %d bytes (removed %v), started: stream last seq %d -> %d, %d stored rows lost (bit: %v)",
+		label, cut.Block, cut.Before, cut.Kept, cut.Removed, before, after, len(gone), bit)
+	if len(gone) == 0 {
+		return nil
+	}
+	// Until the relay hands the lost rows back, a G3 check would find them
+	// 'published' and missing: that is the broker's loss, which the relay
+	// repairs, not the relay's. The next faults wait for the repair.
+	t0 := time.Now()
+	limit := time.Minute
+	for {
+		last, err := r.streamLastSeq(ctx)
+		if err != nil {
+			return err
+		}
+		if err := r.catchUpStream(ctx, last); err != nil {
+			return err
+		}
+		missing := 0
+		for _, id := range gone {
+			if !r.ledger.Stored(id) {
+				missing++
+			}
+		}
+		if missing == 0 {
+			r.logf("fault %s: all %d lost rows stored again after %.2fs", label, len(gone), time.Since(t0).Seconds())
+			return nil
+		}
+		if time.Since(t0) > limit || ctx.Err() != nil {
+			// Not an error of the run: the end figures count them lost.
+			r.logf("fault %s: %d of %d lost rows still not stored again after %v", label, missing, len(gone), limit)
+			return nil
+		}
+		r.pause(ctx, 200*time.Millisecond)
+	}
+}
+
+// killLong is relay-kill-long: SIGKILL of the streaming relay under load,
+// which stays down for several duplicate windows before it starts again.
+// The replay then repeats rows the stream stored so long ago that the
+// broker no longer drops the repeats; the relay's read-back (G18) must
+// find them. It bites when the relay was down longer than the window and
+// its restart's read-back found replayed rows already stored.
+func (r *runner) killLong(ctx context.Context, kind, label string) error {
+	ri, pid, err := r.activeRelay(ctx)
+	if err != nil {
+		return err
+	}
+	if !ri.running() {
+		r.skip(kind, "relay not running")
+		return nil
+	}
+	w := r.cfg.DuplicateWindow
+	down := 3*w + r.between(0, w)
+	if err := ri.kill(); err != nil {
+		return err
+	}
+	t0 := time.Now()
+	r.count(kind)
+	r.logf("fault %s: SIGKILL relay %s (walsender %d), down for %v (duplicate window %v)", label, ri.name, pid, down, w)
+	if err := r.g3Check(ctx, label, pid); err != nil {
+		return err
+	}
+	r.pause(ctx, down-time.Since(t0))
+	offset := logSize(ri.logPath)
+	took := time.Since(t0)
+	if err := ri.start(); err != nil {
+		return err
+	}
+	rb, ok := waitReadBack(ctx, ri.logPath, offset, 30*time.Second)
+	bit := ok && took > w && rb.Stored > 0
+	if bit {
+		r.bit(kind)
+	}
+	r.logf("fault %s: relay %s started again after %.2fs down; its read-back (seen: %v) read %d messages and found %d replayed rows stored (bit: %v)",
+		label, ri.name, took.Seconds(), ok, rb.Read, rb.Stored, bit)
+	return nil
+}
+
+func logSize(path string) int64 {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return 0
+	}
+	return fi.Size()
+}
+
+// readBackLine is the relay's log line of a session start's read-back
+// (internal/relay/readback.go).
+type readBackLine struct {
+	Message string `json:"message"`
+	Read    int    `json:"read"`
+	Stored  int    `json:"stored"`
+}
+
+// waitReadBack waits for the first read-back line the relay logs after
+// offset in its log.
+func waitReadBack(ctx context.Context, path string, offset int64, timeout time.Duration) (readBackLine, bool) {
+	deadline := time.Now().Add(timeout)
+	for ctx.Err() == nil && time.Now().Before(deadline) {
+		if l, ok := findReadBack(path, offset); ok {
+			return l, true
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	return readBackLine{}, false
+}
+
+func findReadBack(path string, offset int64) (readBackLine, bool) {
+	f, err := os.Open(path)
+	if err != nil {
+		return readBackLine{}, false
+	}
+	defer f.Close()
+	if _, err := f.Seek(offset, 0); err != nil {
+		return readBackLine{}, false
+	}
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 64<<10), 4<<20)
+	for sc.Scan() {
+		line := sc.Bytes()
+		if !strings.Contains(string(line), "the stream back") {
+			continue
+		}
+		var l readBackLine
+		if json.Unmarshal(line, &l) == nil && strings.Contains(l.Message, "the stream back") {
+			return l, true
+		}
+	}
+	return readBackLine{}, false
 }

@@ -38,11 +38,17 @@ type Report struct {
 	FailoverFailures int            `json:"failover_failures,omitempty"`
 	Faults           map[string]int `json:"faults"`
 	FaultsSkipped    map[string]int `json:"faults_skipped,omitempty"`
-	RelayStarts      int            `json:"relay_starts"`
-	RelayExits       int            `json:"relay_unexpected_exits"`
-	RelayPanics      int            `json:"relay_panics_or_races"`
-	RelayPanicSample []string       `json:"relay_panic_sample,omitempty"`
-	WorkDir          string         `json:"work_dir,omitempty"`
+	// FaultsSkipReason is the reason of each kind's last skip;
+	// FaultsNotApplicable the kinds this run's configuration cannot run
+	// (Config.notApplicable), which do not fail it for never biting.
+	FaultsSkipReason    map[string]string `json:"faults_skip_reason,omitempty"`
+	FaultsNotApplicable map[string]string `json:"faults_not_applicable,omitempty"`
+	DuplicateWindow     string            `json:"duplicate_window,omitempty"`
+	RelayStarts         int               `json:"relay_starts"`
+	RelayExits          int               `json:"relay_unexpected_exits"`
+	RelayPanics         int               `json:"relay_panics_or_races"`
+	RelayPanicSample    []string          `json:"relay_panic_sample,omitempty"`
+	WorkDir             string            `json:"work_dir,omitempty"`
 
 	// FaultsEnabled are the kinds the run was asked for, FaultsBit how
 	// many injections of each kind bit (FaultBite): a run passes only when
@@ -82,6 +88,10 @@ func FaultBite(kind string) string {
 		return "the proxy delayed the relay's traffic"
 	case FaultTakeoverKill, FaultTakeoverPartition:
 		return "the standby instance took over the slot"
+	case FaultNATSLoseTail:
+		return "the stream's last sequence after the restart was below what it was before the cut"
+	case FaultRelayKillLong:
+		return "the relay was down longer than the duplicate window and its restart's read-back found replayed rows already stored"
 	case FaultPGFailover:
 		return "the promotion took back commits (the new primary lacked rows the old one had committed) and a relay streamed the slot again"
 	}
@@ -100,6 +110,9 @@ func (r *Report) Failures() []string {
 		out = append(out, "faults injected = 0 (a run without faults proves nothing)")
 	}
 	for _, k := range r.FaultsEnabled {
+		if _, na := r.FaultsNotApplicable[k]; na {
+			continue
+		}
 		switch {
 		case r.Faults[k] == 0:
 			out = append(out, fmt.Sprintf("fault %s injected 0 times (every enabled kind must run at least once: lengthen -duration)", k))
@@ -145,8 +158,8 @@ func (r *Report) Table() string {
 		}
 		return "must be 0: FAIL"
 	}
-	fmt.Fprintf(&b, "chaos run: seed %d (replay: -seed %d), load %.0fs, drain %.1fs, wal_sender_timeout %s\n",
-		r.Seed, r.Seed, r.LoadSeconds, r.DrainSeconds, r.WalSenderTimeout)
+	fmt.Fprintf(&b, "chaos run: seed %d (replay: -seed %d), load %.0fs, drain %.1fs, wal_sender_timeout %s, duplicate window %s\n",
+		r.Seed, r.Seed, r.LoadSeconds, r.DrainSeconds, r.WalSenderTimeout, orDash(r.DuplicateWindow))
 	if r.Replay != "" {
 		fmt.Fprintf(&b, "replay: %s\n", r.Replay)
 	}
@@ -186,13 +199,20 @@ func (r *Report) Table() string {
 	row("faults injected (bit)", fmt.Sprint(total), "every enabled kind must be injected and bite at least once")
 	for _, k := range kinds {
 		var notes []string
-		if r.Faults[k] == 0 || r.FaultsBit[k] == 0 {
+		na, isNA := r.FaultsNotApplicable[k]
+		switch {
+		case isNA:
+			notes = append(notes, "not applicable: "+na)
+		case r.Faults[k] == 0 || r.FaultsBit[k] == 0:
 			notes = append(notes, "FAIL: must bite at least once: "+FaultBite(k))
 		}
-		if s := r.FaultsSkipped[k]; s > 0 {
-			why := "no relay backend to hit"
-			if k == FaultPGFailover {
-				why = "already failed over: no standby left"
+		if s := r.FaultsSkipped[k]; s > 0 && !isNA {
+			why := r.FaultsSkipReason[k]
+			if why == "" {
+				why = "no relay backend to hit"
+				if k == FaultPGFailover {
+					why = "already failed over: no standby left"
+				}
 			}
 			notes = append(notes, fmt.Sprintf("%d more skipped (%s)", s, why))
 		}
