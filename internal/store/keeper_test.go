@@ -150,8 +150,10 @@ func TestPartitionKeeperDoesNotBlockProducers(t *testing.T) {
 	// their indexes are made before it (0018). The old function
 	// held it from its first ATTACH to its commit, through the making of
 	// the other partitions: 8 here, the producer waited 0.25-0.3 s for it;
-	// now about 10 ms. 50 ms leaves room for a loaded machine.
-	if bound := 50 * time.Millisecond; waited > bound {
+	// now about 10 ms (9-21 ms in 5 runs). 120 ms leaves room for a
+	// loaded machine (CI's, with make test's steps two at a time beside
+	// other work, saw 50 ms once) and still fails the old function.
+	if bound := 120 * time.Millisecond; waited > bound {
 		t.Errorf("a producer's enqueue waited %s for a lock while the keepers made %d partitions (its slowest enqueue %s; a scan of the DEFAULT partition takes %s), want under %s", waited, len(created), worst, scan, bound)
 	}
 	var guards int
