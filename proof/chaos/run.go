@@ -76,10 +76,17 @@ const relayKillWeight = 3
 // deduplication.
 const DefaultDuplicateWindow = 2 * time.Second
 
+// maxKillLongWindow is the longest duplicate window relay-kill-long is run
+// with: it keeps the relay down three to four windows.
+const maxKillLongWindow = 10 * time.Second
+
 // notApplicable says why kind cannot be run in this configuration (empty:
 // it can). Such a kind is skipped with that reason whenever its turn comes
 // and does not fail the run for never biting.
 func (c *Config) notApplicable(kind string) string {
+	if kind == FaultRelayKillLong && c.DuplicateWindow > maxKillLongWindow {
+		return fmt.Sprintf("-duplicate-window %s: an outage of several duplicate windows does not fit a short run (the default is %s)", c.DuplicateWindow, DefaultDuplicateWindow)
+	}
 	if kind != FaultNATSLoseTail {
 		return ""
 	}
@@ -87,7 +94,7 @@ func (c *Config) notApplicable(kind string) string {
 		return "a cluster: the replicas restore a node's lost tail, and one store cut is not the single broker losing acknowledged writes"
 	}
 	if c.onPublish() != "mark" {
-		return "--on-publish " + c.onPublish() + ": the relay reports a lost tail (log at error with the range, outbox_relay_broker_lost_total) and does not publish it again, since the table does not say which rows the lost sequences held (docs/guarantees-broker.md); the checker would count them lost"
+		return "--on-publish " + c.onPublish() + ": the relay reports a lost tail (log at error with the range, outbox_relay_broker_lost_total) and does not publish it again by itself (the operator runs outbox-relay republish, docs/guarantees-broker.md); the checker would count them lost"
 	}
 	return ""
 }
