@@ -248,7 +248,9 @@ func TestRedriveCommandUncertainWarning(t *testing.T) {
 	}
 }
 
-func createStream(t *testing.T, url, name, prefix string, window time.Duration) jetstream.JetStream {
+// connect is a JetStream client of the server at url, closed when the
+// test ends.
+func connect(t *testing.T, url string) jetstream.JetStream {
 	t.Helper()
 	nc, err := nats.Connect(url)
 	if err != nil {
@@ -259,6 +261,12 @@ func createStream(t *testing.T, url, name, prefix string, window time.Duration) 
 	if err != nil {
 		t.Fatal(err)
 	}
+	return js
+}
+
+func createStream(t *testing.T, url, name, prefix string, window time.Duration) jetstream.JetStream {
+	t.Helper()
+	js := connect(t, url)
 	if _, err := js.CreateStream(context.Background(), jetstream.StreamConfig{
 		Name: name, Subjects: []string{prefix + ">"}, Duplicates: window, Storage: jetstream.MemoryStorage,
 	}); err != nil {

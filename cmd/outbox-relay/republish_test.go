@@ -3,8 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -33,7 +31,7 @@ func TestRepublishAfterBrokerLostTail(t *testing.T) {
 	t.Cleanup(n.Close)
 	const stream, prefix = "REPUB", "repub."
 	ctx := context.Background()
-	js := connectJS(t, n.URL())
+	js := connect(t, n.URL())
 	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: stream, Subjects: []string{prefix + ">"}, Duplicates: time.Second, Storage: jetstream.FileStorage}); err != nil {
 		t.Fatal(err)
 	}
@@ -79,11 +77,13 @@ func TestRepublishAfterBrokerLostTail(t *testing.T) {
 	if err := n.Stop(); err != nil {
 		t.Fatal(err)
 	}
-	cutTail(t, filepath.Join(n.StoreDir(), "jetstream", "$G", "streams", stream), 0.6)
+	if _, err := n.CutStreamTail(stream, 0.6); err != nil {
+		t.Fatal(err)
+	}
 	if err := n.Start(); err != nil {
 		t.Fatal(err)
 	}
-	js = connectJS(t, n.URL())
+	js = connect(t, n.URL())
 	left := streamIDs(t, js, stream)
 	if len(left) == 0 || len(left) >= len(ids) {
 		t.Fatalf("the cut left %d of %d messages: the test proves nothing", len(left), len(ids))
@@ -158,48 +158,6 @@ func TestRepublishRefusesUnderDelete(t *testing.T) {
 }
 
 func first(ids []string) []string { return ids[:min(len(ids), 5)] }
-
-func connectJS(t *testing.T, url string) jetstream.JetStream {
-	t.Helper()
-	nc, err := nats.Connect(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return js
-}
-
-// cutTail is internal/relay's cutStreamTail: the newest message block
-// truncated to keep of its size and the index files removed, as a broker
-// that lost power before its sync comes back.
-func cutTail(t *testing.T, dir string, keep float64) {
-	t.Helper()
-	msgs := filepath.Join(dir, "msgs")
-	blks, err := filepath.Glob(filepath.Join(msgs, "*.blk"))
-	if err != nil || len(blks) == 0 {
-		t.Fatalf("no message blocks in %s: %v", msgs, err)
-	}
-	newest := blks[len(blks)-1]
-	fi, err := os.Stat(newest)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(newest, int64(float64(fi.Size())*keep)); err != nil {
-		t.Fatal(err)
-	}
-	entries, _ := os.ReadDir(msgs)
-	for _, e := range entries {
-		if !strings.HasSuffix(e.Name(), ".blk") {
-			if err := os.Remove(filepath.Join(msgs, e.Name())); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
-}
 
 // --force republishes the rows the lookup did not reach: the one missing
 // is stored, and one the stream does hold is stored a second time past

@@ -22,15 +22,7 @@ import (
 func TestPollerResolvesUncertainFromStream(t *testing.T) {
 	f := newFixture(t)
 	ctx := context.Background()
-	st, err := f.js.Stream(ctx, f.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := st.CachedInfo().Config
-	cfg.Duplicates = time.Second
-	if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
-		t.Fatal(err)
-	}
+	f.shortDuplicateWindow(t)
 	// The earlier, uncertain attempts that did reach the broker.
 	stored := map[string]uint64{}
 	for _, id := range []string{"in", "redriven"} {
@@ -86,15 +78,7 @@ func TestPollerResolvesUncertainFromStream(t *testing.T) {
 func TestPollerLooksUpRowsHandedBackAsLost(t *testing.T) {
 	f := newFixture(t)
 	ctx := context.Background()
-	st, err := f.js.Stream(ctx, f.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := st.CachedInfo().Config
-	cfg.Duplicates = time.Second
-	if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
-		t.Fatal(err)
-	}
+	f.shortDuplicateWindow(t)
 	if _, err := f.pool.Exec(ctx, `INSERT INTO outbox (work_id, kind, payload, state, attempts, last_error, available_at) VALUES
 		('replayed', 'k', '{}', 'scheduled', 0, 'lost: broker acknowledged seq 9 in stream X but the stream ends at 4', clock_timestamp()),
 		('notreplayed', 'k', '{}', 'scheduled', 0, 'lost: broker acknowledged seq 10 in stream X but the stream ends at 4', clock_timestamp())`); err != nil {
@@ -123,5 +107,22 @@ func TestPollerLooksUpRowsHandedBackAsLost(t *testing.T) {
 	}
 	if got := counter(t, met.UncertainResolved.WithLabelValues("found")); got != 1 {
 		t.Errorf("found %v, want 1", got)
+	}
+}
+
+// shortDuplicateWindow sets the fixture's stream's duplicate window to 1 s,
+// so that a test can outlast it and see what the relay's lookups do
+// without the broker's deduplication.
+func (f *fixture) shortDuplicateWindow(t *testing.T) {
+	t.Helper()
+	ctx := context.Background()
+	st, err := f.js.Stream(ctx, f.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := st.CachedInfo().Config
+	cfg.Duplicates = time.Second
+	if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
 	}
 }
