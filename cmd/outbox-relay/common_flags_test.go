@@ -75,7 +75,7 @@ func TestHelpMarksIgnoredCommonFlags(t *testing.T) {
 // One set of common flags serves every command, on the command line or as
 // OUTBOX_RELAY_* variables: each command accepts them all and does its job
 // with the ones it reads. A single database, slot and stream go through
-// migrate, run, status, redrive, cancel, prune, version and demo in turn, as
+// migrate, run, status, republish, redrive, cancel, prune, version and demo in turn, as
 // a deployment's one env file would.
 func TestEveryCommandTakesTheCommonFlags(t *testing.T) {
 	for _, mode := range []string{"args", "env"} {
@@ -164,9 +164,27 @@ func TestEveryCommandTakesTheCommonFlags(t *testing.T) {
 				t.Errorf("status reports stream %+v, want %s with 1 message", rep.Stream, stream)
 			}
 
+			// republish: refuses under the common --on-publish delete (the
+			// rows are gone); given mark, it finds a published row of
+			// --table whose message --stream lacks and publishes it there
+			// under --subject-prefix.
+			code, _, errOut := run(t, args("republish", "--since", "1h")...)
+			if code != 1 || !strings.Contains(errOut, "--on-publish delete") {
+				t.Fatalf("republish under delete exited %d, stderr %q; want 1 and the refusal", code, errOut)
+			}
+			mustExec(t, pool, `INSERT INTO common_outbox (work_id, kind, payload, state, published_at) VALUES ('w-rep', 'placed', '{}', 'published', clock_timestamp())`)
+			code, out, errOut = run(t, args("republish", "--since", "1h", "--on-publish", "mark")...)
+			if code != 0 || !strings.Contains(out, "republished 1 rows: w-rep") {
+				t.Fatalf("republish exited %d, stdout %q, stderr %q; want w-rep republished", code, out, errOut)
+			}
+			if id := lastMsg(t, env.NATS.URL(), stream, prefix+"placed").Header.Get(jetstream.MsgIDHeader); id != "w-rep" {
+				t.Fatalf("last message on %splaced has Nats-Msg-Id %q, want w-rep", prefix, id)
+			}
+			mustExec(t, pool, `DELETE FROM common_outbox WHERE work_id = 'w-rep'`)
+
 			// redrive: the row moves, and the window comes from the stream.
 			mustExec(t, pool, `INSERT INTO common_outbox (work_id, kind, payload, state, last_error) VALUES ('w-failed', 'k', '{}', 'failed', 'rejected: x')`)
-			code, _, errOut := run(t, args("redrive", "--reason", "r", "--work-id", "w-failed")...)
+			code, _, errOut = run(t, args("redrive", "--reason", "r", "--work-id", "w-failed")...)
 			if code != 0 || strings.Contains(errOut, "using --duplicate-window") {
 				t.Fatalf("redrive exited %d, stderr %q; want 0 and the stream read", code, errOut)
 			}

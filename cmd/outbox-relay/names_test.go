@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
@@ -147,6 +148,34 @@ func TestOperatorOutputEscapesRowData(t *testing.T) {
 			check(t, out+errOut)
 			if strings.Contains(out, "kind") && !strings.Contains(out, `"kind\x1b]0;pwned\a"`) {
 				t.Errorf("the kind is not shown escaped: %q", out)
+			}
+		})
+	}
+	// republish names the rows it reads, finds and publishes: a published
+	// row with such a work ID is shown escaped, left out (its message
+	// cannot be built) and makes the exit status 1, and the good row beside
+	// it is still republished.
+	nats := testenv.Shared(t).NATS.URL()
+	stream, prefix := testenv.Shared(t).StreamName(t)
+	if _, err := connect(t, nats).CreateStream(context.Background(), jetstream.StreamConfig{Name: stream, Subjects: []string{prefix + ">"}}); err != nil {
+		t.Fatal(err)
+	}
+	for _, dry := range []bool{true, false} {
+		t.Run(fmt.Sprintf("republish, dry run %v", dry), func(t *testing.T) {
+			reset("published")
+			args := []string{"republish", "--database-url", url, "--nats-url", nats, "--stream", stream, "--subject-prefix", prefix, "--since", "1h"}
+			if dry {
+				args = append(args, "--dry-run")
+			}
+			mustExec(t, pool, `INSERT INTO outbox (work_id, kind, payload, state) VALUES ('w-good', 'k', '{}', 'published')`)
+			code, out, errOut := run(t, args...)
+			check(t, out+errOut)
+			want := "republished 1 rows: w-good"
+			if dry {
+				want = "would republish 1 rows: w-good"
+			}
+			if code != 1 || !strings.Contains(out, want) {
+				t.Errorf("exit %d, stdout %q; want 1 and %q", code, out, want)
 			}
 		})
 	}

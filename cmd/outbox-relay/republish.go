@@ -128,16 +128,32 @@ rows are gone from the table and nothing can be republished from it.
 		return nil
 	}
 
-	msgs := make([]*wire.Message, len(rows))
+	// A row whose message cannot be built (changed since it was published,
+	// or written past the table's checks) is named and left out; the others
+	// are still repaired.
+	msgs := make([]*wire.Message, 0, len(rows))
 	extra := make(map[string]string, 2)
-	want := make([]sinks.Wanted, len(rows))
-	from := rows[0].CreatedAt
-	for i, r := range rows {
+	want := make([]sinks.Wanted, 0, len(rows))
+	var unbuildable []string
+	kept := rows[:0]
+	for _, r := range rows {
 		m, err := poller.Message(r.Claimed, c.subjectPrefix, extra)
 		if err != nil {
-			return fmt.Errorf("build the message of row %s (published before, so the row changed since): %w", termsafe.String(r.WorkID), err)
+			unbuildable = append(unbuildable, r.WorkID)
+			fmt.Fprintf(stderr, "not published: row %s: its message cannot be built (%s); fix the row, or leave it to its producer\n", termsafe.String(r.WorkID), termsafe.String(err.Error()))
+			continue
 		}
-		msgs[i], want[i] = m, sinks.Wanted{ID: r.WorkID, Subject: m.Subject}
+		kept = append(kept, r)
+		msgs = append(msgs, m)
+		want = append(want, sinks.Wanted{ID: r.WorkID, Subject: m.Subject})
+	}
+	rows = kept
+	if len(rows) == 0 {
+		fmt.Fprintln(stdout, "checked 0, found stored 0, republished 0, not checked 0")
+		return unbuildableErr(unbuildable)
+	}
+	from := rows[0].CreatedAt
+	for _, r := range rows {
 		if r.CreatedAt.Before(from) {
 			from = r.CreatedAt
 		}
@@ -203,7 +219,7 @@ rows are gone from the table and nothing can be republished from it.
 	if *dryRun {
 		fmt.Fprintf(stdout, "dry run, nothing published: would republish %d rows: %s\n", len(send), idList(sendIDs))
 		fmt.Fprintf(stdout, "checked %d, found stored %d, would republish %d, not checked %d\n", len(rows)-len(unchecked), len(foundIDs), len(send), len(unchecked))
-		return uncheckedErr(unchecked, *force)
+		return errors.Join(uncheckedErr(unchecked, *force), unbuildableErr(unbuildable))
 	}
 
 	var done []string
@@ -258,10 +274,19 @@ rows are gone from the table and nothing can be republished from it.
 	}
 	fmt.Fprintf(stdout, "checked %d, found stored %d, republished %d, not checked %d\n", len(rows)-len(unchecked), len(foundIDs), len(done), len(unchecked))
 	if len(failed) > 0 {
-		return fmt.Errorf("could not republish %d rows (%s): %s; the rest are stored; run the same command again once the broker takes them (a row stored meanwhile is found and left alone)",
-			len(failed), idList(failed), termsafe.String(scrub.Err(firstErr).Error()))
+		return errors.Join(fmt.Errorf("could not republish %d rows (%s): %s; the rest are stored; run the same command again once the broker takes them (a row stored meanwhile is found and left alone)",
+			len(failed), idList(failed), termsafe.String(scrub.Err(firstErr).Error())), unbuildableErr(unbuildable))
 	}
-	return uncheckedErr(unchecked, *force)
+	return errors.Join(uncheckedErr(unchecked, *force), unbuildableErr(unbuildable))
+}
+
+// unbuildableErr makes rows left out because their message cannot be built
+// an exit status.
+func unbuildableErr(ids []string) error {
+	if len(ids) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%d rows not published, their message cannot be built (listed above): %s", len(ids), idList(ids))
 }
 
 // uncheckedErr makes rows left not checked an exit status: a script that

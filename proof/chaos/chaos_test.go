@@ -266,7 +266,7 @@ func TestLedgerFigures(t *testing.T) {
 	l := NewLedger()
 	l.AddWitness([]WitnessRow{{"w-0-1", lsn("0/100")}, {"w-0-2", lsn("0/100")}, {"w-1-1", lsn("0/200")}})
 	l.AddMsg("w-0-1", 1)
-	l.AddMsg("w-0-1", 2)                                         // stored twice
+	l.AddMsgFrom("w-0-1", 2, "12:00:01.000 claim 3")             // stored twice
 	l.AddMsg("rb-0-9", 3)                                        // rolled back, yet published
 	l.AddMsg("w-1-1", 4)                                         // fine
 	l.AddMsg("stranger-1", 5)                                    // nobody committed it
@@ -279,6 +279,9 @@ func TestLedgerFigures(t *testing.T) {
 	}
 	if !slices.Equal(f.LostSample, []string{"w-0-2 (txn end 0/100)"}) || !slices.Equal(f.PhantomSample, []string{"rb-0-9"}) {
 		t.Fatalf("samples: lost %v phantoms %v", f.LostSample, f.PhantomSample)
+	}
+	if !slices.Equal(f.DuplicateSample, []string{"w-0-1 stored 2 times: seq 1; seq 2 12:00:01.000 claim 3"}) {
+		t.Fatalf("duplicate sample %q: want each copy's sequence and origin", f.DuplicateSample)
 	}
 }
 

@@ -191,18 +191,24 @@ func (l *Ledger) Promote(held map[string]bool, at pglogrepl.LSN, acked []string)
 }
 
 type seqMsg struct {
-	seq uint64
-	id  string
+	seq  uint64
+	id   string
+	from string
 }
 
 // AddMsg records one stored message. Messages come in ascending sequence
 // (the stream is read in order).
-func (l *Ledger) AddMsg(id string, seq uint64) {
+func (l *Ledger) AddMsg(id string, seq uint64) { l.AddMsgFrom(id, seq, "") }
+
+// AddMsgFrom is AddMsg with what the message says of where it came from
+// (its time, commit LSN, claim generation): a row stored twice is reported
+// with each copy's, so that the copies can be matched with the relays' logs.
+func (l *Ledger) AddMsgFrom(id string, seq uint64, from string) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.streamMsg++
 	l.lastSeq = max(l.lastSeq, seq)
-	l.bySeq = append(l.bySeq, seqMsg{seq: seq, id: id})
+	l.bySeq = append(l.bySeq, seqMsg{seq: seq, id: id, from: from})
 	e := l.stream[id]
 	if e == nil {
 		l.stream[id] = &streamEntry{firstSeq: seq, count: 1}
@@ -401,11 +407,21 @@ func (l *Ledger) Figures(acked []string) Figures {
 		ids = append(ids, id)
 	}
 	sort.Strings(ids)
+	copies := map[string][]string{}
+	for _, m := range l.bySeq {
+		if e := l.stream[m.id]; e != nil && e.count > 1 {
+			c := fmt.Sprintf("seq %d", m.seq)
+			if m.from != "" {
+				c += " " + m.from
+			}
+			copies[m.id] = append(copies[m.id], c)
+		}
+	}
 	for _, id := range ids {
 		e := l.stream[id]
 		if e.count > 1 {
 			f.StoredDuplicates += e.count - 1
-			addSample(&f.DuplicateSample, fmt.Sprintf("%s stored %d times", id, e.count))
+			addSample(&f.DuplicateSample, fmt.Sprintf("%s stored %d times: %s", id, e.count, strings.Join(copies[id], "; ")))
 		}
 		switch {
 		case strings.HasPrefix(id, RollbackPrefix):

@@ -35,6 +35,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 )
 
 // Fault kinds, as named in -faults.
@@ -653,7 +654,15 @@ func (r *runner) catchUpStream(ctx context.Context, upto uint64) error {
 					if err != nil {
 						return err
 					}
-					r.ledger.AddMsg(m.Headers().Get(jetstream.MsgIDHeader), md.Sequence.Stream)
+					h := m.Headers()
+					from := md.Timestamp.UTC().Format("15:04:05.000")
+					if lsn := h.Get(wire.HeaderCommitLSN); lsn != "" {
+						from += " lsn " + lsn
+					}
+					if gen := h.Get(wire.HeaderClaimGeneration); gen != "" {
+						from += " claim " + gen
+					}
+					r.ledger.AddMsgFrom(h.Get(jetstream.MsgIDHeader), md.Sequence.Stream, from)
 					got++
 				}
 				if err := batch.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) {
