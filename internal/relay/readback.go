@@ -68,8 +68,13 @@ func (l *loop) startReadBack(ctx context.Context, first time.Time, confirmed rep
 	defer cancel()
 	read, complete, err := reader.StoredSince(rctx, since, l.r.cfg.ReadBackLimit, func(m sinks.Stored) bool {
 		lsn, err := pglogrepl.ParseLSN(firstHeader(m.Header, wire.HeaderCommitLSN))
-		if err == nil && lsn <= confirmed {
-			return true // published and confirmed: not replayed
+		if err == nil && lsn < confirmed {
+			// Confirmed, not replayed. PostgreSQL skips only the
+			// transactions whose commit record starts before the
+			// confirmed position; one that starts at it (the end of its
+			// predecessor's, when its rows were written before that one
+			// committed) is replayed and must be found.
+			return true
 		}
 		if err != nil {
 			lsn = 0
