@@ -2,6 +2,8 @@ package store_test
 
 import (
 	"context"
+	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -95,5 +97,123 @@ func TestRequeueLostBoundedByCreatedSince(t *testing.T) {
 	}
 	if state != "published" {
 		t.Errorf("the row created before the bound is %s, want published", state)
+	}
+}
+
+// republish's record (RecordRepublished) and the relay's hand-back of lost
+// rows (RequeueLost) on the same rows, in both orders, each statement
+// waiting on the rows' locks behind the other: the second sees the first's
+// row and its guard decides. Whichever goes first, every row ends either
+// pointing at the republished message (published, the new sequence) or
+// handed back to the poller with its lost: note (which the poller looks up
+// in the stream before it publishes: poller TestPollerLooksUpRowsHandedBackAsLost),
+// never published and pointing at the sequence the broker lost.
+func TestRecordRepublishedAgainstRequeueLost(t *testing.T) {
+	for _, requeueFirst := range []bool{true, false} {
+		name := "record first"
+		if requeueFirst {
+			name = "requeue first"
+		}
+		t.Run(name, func(t *testing.T) {
+			ctx := context.Background()
+			pool, err := pgxpool.New(ctx, testenv.Shared(t).PG.CreateOutboxDatabase(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(pool.Close)
+			// Rows published at seqs 51..60 of S; the broker lost them (its
+			// stream ends at 50) and republish stored them again at 51..60,
+			// after the relay read the stream's end.
+			exec(t, pool, `INSERT INTO outbox (work_id, kind, payload, state, published_at, stream_seq, stream_name)
+				SELECT 'r-' || g, 'k', '{}'::jsonb, 'published', now(), g, 'S' FROM generate_series(51, 60) g`)
+			st := store.New(pool, testenv.OutboxTable, store.PolicyMark)
+			var items []store.Republished
+			for g := 51; g <= 60; g++ {
+				items = append(items, store.Republished{WorkID: fmt.Sprintf("r-%d", g), LostSeq: uint64(g), Stream: "S", Seq: uint64(g + 100)})
+			}
+			lock, err := pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer lock.Rollback(ctx)
+			if _, err := lock.Exec(ctx, `SELECT 1 FROM outbox FOR UPDATE`); err != nil {
+				t.Fatal(err)
+			}
+			var requeued store.LostRange
+			var recorded []string
+			var wg sync.WaitGroup
+			requeue := func() {
+				defer wg.Done()
+				var err error
+				if requeued, err = st.RequeueLost(ctx, "S", 50, time.Now().Add(-time.Hour), time.Time{}); err != nil {
+					t.Error(err)
+				}
+			}
+			record := func() {
+				defer wg.Done()
+				var err error
+				if recorded, err = st.RecordRepublished(ctx, items); err != nil {
+					t.Error(err)
+				}
+			}
+			first, second := record, requeue
+			if requeueFirst {
+				first, second = requeue, record
+			}
+			waiting := func(n int) {
+				testenv.WaitFor(t, 10*time.Second, fmt.Sprintf("%d statements waiting on the rows' locks", n), func() (bool, error) {
+					var w int
+					err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&w)
+					return w == n, err
+				})
+			}
+			wg.Add(2)
+			go first()
+			waiting(1)
+			go second()
+			waiting(2)
+			if err := lock.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			wg.Wait()
+
+			var pointed, handedBack, bad int
+			rows, err := pool.Query(ctx, `SELECT state, stream_seq, coalesce(last_error, '') FROM outbox`)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for rows.Next() {
+				var state, note string
+				var seq int64
+				if err := rows.Scan(&state, &seq, &note); err != nil {
+					t.Fatal(err)
+				}
+				switch {
+				case state == "published" && seq > 100 && strings.HasPrefix(note, "republished: "):
+					pointed++
+				case state == "scheduled" && strings.HasPrefix(note, store.LostNotePrefix):
+					handedBack++
+				default:
+					bad++
+					t.Errorf("row in state %s at seq %d, note %q", state, seq, note)
+				}
+			}
+			if rows.Err() != nil {
+				t.Fatal(rows.Err())
+			}
+			t.Logf("requeued %d, recorded %d: %d point at the republished message, %d handed back", requeued.Rows, len(recorded), pointed, handedBack)
+			if requeueFirst && (handedBack != 10 || len(recorded) != 0) {
+				t.Errorf("requeue first: %d handed back, %d recorded; want 10 and 0 (the record's guard sees the rows scheduled)", handedBack, len(recorded))
+			}
+			if !requeueFirst && (len(recorded) != 10 || requeued.Rows != 10 || handedBack != 10) {
+				// The relay read the stream's end (50) before the republish:
+				// the new sequences are past it, so it hands them back, and
+				// the poller's lookup finds them.
+				t.Errorf("record first: %d recorded, %d requeued, %d handed back; want 10 each", len(recorded), requeued.Rows, handedBack)
+			}
+			if bad != 0 || pointed+handedBack != 10 {
+				t.Errorf("%d rows in no safe state", bad)
+			}
+		})
 	}
 }
