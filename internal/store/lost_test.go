@@ -19,11 +19,7 @@ import (
 // two instances run it at once (G19).
 func TestRequeueLostHandsBackOnlyLostRowsOnce(t *testing.T) {
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, testenv.Shared(t).PG.CreateOutboxDatabase(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	pool := outboxPool(t)
 	// S: seqs 1..100 published now; stream ends at 60, first seq 10.
 	// OTHER: seqs 1..100 (another stream). OLD: S seqs 200..210 published
 	// before the stream was created (a stream created again).
@@ -75,11 +71,7 @@ func TestRequeueLostHandsBackOnlyLostRowsOnce(t *testing.T) {
 // before it stays published; one created after it is handed back.
 func TestRequeueLostBoundedByCreatedSince(t *testing.T) {
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, testenv.Shared(t).PG.CreateOutboxDatabase(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	pool := outboxPool(t)
 	exec(t, pool, `INSERT INTO outbox (work_id, kind, payload, state, created_at, published_at, stream_seq, stream_name)
 		VALUES ('recent', 'k', '{}'::jsonb, 'published', now(), now(), 11, 'S'),
 		       ('early', 'k', '{}'::jsonb, 'published', now() - interval '2 hours', now(), 12, 'S')`)
@@ -116,11 +108,7 @@ func TestRecordRepublishedAgainstRequeueLost(t *testing.T) {
 		}
 		t.Run(name, func(t *testing.T) {
 			ctx := context.Background()
-			pool, err := pgxpool.New(ctx, testenv.Shared(t).PG.CreateOutboxDatabase(t))
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(pool.Close)
+			pool := outboxPool(t)
 			// Rows published at seqs 51..60 of S; the broker lost them (its
 			// stream ends at 50) and republish stored them again at 51..60,
 			// after the relay read the stream's end.
@@ -216,4 +204,15 @@ func TestRecordRepublishedAgainstRequeueLost(t *testing.T) {
 			}
 		})
 	}
+}
+
+// outboxPool is a pool on a fresh database with the outbox migrated.
+func outboxPool(t *testing.T) *pgxpool.Pool {
+	t.Helper()
+	pool, err := pgxpool.New(context.Background(), testenv.Shared(t).PG.CreateOutboxDatabase(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
 }
