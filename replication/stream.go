@@ -43,7 +43,18 @@ type StreamConfig struct {
 	// error ends the stream without confirming past the record.
 	RecordBound func(ctx context.Context, pos pglogrepl.LSN) error
 	Bound       pglogrepl.LSN
-	Logger      zerolog.Logger
+	// Slots and StaleAfter fence a session that may have lost its
+	// walsender (G18 across instances): a batch is handed over only while
+	// the stream has evidence, at most StaleAfter old, that the server sent
+	// it recently (the send times of the messages read, corrected for the
+	// clocks' offset) or that this session's walsender holds the slot (a
+	// query on Slots). WAL that sat in a network buffer or a paused process
+	// past that, while the server dropped the session and another instance
+	// streamed the slot, is not handed over: the stream ends instead. Nil
+	// Slots or a zero StaleAfter: no fence.
+	Slots      Querier
+	StaleAfter time.Duration
+	Logger     zerolog.Logger
 }
 
 // BoundSlack is how far past its recorded bound (StreamConfig.RecordBound)
@@ -95,6 +106,17 @@ type Stream struct {
 	nextAsk      time.Time
 	asks         int           // asks since the wanted position last changed
 	askedFor     pglogrepl.LSN // the wanted position then
+
+	// The fence (StreamConfig.StaleAfter), Run's own. alive is the newest
+	// local time the walsender is known to have been sending or to have
+	// held the slot; offset is the smallest receive time less the server's
+	// send time seen (the clocks' offset plus the fastest delivery), so a
+	// message's send time in local time is its server time plus offset,
+	// never later than its receipt.
+	alive     time.Time
+	offset    time.Duration
+	offsetSet bool
+	holder    int32 // this session's walsender, as pg_replication_slots names it
 }
 
 // promptWait is how long a receive waits in prompt mode before the stream
@@ -184,10 +206,23 @@ func Start(ctx context.Context, conn *pgconn.PgConn, cfg StreamConfig, slotConfi
 		return nil, fmt.Errorf("start replication on slot %s: %w", cfg.Slot, err)
 	}
 	stats.Confirmed.Store(uint64(slotConfirmed))
-	return &Stream{
+	st := &Stream{
 		conn: conn, cfg: cfg, dec: NewDecoder(cfg.Table), log: cfg.Logger, stats: stats,
 		confirmed: slotConfirmed, acked: slotConfirmed, lastEnd: slotConfirmed, bound: cfg.Bound,
-	}, nil
+		holder: int32(conn.PID()),
+	}
+	if cfg.Slots != nil && cfg.StaleAfter > 0 {
+		// The walsender's own process ID, as the slot names it: behind a
+		// pooler the connection's backend key names another process.
+		si, err := LookupSlot(ctx, cfg.Slots, cfg.Slot)
+		if err != nil {
+			return nil, fmt.Errorf("start replication on slot %s: %w", cfg.Slot, err)
+		}
+		if si.Active && si.ActivePID != 0 {
+			st.holder = si.ActivePID
+		}
+	}
+	return st, nil
 }
 
 // Run streams events to out until ctx ends (an error path: return at once)
@@ -467,6 +502,7 @@ func (r *run) keepalive(data []byte) error {
 		return fmt.Errorf("parse keepalive on slot %s: %w", s.cfg.Slot, err)
 	}
 	s.noteServerEnd(pkm.ServerWALEnd)
+	s.heard(pkm.ServerTime)
 	// Nothing open, nothing in flight: the keepalive's position is safe to
 	// confirm, which keeps an idle outbox in a busy database from holding
 	// WAL (G10).
@@ -503,6 +539,7 @@ func (r *run) xlogData(data []byte) error {
 		return fmt.Errorf("parse XLogData on slot %s: %w", s.cfg.Slot, err)
 	}
 	s.noteServerEnd(xld.ServerWALEnd)
+	s.heard(xld.ServerTime)
 	ev, ok, err := s.dec.Decode(xld.WALData)
 	if err != nil {
 		return fmt.Errorf("decode WAL at %s on slot %s: %w", xld.WALStart, s.cfg.Slot, err)
@@ -546,8 +583,55 @@ func (r *run) flush() error {
 	batch := s.batch
 	s.batch = nil
 	r.lingerUntil = time.Time{}
+	if err := s.fence(r.ctx); err != nil {
+		return err
+	}
 	return s.emit(r.ctx, r.out, batch, r.confirms, r.stop, r.ticker.C)
 }
+
+// heard notes a message the server stamped with its send time sent.
+func (s *Stream) heard(sent time.Time) {
+	if s.cfg.StaleAfter <= 0 || sent.IsZero() {
+		return
+	}
+	now := time.Now()
+	if d := now.Sub(sent); !s.offsetSet || d < s.offset {
+		s.offset, s.offsetSet = d, true
+	}
+	if at := sent.Add(s.offset); at.After(s.alive) {
+		s.alive = at
+	}
+}
+
+// fenceTimeout bounds the query that checks who holds the slot.
+const fenceTimeout = 10 * time.Second
+
+// fence lets a batch through while the walsender is known to have been
+// alive within StaleAfter; past that it asks the server whether this
+// session's walsender still holds the slot, and ends the stream when it
+// does not (or when it cannot tell).
+func (s *Stream) fence(ctx context.Context) error {
+	if s.cfg.Slots == nil || s.cfg.StaleAfter <= 0 || time.Since(s.alive) <= s.cfg.StaleAfter {
+		return nil
+	}
+	asked := time.Now()
+	qctx, cancel := context.WithTimeout(ctx, fenceTimeout)
+	defer cancel()
+	si, err := LookupSlot(qctx, s.cfg.Slots, s.cfg.Slot)
+	if err != nil {
+		return fmt.Errorf("slot %s: the WAL read last was sent over %s ago, and who holds the slot could not be checked (ending the session without handing it over): %w", s.cfg.Slot, s.cfg.StaleAfter, err)
+	}
+	if !si.Active || si.ActivePID != s.holder {
+		return fmt.Errorf("%w: slot %s: the WAL read last was sent over %s ago and the slot is held by walsender %d now, not by this session's %d: the server dropped this session meanwhile and another may have streamed it; ending it without handing that WAL over",
+			ErrSessionFenced, s.cfg.Slot, s.cfg.StaleAfter, si.ActivePID, s.holder)
+	}
+	s.alive = asked
+	return nil
+}
+
+// ErrSessionFenced ends a stream whose walsender no longer holds the slot
+// (StreamConfig.StaleAfter).
+var ErrSessionFenced = errors.New("replication session fenced off")
 
 // acquire takes n bytes of the budget for a decoded row, waiting for room
 // without reading WAL: the rows read so far go to the consumer first (it
@@ -612,6 +696,11 @@ func (s *Stream) emit(ctx context.Context, out chan<- []Event, batch []Event, co
 			s.ack(lsn)
 		case <-tick:
 			if err := s.sendStatus(ctx, false); err != nil {
+				return err
+			}
+			// The relay may take the batch much later: the fence holds
+			// for the time it is taken, not only for the time it was read.
+			if err := s.fence(ctx); err != nil {
 				return err
 			}
 		case <-stop:

@@ -138,3 +138,9 @@ type StreamState struct {
 type StreamStater interface {
 	OwnStreamState(ctx context.Context) (StreamState, error)
 }
+
+// Windowed is a sink that knows its own stream's duplicate window (0 before
+// it read the stream).
+type Windowed interface {
+	DuplicateWindow() time.Duration
+}

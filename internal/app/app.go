@@ -522,6 +522,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		Publication:       o.Publication,
 		SubjectPrefix:     o.SubjectPrefix,
 		AppName:           o.AppName,
+		DuplicateWindow:   o.DuplicateWindow,
 		MaxInFlight:       o.MaxInFlight,
 		Linger:            o.Linger,
 		MaxInFlightBytes:  o.MaxInFlightBytes,

@@ -25,7 +25,7 @@ type Metrics struct {
 	BufferedBytes    prometheus.Gauge
 	Handoffs         *prometheus.CounterVec // reason (delayed, rejected, deadline, held): the values internal/relay passes
 	SettleRetries    prometheus.Counter
-	Sessions         *prometheus.CounterVec // result (started, error)
+	Sessions         *prometheus.CounterVec // result (started, error, fenced)
 	SlotOwner        prometheus.Gauge
 	Claims           prometheus.Counter
 	StaleCompletions *prometheus.CounterVec // op (complete, renew, reschedule, fail)
@@ -107,7 +107,7 @@ func New() *Metrics {
 		Name: "outbox_relay_settle_retries_total", Help: "Marks that found their row not yet visible (streamed before visible) and were retried.",
 	})
 	m.Sessions = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "outbox_relay_replication_sessions_total", Help: "Replication sessions started and ended in error (reconnects).",
+		Name: "outbox_relay_replication_sessions_total", Help: "Replication sessions started, ended in error (reconnects), and fenced (ended because WAL read late came from a walsender that no longer held the slot: another instance streams it).",
 	}, []string{"result"})
 	m.SlotOwner = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "outbox_relay_slot_owner", Help: "1 while this instance streams the slot, 0 while standby or reconnecting.",

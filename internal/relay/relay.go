@@ -35,6 +35,10 @@ type Config struct {
 	SubjectPrefix string
 	AppName       string
 
+	// DuplicateWindow is the stream's duplicate window as configured, used
+	// until the sink has read the stream's own (staleAfter).
+	DuplicateWindow time.Duration
+
 	MaxInFlight      int // messages published and not yet acked
 	MaxInFlightBytes int // their bytes: bounds the memory unacked messages hold (the NATS connection buffers nothing while disconnected, app sets ReconnectBufSize(-1))
 	// MaxBufferedBytes bounds every decoded row the session holds, in
@@ -479,6 +483,9 @@ func (r *Relay) Run(ctx context.Context) error {
 		default:
 			r.setRole(RoleReconnecting)
 			r.metrics.Sessions.WithLabelValues("error").Inc()
+			if errors.Is(err, replication.ErrSessionFenced) {
+				r.metrics.Sessions.WithLabelValues("fenced").Inc()
+			}
 			if time.Since(started) > time.Minute {
 				attempt = 0
 			}
@@ -549,8 +556,12 @@ func (r *Relay) session(ctx context.Context) error {
 		RecordBound: func(ctx context.Context, pos replication.LSN) error {
 			return r.store.RaiseConfirmBound(ctx, r.cfg.Slot, ident.SlotLSN, store.LSN(pos))
 		},
-		Bound:  replication.LSN(ident.ConfirmBound),
-		Logger: r.log,
+		Bound: replication.LSN(ident.ConfirmBound),
+		// G18 across instances: WAL that reaches this session after the
+		// server may have dropped it is not published (stream.go, fence).
+		Slots:      r.pool,
+		StaleAfter: r.staleAfter(),
+		Logger:     r.log,
 	}, slot.ConfirmedFlush, &r.stats)
 	if err != nil {
 		return err
@@ -600,6 +611,21 @@ func (r *Relay) session(ctx context.Context) error {
 	// may the deferred Close touch it.
 	<-streamExited
 	return err
+}
+
+// staleAfter is how old the evidence that this session's walsender holds
+// the slot may grow before the stream checks it again: half the stream's
+// duplicate window. A session the server dropped (a partition past
+// wal_sender_timeout, a terminated walsender, a paused process) can still
+// read WAL its walsender sent before: the next instance, streaming the
+// slot, has published it already, and past the window the broker would
+// store it again. Held to half the window, a late copy stays inside it.
+func (r *Relay) staleAfter() time.Duration {
+	w := r.cfg.DuplicateWindow
+	if ws, ok := r.sink.(sinks.Windowed); ok && ws.DuplicateWindow() > 0 {
+		w = ws.DuplicateWindow()
+	}
+	return w / 2
 }
 
 // ensureSlot returns the slot to stream, creating it when missing and

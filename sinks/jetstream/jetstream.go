@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -34,6 +35,7 @@ type Sink struct {
 	js      API
 	binding *binding
 	pub     *publisher
+	window  atomic.Int64 // the own stream's duplicate window as last observed, in nanoseconds
 }
 
 var _ sinks.Sink = (*Sink)(nil)
@@ -271,6 +273,7 @@ func (s *Sink) Observe(info *jetstream.StreamInfo) {
 		return
 	}
 	if info.Config.Name == s.binding.opts.Stream {
+		s.window.Store(int64(info.Config.Duplicates))
 		s.binding.setTTL(info.Config.Name, info.Config.AllowMsgTTL)
 		return
 	}
@@ -278,6 +281,10 @@ func (s *Sink) Observe(info *jetstream.StreamInfo) {
 	s.binding.setTTL(info.Config.Name, info.Config.AllowMsgTTL)
 	s.binding.mu.Unlock()
 }
+
+// DuplicateWindow is the own stream's duplicate window as last observed
+// (Observe), or 0 before the stream was read.
+func (s *Sink) DuplicateWindow() time.Duration { return time.Duration(s.window.Load()) }
 
 // errCodeSubjectOverlap is JetStream's "subjects overlap with an existing
 // stream" (the client library names no constant for it).
