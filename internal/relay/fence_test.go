@@ -119,23 +119,18 @@ func (p *pauseProxy) wait() bool {
 
 func (p *pauseProxy) accept() {
 	defer p.wg.Done()
-	for {
-		c, err := p.ln.Accept()
-		if err != nil {
-			return
-		}
-		s, err := net.Dial("tcp", p.target)
-		if err != nil {
-			c.Close()
-			continue
-		}
+	acceptPairs(p.ln, p.target, func(c, s net.Conn) bool {
 		p.mu.Lock()
+		defer p.mu.Unlock()
+		if p.closed {
+			return false
+		}
 		p.conns[c], p.conns[s] = struct{}{}, struct{}{}
-		p.mu.Unlock()
 		p.wg.Add(2)
 		go p.pipe(c, s)
 		go p.pipe(s, c)
-	}
+		return true
+	})
 }
 
 func (p *pauseProxy) pipe(dst, src net.Conn) {

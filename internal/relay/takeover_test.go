@@ -340,25 +340,13 @@ func (p *crashProxy) addr() string { return p.ln.Addr().String() }
 
 func (p *crashProxy) accept() {
 	defer p.wg.Done()
-	for {
-		c, err := p.ln.Accept()
-		if err != nil {
-			return
-		}
-		s, err := net.Dial("tcp", p.target)
-		if err != nil {
-			c.Close()
-			continue
-		}
+	acceptPairs(p.ln, p.target, func(c, s net.Conn) bool {
 		p.mu.Lock()
+		defer p.mu.Unlock()
 		if p.crashed {
-			p.mu.Unlock()
-			c.Close()
-			s.Close()
-			continue
+			return false
 		}
 		p.conns[c], p.conns[s] = struct{}{}, struct{}{}
-		p.mu.Unlock()
 		p.wg.Add(2)
 		pipe := func(dst, src net.Conn) {
 			defer p.wg.Done()
@@ -368,6 +356,27 @@ func (p *crashProxy) accept() {
 		}
 		go pipe(s, c)
 		go pipe(c, s)
+		return true
+	})
+}
+
+// acceptPairs accepts connections on ln until it is closed, dials target
+// for each, and hands the pair to serve; a pair serve refuses is closed.
+func acceptPairs(ln net.Listener, target string, serve func(client, server net.Conn) bool) {
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		s, err := net.Dial("tcp", target)
+		if err != nil {
+			c.Close()
+			continue
+		}
+		if !serve(c, s) {
+			c.Close()
+			s.Close()
+		}
 	}
 }
 
