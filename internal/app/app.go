@@ -28,6 +28,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/standby"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/replication"
+	"github.com/outbox-relay/outbox-relay/sinks"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
 
@@ -132,6 +133,9 @@ type Options struct {
 	Listening func(addr string)
 	// Started, when set, receives the relay once it is built (tests read its role).
 	Started func(r *relay.Relay)
+	// CDCSink, when set, wraps the CDC path's sink (tests make the broker
+	// fail in ways a real one does only by chance).
+	CDCSink func(*natssink.Sink) sinks.Sink
 }
 
 // NATSAuth holds the broker's credentials and TLS files; empty fields are
@@ -343,6 +347,13 @@ func (o *Options) pollerConfig(connected func() bool) poller.Config {
 	return c.WithDefaults()
 }
 
+func (o *Options) wrapCDCSink(s *natssink.Sink) sinks.Sink {
+	if o.CDCSink != nil {
+		return o.CDCSink(s)
+	}
+	return s
+}
+
 // sinkOptions says where the sinks may publish: the relay's stream and the
 // streams --allow-stream names.
 func (o *Options) sinkOptions() natssink.Options {
@@ -544,7 +555,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 
 		AtomicTransactions: o.AtomicTransactions,
 		AtomicBatchMax:     o.AtomicBatchMax,
-	}, pool, st, cdcSink, log, m)
+	}, pool, st, o.wrapCDCSink(cdcSink), log, m)
 	// A broker that comes back may have lost what it acknowledged (G19):
 	// check at once rather than at the next --lost-check-interval.
 	reconnected := nc.Opts.ReconnectedCB

@@ -531,7 +531,9 @@ func (l *loop) handleEvent(ctx context.Context, ev replication.Event, confirms c
 		}
 		if !l.readBackDone {
 			l.readBackDone = true
-			l.startReadBack(ctx, ev.CommitTime, l.cp.Confirmed())
+			if err := l.startReadBack(ctx, ev.CommitTime, l.cp.Confirmed()); err != nil {
+				return err
+			}
 		}
 		l.cur = l.cp.Begin(ev.Xid, ev.CommitLSN)
 		l.cur.CommitTime = ev.CommitTime

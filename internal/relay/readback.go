@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	"github.com/jackc/pglogrepl"
@@ -55,60 +56,87 @@ type storedMsg struct {
 
 // startReadBack reads the stream back before the session's first publish:
 // first is the first replayed transaction's commit time, confirmed the
-// slot's position the session started from.
-func (l *loop) startReadBack(ctx context.Context, first time.Time, confirmed replication.LSN) {
+// slot's position the session started from. A read that fails is tried
+// again, each attempt bounded by readBackAttempt, for up to
+// readBackTimeout; then the session ends as in an outage rather than
+// publish what it could not check: past the duplicate window each replayed
+// row would be stored again (a read hung across a cut NATS connection for
+// its whole minute, and the replay after it stored 119 rows twice: chaos
+// seed 1796245287009604072).
+func (l *loop) startReadBack(ctx context.Context, first time.Time, confirmed replication.LSN) error {
 	reader, ok := l.r.sink.(sinks.StoredReader)
 	if !ok || l.r.cfg.ReadBackLimit < 0 {
-		return
+		return nil
 	}
 	since := first.Add(-readBackMargin)
 	started := time.Now()
-	rb := &readBack{stored: map[string]storedMsg{}}
-	rctx, cancel := context.WithTimeout(ctx, readBackTimeout)
-	defer cancel()
-	read, complete, err := reader.StoredSince(rctx, since, l.r.cfg.ReadBackLimit, func(m sinks.Stored) bool {
-		lsn, err := pglogrepl.ParseLSN(firstHeader(m.Header, wire.HeaderCommitLSN))
-		if err == nil && lsn < confirmed {
-			// Confirmed, not replayed. PostgreSQL skips only the
-			// transactions whose commit record starts before the
-			// confirmed position; one that starts at it (the end of its
-			// predecessor's, when its rows were written before that one
-			// committed) is replayed and must be found.
+	var rb *readBack
+	var read int
+	var complete bool
+	var err error
+	for attempt := 1; ; attempt++ {
+		rb = &readBack{stored: map[string]storedMsg{}}
+		rctx, cancel := context.WithTimeout(ctx, min(readBackAttempt, readBackTimeout-time.Since(started)))
+		read, complete, err = reader.StoredSince(rctx, since, l.r.cfg.ReadBackLimit, func(m sinks.Stored) bool {
+			lsn, err := pglogrepl.ParseLSN(firstHeader(m.Header, wire.HeaderCommitLSN))
+			if err == nil && lsn < confirmed {
+				// Confirmed, not replayed. PostgreSQL skips only the
+				// transactions whose commit record starts before the
+				// confirmed position; one that starts at it (the end of its
+				// predecessor's, when its rows were written before that one
+				// committed) is replayed and must be found.
+				return true
+			}
+			if err != nil {
+				lsn = 0
+			}
+			rb.stored[m.ID] = storedMsg{stream: m.Stream, seq: m.Seq, lsn: lsn}
+			rb.upTo = max(rb.upTo, lsn)
 			return true
+		})
+		cancel()
+		l.r.metrics.ReadBackMessages.Add(float64(read))
+		if err == nil || ctx.Err() != nil || time.Since(started)+readBackRetryWait >= readBackTimeout {
+			break
 		}
-		if err != nil {
-			lsn = 0
+		l.r.log.Warn().Err(err).Int("attempt", attempt).Msg("could not read the stream back before replaying; trying again")
+		select {
+		case <-ctx.Done():
+		case <-time.After(readBackRetryWait):
 		}
-		rb.stored[m.ID] = storedMsg{stream: m.Stream, seq: m.Seq, lsn: lsn}
-		rb.upTo = max(rb.upTo, lsn)
-		return true
-	})
+	}
 	took := time.Since(started)
-	l.r.metrics.ReadBackMessages.Add(float64(read))
 	l.r.metrics.ReadBackSeconds.Set(took.Seconds())
+	if err != nil {
+		return fmt.Errorf("%w: read the stream back before replaying (G18), for %s: %w; the session ends without publishing and starts again (the replay it could not check would be stored twice past the duplicate window). "+
+			"If the relay's NATS user may not create consumers on the stream, grant it, or turn the read-back off with --readback-limit 0 (then only the duplicate window drops the repeats)",
+			errOutage, took.Round(time.Millisecond), err)
+	}
 	ev := l.r.log.Info()
-	switch {
-	case err != nil:
-		ev = l.r.log.Warn().Err(err)
-	case !complete:
+	if !complete {
 		ev = l.r.log.Warn()
 	}
-	ev.Time("since", since).Int("read", read).Int("stored", len(rb.stored)).Bool("complete", err == nil && complete).
-		Dur("took", took).Msg(readBackMessage(err, complete))
+	ev.Time("since", since).Int("read", read).Int("stored", len(rb.stored)).Bool("complete", complete).
+		Dur("took", took).Msg(readBackMessage(complete))
 	if len(rb.stored) > 0 {
 		l.readBack = rb
 	}
+	return nil
 }
 
-func readBackMessage(err error, complete bool) string {
-	switch {
-	case err != nil:
-		return "could not read the stream back before replaying: rows published before the restart are published again, and only the duplicate window drops the repeats"
-	case !complete:
+func readBackMessage(complete bool) string {
+	if !complete {
 		return "read the stream back up to --readback-limit only: replayed rows past it are published again, and only the duplicate window drops the repeats"
 	}
 	return "read the stream back before replaying: replayed rows found stored are settled, not published again"
 }
+
+// readBackAttempt bounds one attempt of the read; readBackRetryWait is the
+// pause between attempts.
+const (
+	readBackAttempt   = 15 * time.Second
+	readBackRetryWait = 500 * time.Millisecond
+)
 
 // readBackTimeout bounds the read: a broker too slow to answer in it is
 // left to the duplicate window.
