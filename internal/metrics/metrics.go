@@ -140,7 +140,7 @@ func New() *Metrics {
 		Name: "outbox_relay_slots_created_total", Help: "Replication slots this instance created (first start, dropped or invalidated slot); each is followed by a backfill.",
 	})
 	m.UncertainResolved = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "outbox_relay_uncertain_resolved_total", Help: "Rows whose last attempt was uncertain, looked up in the stream before the poller published them again, by outcome: found (settled as published, not sent again), not_found (published), inconclusive (the lookup hit its bound or failed: published, repeats left to the duplicate window).",
+		Name: "outbox_relay_uncertain_resolved_total", Help: "Rows whose last attempt was uncertain, looked up in the stream before the poller published them again, by outcome: found (settled as published, not sent again), not_found (published), inconclusive (the lookup hit its bound: published, repeats left to the duplicate window), lookup_failed (the lookup failed: the batch given back unpublished, looked up again at its next claim).",
 	}, []string{"outcome"})
 	m.DeadLetters = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "outbox_relay_dead_letters_total", Help: "Rows the poller moved to failed, by class (rejected, uncertain).",

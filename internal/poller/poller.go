@@ -424,7 +424,11 @@ func (p *Poller) process(ctx context.Context, claimed []store.Claimed) error {
 
 	// The rows found stored are completed beside the acked ones; the
 	// lease keeper goes on holding every claim of the batch until then.
-	toPublish, found := p.resolveUncertain(wctx, claimed)
+	toPublish, found, err := p.resolveUncertain(wctx, claimed)
+	if err != nil {
+		p.giveBackUnchecked(wctx, claimed, err)
+		return nil
+	}
 	singles, runs := p.split(toPublish)
 	// Each run of an aggregate is published in sequence order, one row at
 	// a time, beside the rest of the batch (see publishRun).
@@ -609,10 +613,7 @@ func (p *Poller) giveBack(ctx context.Context, blocker store.Claimed, rest []sto
 	if len(rest) == 0 {
 		return
 	}
-	items := make([]store.Unclaimed, len(rest))
-	for i, c := range rest {
-		items[i] = store.Unclaimed{WorkID: c.WorkID, Generation: c.ClaimGeneration, Reclaimed: c.Reclaimed}
-	}
+	items := unclaimed(rest)
 	why := "held: waiting for " + blocker.WorkID + " (an earlier row of aggregate " + store.AggregateKey{Type: blocker.AggregateType, ID: blocker.AggregateID}.String() + ")"
 	released, err := p.st.Release(ctx, items, p.cfg.WorkerID, why)
 	if err != nil {
@@ -655,10 +656,7 @@ func (p *Poller) waitStandbys(ctx, wctx context.Context, claimed []store.Claimed
 	if ctx.Err() == nil || wctx.Err() != nil {
 		return false, fmt.Errorf("wait for the standbys to flush the claimed rows: %w", err)
 	}
-	items := make([]store.Unclaimed, len(claimed))
-	for i, c := range claimed {
-		items[i] = store.Unclaimed{WorkID: c.WorkID, Generation: c.ClaimGeneration, Reclaimed: c.Reclaimed}
-	}
+	items := unclaimed(claimed)
 	rctx, rcancel := context.WithTimeout(wctx, 5*time.Second)
 	defer rcancel()
 	released, rerr := p.st.Release(rctx, items, p.cfg.WorkerID, "released unpublished: the relay stopped while the claim waited for the standbys (--standby-slot)")
@@ -669,6 +667,22 @@ func (p *Poller) waitStandbys(ctx, wctx context.Context, claimed []store.Claimed
 	}
 	p.log.Info().Int("claims", len(released)).Msg("stopping while a claimed batch waited for the standbys: gave the unpublished claims back")
 	return false, nil
+}
+
+// giveBackUnchecked returns a batch unpublished whose uncertain rows could not be
+// looked up in the stream: past the duplicate window a row the broker did
+// store would be stored twice. The claims go back without counting an
+// attempt and keep their notes; the next claim looks again.
+func (p *Poller) giveBackUnchecked(ctx context.Context, claimed []store.Claimed, why error) {
+	items := unclaimed(claimed)
+	rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	released, err := p.st.Release(rctx, items, p.cfg.WorkerID, "")
+	ev := p.noisy.Warn().Err(why).Int("claims", len(items)).Int("given_back", len(released))
+	if err != nil {
+		ev = ev.AnErr("give_back_error", err)
+	}
+	ev.Msg("could not look the batch's uncertain rows up in the stream: gave the batch back unpublished, the next claim looks again (the rows not given back are reclaimed when their leases expire; repeats are sampled)")
 }
 
 // keepLeases renews the batch's leases every third of the lease until stop
@@ -780,4 +794,13 @@ func (p *Poller) stale(op, workID string, gen int64) {
 	p.m.StaleCompletions.WithLabelValues(op).Inc()
 	p.noisy.Warn().Str("op", op).Str("work_id", workID).Int64("claim_generation", gen).
 		Msg("claim expired or superseded: the guarded update matched no row; leaving it to the newer claim")
+}
+
+// unclaimed is the claims cs as Release takes them.
+func unclaimed(cs []store.Claimed) []store.Unclaimed {
+	items := make([]store.Unclaimed, len(cs))
+	for i, c := range cs {
+		items[i] = store.Unclaimed{WorkID: c.WorkID, Generation: c.ClaimGeneration, Reclaimed: c.Reclaimed}
+	}
+	return items
 }

@@ -2,6 +2,7 @@ package poller
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"time"
 
@@ -51,11 +52,14 @@ func (p *Poller) uncertainSince(c store.Claimed) (time.Time, bool) {
 // the earliest of their attempts on, reading at most LookupLimit messages:
 // past that bound (or when the lookup fails) the rows not found are
 // inconclusive and published with their Nats-Msg-Id as before, the
-// broker's duplicate window the only guard left.
-func (p *Poller) resolveUncertain(ctx context.Context, claimed []store.Claimed) (rest []store.Claimed, found []store.Completion) {
+// broker's duplicate window the only guard left. A lookup that fails
+// returns its error and nothing else: the caller gives the whole batch back
+// unpublished (a row held back alone could let the rest of its aggregate
+// overtake it), and the next claim looks again.
+func (p *Poller) resolveUncertain(ctx context.Context, claimed []store.Claimed) (rest []store.Claimed, found []store.Completion, err error) {
 	finder, ok := p.sink.(sinks.Finder)
 	if !ok || p.cfg.LookupLimit < 0 {
-		return claimed, nil
+		return claimed, nil, nil
 	}
 	var want []sinks.Wanted
 	var since time.Time
@@ -75,7 +79,7 @@ func (p *Poller) resolveUncertain(ctx context.Context, claimed []store.Claimed) 
 		}
 	}
 	if len(want) == 0 {
-		return claimed, nil
+		return claimed, nil, nil
 	}
 	limit := p.cfg.LookupLimit
 	if limit == 0 {
@@ -84,9 +88,8 @@ func (p *Poller) resolveUncertain(ctx context.Context, claimed []store.Claimed) 
 	started := time.Now()
 	stored, complete, err := finder.FindStored(ctx, want, since, limit)
 	if err != nil {
-		complete = false
-		p.noisy.Warn().Err(err).Int("rows", len(want)).
-			Msg("could not look uncertain rows up in the stream; publishing them again, repeats left to the duplicate window (repeats are sampled)")
+		p.m.UncertainResolved.WithLabelValues("lookup_failed").Add(float64(len(want)))
+		return nil, nil, fmt.Errorf("look %d uncertain rows up in the stream: %w", len(want), err)
 	}
 	rest = make([]store.Claimed, 0, len(claimed))
 	for _, c := range claimed {
@@ -110,6 +113,6 @@ func (p *Poller) resolveUncertain(ctx context.Context, claimed []store.Claimed) 
 	}
 	ev.Int("rows", len(want)).Int("found", len(found)).Int(outcome, notFound).Time("since", since).Int("limit", limit).
 		Dur("took", time.Since(started)).
-		Msg("looked uncertain rows up in the stream before publishing them again: found ones are settled as published; the others are published (inconclusive: the lookup hit its bound or failed, repeats are left to the duplicate window)")
-	return rest, found
+		Msg("looked uncertain rows up in the stream before publishing them again: found ones are settled as published; the others are published (inconclusive: the lookup hit its bound, repeats are left to the duplicate window)")
+	return rest, found, nil
 }

@@ -2,7 +2,9 @@ package poller_test
 
 import (
 	"context"
+	"errors"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -11,6 +13,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/poller"
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/sinks"
 )
 
 // G18: a row whose last attempt was uncertain is looked up in the stream
@@ -125,4 +128,75 @@ func (f *fixture) shortDuplicateWindow(t *testing.T) {
 	if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// A lookup that fails publishes nothing of the batch (G18): the uncertain
+// row the broker did store, past a 1 s window, would be stored twice. The
+// claims go back without counting an attempt and keep their notes; once
+// the lookup works, the stored row is settled from the stream and the
+// plain row beside it published, each once.
+func TestPollerGivesBackWhatItCouldNotLookUp(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	f.shortDuplicateWindow(t)
+	m := nats.NewMsg(f.prefix + "k")
+	m.Header.Set(jetstream.MsgIDHeader, "in")
+	m.Data = []byte(`{}`)
+	if _, err := f.js.PublishMsg(ctx, m); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(1500 * time.Millisecond) // past the duplicate window
+	if _, err := f.pool.Exec(ctx, `INSERT INTO outbox (work_id, kind, payload, state, attempts, last_error, available_at) VALUES
+		('in', 'k', '{}', 'scheduled', 1, 'uncertain: no ack in time', clock_timestamp() - interval '1 second'),
+		('plain', 'k', '{}', 'scheduled', 1, 'rejected: x', clock_timestamp() - interval '1 second')`); err != nil {
+		t.Fatal(err)
+	}
+	var failing atomic.Bool
+	failing.Store(true)
+	p, met := f.pollerWithSink("w1", poller.Config{}.WithDefaults(), func(s sinks.Sink) sinks.Sink {
+		return failingFinder{Sink: s, finder: s.(sinks.Finder), failing: &failing}
+	})
+	pollOnce(t, p)
+	if n := streamMsgs(t, f.js, f.stream); n != 1 {
+		t.Fatalf("stream holds %d messages after the failed lookup, want 1: the batch was published", n)
+	}
+	for id, note := range map[string]string{"in": "uncertain: no ack in time", "plain": "rejected: x"} {
+		var state, lastError string
+		var attempts int
+		if err := f.pool.QueryRow(ctx, `SELECT state, attempts, last_error FROM outbox WHERE work_id = $1`, id).Scan(&state, &attempts, &lastError); err != nil {
+			t.Fatal(err)
+		}
+		if state != "scheduled" || attempts != 1 || lastError != note {
+			t.Errorf("%s: %s, %d attempts, %q; want scheduled, 1 attempt, %q (given back as it was)", id, state, attempts, lastError, note)
+		}
+	}
+	if got := counter(t, met.UncertainResolved.WithLabelValues("lookup_failed")); got != 1 {
+		t.Errorf("lookup_failed %v, want 1", got)
+	}
+
+	failing.Store(false)
+	pollOnce(t, p)
+	if n := streamMsgs(t, f.js, f.stream); n != 2 {
+		t.Fatalf("stream holds %d messages, want 2 (in once, plain once)", n)
+	}
+	if r := f.row("in"); r.state != "published" || !strings.HasPrefix(r.lastError, "found:") {
+		t.Errorf("in: %+v, want published with a found note", r)
+	}
+	if r := f.row("plain"); r.state != "published" {
+		t.Errorf("plain: %+v, want published", r)
+	}
+}
+
+// failingFinder is a sink whose stream lookup fails while failing is set.
+type failingFinder struct {
+	sinks.Sink
+	finder  sinks.Finder
+	failing *atomic.Bool
+}
+
+func (f failingFinder) FindStored(ctx context.Context, want []sinks.Wanted, since time.Time, limit int) (map[string]sinks.Stored, bool, error) {
+	if f.failing.Load() {
+		return nil, false, errors.New("find stored messages: test failure")
+	}
+	return f.finder.FindStored(ctx, want, since, limit)
 }

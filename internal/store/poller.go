@@ -255,7 +255,9 @@ type Unclaimed struct {
 
 // Release gives claims of workerID back to the poller without counting an
 // attempt: the rows were never published by these claims. Each row goes
-// back to 'scheduled', due as it was, with lastError saying why. Guarded
+// back to 'scheduled', due as it was, with lastError saying why (empty:
+// the row keeps its last_error, such as the uncertain: or lost: note that
+// makes the next claim look it up in the stream first). Guarded
 // like Complete; it returns the work IDs it changed.
 func (s *Store) Release(ctx context.Context, items []Unclaimed, workerID, lastError string) ([]string, error) {
 	if len(items) == 0 {
@@ -284,7 +286,7 @@ func (s *Store) Release(ctx context.Context, items []Unclaimed, workerID, lastEr
 // releaseSQL is Release's statement, planned like completeSQL: $1 work IDs,
 // $2 worker, $3 claim generations, $4 attempts to take back, $5 last_error.
 func releaseSQL(t Table) string {
-	return `UPDATE ` + t.String() + ` AS t SET state = 'scheduled', attempts = t.attempts - u.undo, last_error = $5,
+	return `UPDATE ` + t.String() + ` AS t SET state = 'scheduled', attempts = t.attempts - u.undo, last_error = coalesce(nullif($5, ''), t.last_error),
 			claimed_by = NULL, lease_until = NULL
 		FROM unnest($1::text[], $3::bigint[], $4::int[]) AS u(work_id, gen, undo)
 		WHERE t.work_id = u.work_id AND t.claim_generation = u.gen AND ` + batchGuard + `
