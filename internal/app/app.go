@@ -486,7 +486,9 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		Replicas: o.StreamReplicas, NoCreate: o.NoCreateStream, MsgTTL: o.DeadlineTTL, AtomicPublish: o.AtomicTransactions}
 	// Each sink has its own pending publishes: the two paths never wait
 	// behind each other's acks.
-	pollSink, cdcSink := natssink.New(js, o.sinkOptions()), natssink.New(js, o.sinkOptions())
+	pollOpts, cdcOpts := o.sinkOptions(), o.sinkOptions()
+	pollOpts.Pending, cdcOpts.Pending = max(o.PollBatch, 1)*(o.PollPipeline+1), o.MaxInFlight
+	pollSink, cdcSink := natssink.New(js, pollOpts), natssink.New(js, cdcOpts)
 	contract := newContractCheck(o, nc, log, m)
 	ensureStream := func(ctx context.Context) error {
 		sctx, cancel := context.WithTimeout(ctx, 10*time.Second)

@@ -39,6 +39,11 @@ type Options struct {
 	// DeadlineTTL: a message with a deadline carries Nats-TTL, the time
 	// left until it, when its stream allows per-message TTL (G21).
 	DeadlineTTL bool
+	// Pending is how many publishes the caller keeps waiting for at most
+	// (the CDC path's --max-in-flight, the poller's batches in flight): the
+	// channel the answers wait in holds twice as many (at least
+	// minReplyBuffer), so none is dropped while its waiter is busy.
+	Pending int
 }
 
 // DefaultBindingRefresh is how long the allowed streams' subject lists are

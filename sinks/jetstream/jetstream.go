@@ -49,7 +49,7 @@ func New(js API, o Options) *Sink {
 	if timeout <= 0 {
 		timeout = DefaultAckTimeout
 	}
-	return &Sink{js: js, binding: newBinding(o), pub: newPublisher(js.Conn(), timeout)}
+	return &Sink{js: js, binding: newBinding(o), pub: newPublisher(js.Conn(), timeout, replyBuffer(o.Pending))}
 }
 
 // Publish implements sinks.Sink.
@@ -104,10 +104,19 @@ func (s *Sink) prepare(ctx context.Context, m *wire.Message) (*future, error) {
 // Wait implements sinks.Future.
 func (f *future) Wait(ctx context.Context) (sinks.Ack, error) {
 	if ch := f.done(); ch != nil {
-		select {
-		case <-ch:
-		case <-ctx.Done():
-			return sinks.Ack{}, ctx.Err()
+		// Waiting, it takes the answers as they come (pump): its own
+		// among them, or the sweep's timeout or a disconnect on ch.
+		replies := f.sink.pub.replies
+	wait:
+		for {
+			select {
+			case <-ch:
+				break wait
+			case m := <-replies:
+				f.sink.pub.handle(m)
+			case <-ctx.Done():
+				return sinks.Ack{}, ctx.Err()
+			}
 		}
 	}
 	if f.err == nil {

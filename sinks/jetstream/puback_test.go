@@ -155,7 +155,7 @@ func TestParseToken(t *testing.T) {
 // The ring keeps pending publishes by token through growth and out-of-order
 // answers, and the sweep fails exactly the overdue ones, oldest first.
 func TestPendingRing(t *testing.T) {
-	p := newPublisher(nil, 1<<40)
+	p := newPublisher(nil, 1<<40, minReplyBuffer)
 	p.timer = timerForTest(t)
 	var fs []*future
 	for range 1000 {

@@ -49,7 +49,15 @@ type publisher struct {
 	armed       bool   // timer is set, or its function is about to run
 	disconnects uint64 // RECONNECTING events seen
 
-	acks ackParser // the reply subscription's goroutine only
+	// replies is the reply subscription's channel. nats.go's read loop
+	// puts each answer there, and whoever waits for a future takes them
+	// (pump): one goroutine hand-off per answer instead of two (a callback
+	// subscription runs on a goroutine of its own, which then wakes the
+	// waiter).
+	replies chan *nats.Msg
+	buffer  int       // replies' capacity
+	acks    ackParser // under pumpMu
+	pumpMu  sync.Mutex
 
 	// Atomic batches' IDs: batchPrefix (random, set once) and a counter.
 	batchOnce   sync.Once
@@ -65,8 +73,8 @@ const (
 	noRespondersWait    = jetstream.DefaultPubRetryWait
 )
 
-func newPublisher(nc *nats.Conn, timeout time.Duration) *publisher {
-	return &publisher{nc: nc, timeout: timeout, epoch: time.Now(), ring: make([]*future, 64)}
+func newPublisher(nc *nats.Conn, timeout time.Duration, buffer int) *publisher {
+	return &publisher{nc: nc, timeout: timeout, epoch: time.Now(), ring: make([]*future, 64), buffer: buffer}
 }
 
 func (p *publisher) now() int64 { return int64(time.Since(p.epoch)) }
@@ -81,9 +89,11 @@ func (p *publisher) start() error {
 		return nats.ErrInvalidConnection
 	}
 	prefix := p.nc.NewInbox() + "."
-	if _, err := p.nc.Subscribe(prefix+"*", func(m *nats.Msg) { p.handle(m, len(prefix)) }); err != nil {
+	replies := make(chan *nats.Msg, p.buffer)
+	if _, err := p.nc.ChanSubscribe(prefix+"*", replies); err != nil {
 		return err
 	}
+	p.replies = replies
 	p.prefix, p.started = prefix, true
 	p.timer = time.AfterFunc(time.Hour, p.sweep)
 	p.timer.Stop()
@@ -172,10 +182,37 @@ func (p *publisher) remove(f *future, token uint64) bool {
 	return true
 }
 
-// handle is the reply subscription's handler: it resolves the publish the
-// reply subject names.
-func (p *publisher) handle(m *nats.Msg, prefixLen int) {
-	token, ok := parseToken(m.Subject, prefixLen)
+// replyBuffer is how many answers the reply channel holds for a caller
+// that keeps pending publishes at most: past it nats.go drops an answer (a
+// slow consumer; its publish then times out, an uncertain outcome, never a
+// loss). A caller waits whenever its publishes are pending, and the sweep
+// and the disconnect watch take what is there before failing any, so the
+// channel holds at most the answers that came while the waiter was busy.
+func replyBuffer(pending int) int {
+	return max(minReplyBuffer, 2*pending)
+}
+
+// minReplyBuffer: 128 KB of pointers.
+const minReplyBuffer = 1 << 14
+
+// take handles every answer already in, without waiting.
+func (p *publisher) take() {
+	if p.replies == nil {
+		return
+	}
+	for {
+		select {
+		case m := <-p.replies:
+			p.handle(m)
+		default:
+			return
+		}
+	}
+}
+
+// handle resolves the publish the reply subject names.
+func (p *publisher) handle(m *nats.Msg) {
+	token, ok := parseToken(m.Subject, len(p.prefix))
 	if !ok {
 		return
 	}
@@ -206,7 +243,10 @@ func (p *publisher) handle(m *nats.Msg, prefixLen int) {
 		return
 	}
 	p.mu.Unlock()
-	f.resolve(p.acks.parse(m.Data))
+	p.pumpMu.Lock()
+	ack, err := p.acks.parse(m.Data)
+	p.pumpMu.Unlock()
+	f.resolve(ack, err)
 }
 
 // retry publishes f again after no responders, unless the connection was
@@ -227,6 +267,7 @@ func (p *publisher) retry(f *future, gen uint64) {
 // sweep is the timer's function: it fails the publishes whose ack timeout
 // passed and sets the timer for the oldest one left.
 func (p *publisher) sweep() {
+	p.take() // an answer waiting in the channel is not a timeout
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	now := p.now()
@@ -255,6 +296,7 @@ func (p *publisher) watch(ch chan nats.Status) {
 		if st == nats.CLOSED {
 			return
 		}
+		p.take() // answers read before the connection went
 		p.mu.Lock()
 		p.disconnects++
 		mask := uint64(len(p.ring) - 1)
@@ -349,7 +391,15 @@ func (f *future) settle(ack sinks.Ack, err error) {
 }
 
 // Ready implements sinks.Ready.
-func (f *future) Ready() bool { return f.state.Load() == stateDone }
+func (f *future) Ready() bool {
+	if f.state.Load() == stateDone {
+		return true
+	}
+	if f.sink != nil {
+		f.sink.pub.take()
+	}
+	return f.state.Load() == stateDone
+}
 
 var _ sinks.Ready = (*future)(nil)
 

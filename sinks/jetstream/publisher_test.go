@@ -507,3 +507,45 @@ func mustPublish(t *testing.T, s *natssink.Sink, id, subject string) sinks.Futur
 	}
 	return fut
 }
+
+// The answers wait in a channel until someone waits for a future: a caller
+// busy for longer than the ack timeout (a statement, a slow mark) still
+// gets the broker's acks, not timeouts for messages that were stored.
+func TestAnswersNobodyWaitedForAreNotTimeouts(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	const timeout = 300 * time.Millisecond
+	sink := natssink.New(f.js, natssink.Options{Stream: f.stream, SubjectPrefix: f.prefix, AckTimeout: timeout, Pending: 50})
+	var futs []sinks.Future
+	for i := range 50 {
+		id := fmt.Sprintf("busy-%d", i)
+		fut, err := sink.Publish(ctx, &wire.Message{ID: id, Subject: f.prefix + "busy", Data: []byte(id)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		futs = append(futs, fut)
+	}
+	time.Sleep(3 * timeout) // nobody waits: the sweep runs meanwhile
+	seen := map[uint64]bool{}
+	for i, fut := range futs {
+		ack, err := waitFor(t, fut)
+		if err != nil {
+			t.Fatalf("publish %d: %v, want its ack", i, err)
+		}
+		if ack.Duplicate || seen[ack.Sequence] {
+			t.Fatalf("publish %d: %+v", i, ack)
+		}
+		seen[ack.Sequence] = true
+	}
+	st, err := f.js.Stream(ctx, f.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := st.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.State.Msgs != 50 {
+		t.Fatalf("stream holds %d messages, want 50", info.State.Msgs)
+	}
+}
