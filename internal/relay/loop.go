@@ -697,24 +697,20 @@ func (l *loop) free(it *item) {
 	it.held = 0
 }
 
-// collect waits for every future in publish order. Waiting in order costs
-// little (acks mostly arrive in order) and checks every single one: a
-// completed batch can hold failures. Answers already in when one arrives
-// go to the loop with it, so a busy stream wakes the loop once per group of
-// acks rather than once per ack.
+// collect waits for every future in publish order and hands the answers
+// to the loop in groups. A group is what was published before its first
+// answer was waited for: the collector waits for its last message first
+// (acks mostly arrive in order, so the others are in by then), then checks
+// each in order (a completed group can hold failures). A trickle of small
+// transactions then wakes the collector and the loop once per group the
+// stream handed over, not once per ack.
 func (l *loop) collect(ctx context.Context) {
 	defer l.wg.Done()
-	var next *item
 	for {
-		it := next
-		next = nil
-		if it == nil {
-			var ok bool
-			if it, ok = <-l.queue; !ok {
-				return
-			}
+		it, ok := <-l.queue
+		if !ok {
+			return
 		}
-		it.ack, it.err = it.fut.Wait(ctx)
 		batch := append(make([]*item, 0, 16), it)
 	more:
 		for len(batch) < maxCollect {
@@ -723,15 +719,15 @@ func (l *loop) collect(ctx context.Context) {
 				if !ok {
 					break more
 				}
-				if r, isReady := n.fut.(sinks.Ready); !isReady || !r.Ready() {
-					next = n
-					break more
-				}
-				n.ack, n.err = n.fut.Wait(ctx)
 				batch = append(batch, n)
 			default:
 				break more
 			}
+		}
+		last := batch[len(batch)-1]
+		last.ack, last.err = last.fut.Wait(ctx)
+		for _, n := range batch[:len(batch)-1] {
+			n.ack, n.err = n.fut.Wait(ctx)
 		}
 		select {
 		case l.results <- batch:
