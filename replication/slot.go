@@ -51,6 +51,7 @@ func Connect(ctx context.Context, connString, appName string) (*pgconn.PgConn, e
 	if appName != "" {
 		cfg.RuntimeParams["application_name"] = appName
 	}
+	cfg.AfterNetConnect = wrapDrainable
 	cfg.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
 		return &pgconn.DeadlineContextWatcherHandler{Conn: c.Conn()}
 	}

@@ -236,6 +236,7 @@ func Start(ctx context.Context, conn *pgconn.PgConn, cfg StreamConfig, slotConfi
 // message. The receiver owns a batch and may hand it back with ReleaseBatch.
 func (s *Stream) Run(ctx context.Context, out chan<- []Event, confirms <-chan pglogrepl.LSN, stop <-chan struct{}) error {
 	r := &run{s: s, ctx: ctx, out: out, confirms: confirms, stop: stop, netConn: s.conn.Conn()}
+	r.drainer, _ = r.netConn.(*drainConn)
 	r.ticker = time.NewTicker(s.cfg.StatusInterval)
 	defer r.ticker.Stop()
 	r.nextStatus = time.Now().Add(s.cfg.StatusInterval)
@@ -277,6 +278,7 @@ type run struct {
 	ticker      *time.Ticker
 	nextStatus  time.Time
 	netConn     net.Conn
+	drainer     *drainConn // the socket, when it can be drained without waiting; nil: by a short deadline
 	interrupted atomic.Bool
 	deadline    time.Time // the socket's read deadline
 	lingerUntil time.Time // when the batch's first commit has waited Linger; zero: none waits
@@ -355,7 +357,14 @@ func (r *run) step() error {
 	if err := r.setDeadline(); err != nil {
 		return err
 	}
+	drain := r.draining && r.drainer != nil
+	if drain {
+		r.drainer.draining.Store(true)
+	}
 	msg, err := s.conn.ReceiveMessage(context.Background())
+	if drain {
+		r.drainer.draining.Store(false)
+	}
 	if err != nil {
 		return r.receiveFailed(err)
 	}
