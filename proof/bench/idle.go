@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"runtime/pprof"
+	"runtime/trace"
 	"syscall"
 	"time"
 
@@ -258,10 +259,22 @@ func (b *bench) profiledLive(ctx context.Context) (Result, error) {
 	if err := pprof.StartCPUProfile(f); err != nil {
 		return r, err
 	}
+	if b.cfg.Trace != "" {
+		tf, err := os.Create(b.cfg.Trace)
+		if err != nil {
+			return r, err
+		}
+		defer tf.Close()
+		if err := trace.Start(tf); err != nil {
+			return r, err
+		}
+		defer trace.Stop()
+	}
 	el, err := l.run(ctx)
 	if err == nil {
 		err = col.wait(ctx, drainTimeout(n))
 	}
+	trace.Stop()
 	pprof.StopCPUProfile()
 	if err != nil {
 		return r, err

@@ -58,6 +58,7 @@ type Config struct {
 	JSONPath     string
 	PlotPath     string
 	CPUProfile   string // profile one in-process CDC backlog drain into this file
+	Trace        string // with CPUProfile: an execution trace of the same run (goroutine wake-ups: go tool trace)
 	Keep         bool   // keep the children's logs
 	// RelayPGOptions are server settings for the relay's sessions, e.g.
 	// "-c plan_cache_mode=force_custom_plan" (an experiment, not a default).

@@ -46,6 +46,7 @@ func main() {
 	fs.StringVar(&c.JSONPath, "json", "", "write all results as JSON here")
 	fs.StringVar(&c.PlotPath, "plot", "", "write a PNG here: latency histogram and throughput over time of the live cases")
 	fs.StringVar(&c.CPUProfile, "cpuprofile", "", "run one more CDC backlog drain with the relay in-process and write its CPU profile here")
+	fs.StringVar(&c.Trace, "trace", "", "with -cpuprofile: write an execution trace of the profiled run here (goroutine wake-ups, for go tool trace)")
 	fs.StringVar(&c.MemProfile, "memprofile", "", "with -cpuprofile: write the in-process relay's heap profile here at the moment every message is acked")
 	fs.BoolVar(&c.Keep, "keep", false, "keep the relay's and the polling publisher's logs (their directory is printed)")
 	fs.StringVar(&c.ProfileCase, "profile-case", bench.CDCBacklog, "with -cpuprofile: which case to run with the relay in-process (cdc-backlog or cdc-live)")
