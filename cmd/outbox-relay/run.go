@@ -28,7 +28,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 		lease, backoffMin, backoffMax, pollInterval                 time.Duration
 		maxAttempts, pollBatch, pollPipeline                        int
 		statsInterval                                               time.Duration
-		createStream, deadlineTTL, atomicTx                         bool
+		createStream, deadlineTTL, atomicTx, adaptiveProcs          bool
 		atomicBatchMax                                              int
 		natsMonitorURL                                              string
 		readBackLimit                                               int
@@ -59,6 +59,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs.IntVar(&maxInFlightBytes, "max-in-flight-bytes", relay.DefaultMaxInFlightBytes, "bytes published and not yet acked")
 	fs.IntVar(&maxBufferedBytes, "max-buffered-bytes", relay.DefaultMaxBufferedBytes, "bytes of decoded rows the CDC path holds in all (read, held for a standby, in flight); reading WAL pauses at this bound (a single larger row passes alone)")
 	fs.DurationVar(&linger, "linger", relay.DefaultLinger, "how long a committed transaction may wait for the next ones before it is published (0: not at all); groups a trickle of small transactions into fewer wake-ups")
+	fs.BoolVar(&adaptiveProcs, "adaptive-procs", true, "run the relay's Go code on one thread (GOMAXPROCS 1) while it uses less than a third of a core, and on GOMAXPROCS's default from the first second it uses more than three quarters of one: at a trickle of small transactions a fifth less CPU per message (docs/benchmarks-cost.md); off when GOMAXPROCS is set")
 	fs.DurationVar(&statusInterval, "status-interval", relay.DefaultStatusInterval, "standby status updates to PostgreSQL (keep well under wal_sender_timeout/2)")
 	fs.DurationVar(&drainTimeout, "drain-timeout", relay.DefaultDrainTimeout, "on SIGTERM, how long to wait for in-flight acks")
 	fs.StringVar(&httpAddr, "http-addr", "", "serve /metrics, /healthz and /readyz here, e.g. :8080 (empty: off)")
@@ -129,7 +130,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	o.AtomicTransactions, o.AtomicBatchMax = atomicTx, atomicBatchMax
 	o.MaxInFlight, o.MaxInFlightBytes, o.MaxBufferedBytes = maxInFlight, maxInFlightBytes, maxBufferedBytes
 	o.StatusInterval, o.DrainTimeout = statusInterval, drainTimeout
-	o.Linger = linger
+	o.Linger, o.AdaptiveProcs = linger, adaptiveProcs
 	if linger == 0 {
 		o.Linger = -1
 	}

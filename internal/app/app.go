@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"runtime"
 	"strconv"
 	"strings"
 	"time"
@@ -24,6 +25,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/console"
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
 	"github.com/outbox-relay/outbox-relay/internal/poller"
+	"github.com/outbox-relay/outbox-relay/internal/procs"
 	"github.com/outbox-relay/outbox-relay/internal/relay"
 	"github.com/outbox-relay/outbox-relay/internal/standby"
 	"github.com/outbox-relay/outbox-relay/internal/store"
@@ -64,12 +66,17 @@ type Options struct {
 	FailoverSlot bool
 	Policy       store.Policy
 
-	DuplicateWindow  time.Duration
-	StreamReplicas   int
-	NoCreateStream   bool // --create-stream=false: the stream must exist
-	AckTimeout       time.Duration
-	MaxInFlight      int
-	Linger           time.Duration // 0: relay.DefaultLinger; <0: none
+	DuplicateWindow time.Duration
+	StreamReplicas  int
+	NoCreateStream  bool // --create-stream=false: the stream must exist
+	AckTimeout      time.Duration
+	MaxInFlight     int
+	Linger          time.Duration // 0: relay.DefaultLinger; <0: none
+	// AdaptiveProcs runs the process on one P while the relay is quiet
+	// and on GOMAXPROCS's default once it is busy (internal/procs). A
+	// process setting: run sets it, tests with several relays in one
+	// process do not.
+	AdaptiveProcs    bool
 	MaxInFlightBytes int
 	MaxBufferedBytes int // every decoded row the CDC path holds, in bytes (relay.Config.MaxBufferedBytes); 0: the default
 	StatusInterval   time.Duration
@@ -658,6 +665,16 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	if o.StatsInterval > 0 {
 		g.Go(func() error {
 			tableStats(gctx, store.New(obs, o.Table, o.Policy), m, o.StatsInterval, log)
+			return nil
+		})
+	}
+	m.GoMaxProcs.Set(float64(runtime.GOMAXPROCS(0)))
+	if o.AdaptiveProcs && procs.Enabled() {
+		g.Go(func() error {
+			procs.Run(gctx, func(n int) {
+				m.GoMaxProcs.Set(float64(n))
+				log.Debug().Int("gomaxprocs", n).Msg("adaptive procs: the relay's Go code runs on this many threads now")
+			})
 			return nil
 		})
 	}

@@ -36,15 +36,18 @@ type Metrics struct {
 	// DefaultPartitionRows: rows in a partitioned table's DEFAULT partition
 	// (-1 while the keeper could not create partitions).
 	DefaultPartitionRows prometheus.Gauge
-	Role                 *prometheus.GaugeVec // role: 1 for the CDC path's current role
-	SlotsCreated         prometheus.Counter
-	DeadLetters          *prometheus.CounterVec // class: rows the poller moved to failed
-	UncertainResolved    *prometheus.CounterVec // outcome: uncertain rows looked up in the stream before a republish
-	LeaseRenewals        prometheus.Counter
-	BackfilledRows       prometheus.Counter
-	SlotInvalidations    prometheus.Counter
-	Expired              *prometheus.CounterVec // path: rows that ended expired (G13)
-	BlockedAggregates    prometheus.Gauge       // aggregates whose rows wait behind a row with the poller or dead-lettered (G12)
+	// GoMaxProcs: the Ps the relay's Go code runs on now (run
+	// --adaptive-procs: one at a trickle, the default once busy).
+	GoMaxProcs        prometheus.Gauge
+	Role              *prometheus.GaugeVec // role: 1 for the CDC path's current role
+	SlotsCreated      prometheus.Counter
+	DeadLetters       *prometheus.CounterVec // class: rows the poller moved to failed
+	UncertainResolved *prometheus.CounterVec // outcome: uncertain rows looked up in the stream before a republish
+	LeaseRenewals     prometheus.Counter
+	BackfilledRows    prometheus.Counter
+	SlotInvalidations prometheus.Counter
+	Expired           *prometheus.CounterVec // path: rows that ended expired (G13)
+	BlockedAggregates prometheus.Gauge       // aggregates whose rows wait behind a row with the poller or dead-lettered (G12)
 
 	StandbyLagBytes    *prometheus.GaugeVec   // slot: WAL the standby has not flushed yet (G14)
 	StandbySlotMissing *prometheus.GaugeVec   // slot: 1 when --standby-slot names no slot here
@@ -133,6 +136,9 @@ func New() *Metrics {
 	m.DefaultPartitionRows = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "outbox_relay_default_partition_rows", Help: "Partitioned table: rows in its DEFAULT partition, rows that found no partition of their own (0 normally; prune never drops them); -1 when the last attempt to create partitions ahead failed.",
 	})
+	m.GoMaxProcs = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "outbox_relay_gomaxprocs", Help: "GOMAXPROCS the relay runs with now: with --adaptive-procs one while it uses less than a third of a core, GOMAXPROCS's default once it uses more than three quarters of one.",
+	})
 	m.Role = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "outbox_relay_role", Help: "1 for the CDC path's current role (starting, active, standby, reconnecting), 0 for the others.",
 	}, []string{"role"})
@@ -191,7 +197,7 @@ func New() *Metrics {
 	m.AtomicSplit = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "outbox_relay_atomic_split_transactions_total", Help: "Transactions too large for one atomic batch (--atomic-batch-max rows, or the bytes of --max-in-flight-bytes), published as consecutive batches, each stored whole (G20).",
 	})
-	for _, c := range []prometheus.Collector{m.BrokerLost, m.AtomicBatches, m.AtomicSplit, m.ReadBackFound, m.ReadBackMessages, m.ReadBackSeconds, m.BrokerContract, m.FailoverPath, m.StandbyLagBytes, m.StandbySlotMissing, m.StandbyGated, m.Expired, m.UncertainResolved, m.BlockedAggregates, m.SlotLagSeconds, m.DefaultPartitionRows, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.WatermarkLSN, m.ServerWALEnd,
+	for _, c := range []prometheus.Collector{m.GoMaxProcs, m.BrokerLost, m.AtomicBatches, m.AtomicSplit, m.ReadBackFound, m.ReadBackMessages, m.ReadBackSeconds, m.BrokerContract, m.FailoverPath, m.StandbyLagBytes, m.StandbySlotMissing, m.StandbyGated, m.Expired, m.UncertainResolved, m.BlockedAggregates, m.SlotLagSeconds, m.DefaultPartitionRows, m.Role, m.SlotsCreated, m.DeadLetters, m.LeaseRenewals, m.BackfilledRows, m.SlotInvalidations, m.Published, m.Duplicates, m.CommitToAck, m.ConfirmedLSN, m.WatermarkLSN, m.ServerWALEnd,
 		m.SlotLagBytes, m.InFlight, m.InFlightBytes, m.BufferedBytes, m.Handoffs, m.SettleRetries, m.Sessions, m.SlotOwner, m.Claims,
 		m.StaleCompletions, m.Failures, m.RowsByState, m.OldestEligible} {
 		f(c)
