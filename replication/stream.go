@@ -413,7 +413,7 @@ func (r *run) linger() (again bool, err error) {
 			return false, errStopped
 		case <-r.ctx.Done():
 			return false, r.ctx.Err()
-		case lsn, ok := <-r.confirms:
+		case lsn, ok := <-r.confirmsThatAct():
 			r.lingerTimer.Stop()
 			if !ok {
 				return false, errConfirmsClosed
@@ -429,6 +429,20 @@ func (r *run) linger() (again bool, err error) {
 		return false, fmt.Errorf("set read deadline on slot %s: %w", s.cfg.Slot, err)
 	}
 	return false, nil
+}
+
+// confirmsThatAct is the confirmations to wake a lingering stream for:
+// only those a step would act on at once (a prompt confirmation, a
+// position ConfirmThrough or StopAt waits for). Any other one only raises
+// what the next status update says: it waits in its channel (the latest
+// replaces the one before) until the linger ends, instead of waking the
+// stream once per group of acks.
+func (r *run) confirmsThatAct() <-chan pglogrepl.LSN {
+	s := r.s
+	if s.prompt.Load() || s.stopAt.Load() != 0 || pglogrepl.LSN(s.want.Load()) > s.confirmed {
+		return r.confirms
+	}
+	return nil
 }
 
 // setDeadline makes the next receive wake for the next status update, the
