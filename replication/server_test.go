@@ -23,16 +23,23 @@ func TestMain(m *testing.M) { testenv.Main(m) }
 // publication are created, committed rows come out decoded exactly as
 // written, rolled-back and non-ready rows do not, and the slot resumes after
 // the position the caller confirmed and not a byte later.
-func TestStreamAgainstServer(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	env := testenv.Shared(t)
-	url := env.PG.CreateOutboxDatabase(t)
+// outboxDatabase is a new database with the outbox table, and a
+// connection to it closed at the test's end.
+func outboxDatabase(ctx context.Context, t *testing.T) (string, *pgx.Conn) {
+	t.Helper()
+	url := testenv.Shared(t).PG.CreateOutboxDatabase(t)
 	db, err := pgx.Connect(ctx, url)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer db.Close(context.Background())
+	t.Cleanup(func() { db.Close(context.Background()) })
+	return url, db
+}
+
+func TestStreamAgainstServer(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	url, db := outboxDatabase(ctx, t)
 
 	var versionNum int
 	if err := db.QueryRow(ctx, `SELECT current_setting('server_version_num')::int`).Scan(&versionNum); err != nil {

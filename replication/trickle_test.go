@@ -1,4 +1,4 @@
-package replication
+package replication_test
 
 import (
 	"context"
@@ -7,10 +7,9 @@ import (
 	"time"
 
 	"github.com/jackc/pglogrepl"
-	"github.com/jackc/pgx/v5"
 	"github.com/rs/zerolog"
 
-	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/replication"
 )
 
 // A trickle of one-row transactions with a linger, against a real server
@@ -21,36 +20,30 @@ import (
 func TestTrickleDrainsWholeTransactions(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	env := testenv.Shared(t)
-	url := env.PG.CreateOutboxDatabase(t)
-	db, err := pgx.Connect(ctx, url)
-	if err != nil {
+	url, db := outboxDatabase(ctx, t)
+	if _, err := replication.EnsurePublication(ctx, db, "trickle", "public", "outbox"); err != nil {
 		t.Fatal(err)
 	}
-	defer db.Close(context.Background())
-	if _, err := EnsurePublication(ctx, db, "trickle", "public", "outbox"); err != nil {
-		t.Fatal(err)
-	}
-	conn, err := Connect(ctx, url, "trickle-test")
+	conn, err := replication.Connect(ctx, url, "trickle-test")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer conn.Close(context.Background())
-	if _, ok := conn.Conn().(*drainConn); !ok {
+	if !replication.IsDrainConn(conn.Conn()) {
 		t.Fatalf("the replication connection's socket is %T, want a drainConn", conn.Conn())
 	}
-	created, err := CreateSlot(ctx, conn, "trickle", false)
+	created, err := replication.CreateSlot(ctx, conn, "trickle", false)
 	if err != nil {
 		t.Fatal(err)
 	}
-	s, err := Start(ctx, conn, StreamConfig{
-		Slot: "trickle", Publication: "trickle", Table: Table{Schema: "public", Name: "outbox"},
+	s, err := replication.Start(ctx, conn, replication.StreamConfig{
+		Slot: "trickle", Publication: "trickle", Table: replication.Table{Schema: "public", Name: "outbox"},
 		StatusInterval: time.Second, Linger: 20 * time.Millisecond, Logger: zerolog.Nop(),
 	}, created.ConsistentPoint, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	out := make(chan []Event)
+	out := make(chan []replication.Event)
 	confirms := make(chan pglogrepl.LSN, 1)
 	stop := make(chan struct{})
 	runErr := make(chan error, 1)
@@ -77,17 +70,17 @@ func TestTrickleDrainsWholeTransactions(t *testing.T) {
 			batches++
 			for _, ev := range batch {
 				switch ev.Type {
-				case EventBegin:
+				case replication.EventBegin:
 					if inTx {
 						t.Fatalf("batch %d: a Begin inside a transaction", batches)
 					}
 					inTx = true
-				case EventRow:
+				case replication.EventRow:
 					if !inTx {
 						t.Fatalf("batch %d: a row outside a transaction", batches)
 					}
 					got = append(got, ev.Row.WorkID)
-				case EventCommit:
+				case replication.EventCommit:
 					if !inTx {
 						t.Fatalf("batch %d: a Commit outside a transaction", batches)
 					}
