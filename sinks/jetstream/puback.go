@@ -16,9 +16,9 @@ type pubAckResponse struct {
 }
 
 // ackParser turns JetStream's answers to publishes into acks. It is used by
-// one goroutine at a time (the reply subscription's), so it can keep the
-// last stream name and hand out that string again instead of allocating
-// one per ack.
+// one goroutine at a time (under the publisher's pumpMu), so it can keep
+// the last stream name and hand out that string again instead of
+// allocating one per ack.
 type ackParser struct {
 	stream string
 }
