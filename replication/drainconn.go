@@ -19,10 +19,53 @@ import (
 // stream reads a lingering batch's rest that way, and the read that would
 // wait ends the batch: one wake-up and one timer fewer per batch than a
 // short deadline gives.
+//
+// On TCP it can also be hushed while the stream lingers: the socket's
+// receive low-water mark goes up, so the walsender's messages arriving
+// meanwhile (a transaction is three or four of them, each sent at once)
+// do not make the kernel signal the socket readable, which would wake the
+// process's network poller once per message although nobody reads.
+// Unhushed, before the next read, the mark is one byte again.
 type drainConn struct {
 	net.Conn
 	raw      syscall.RawConn
 	draining atomic.Bool
+	tcp      bool
+	hushed   bool // the stream's goroutine only
+}
+
+// hushLowat is the low-water mark while hushed; Linux caps it at half the
+// socket's largest receive buffer. A lingering batch never holds this much:
+// past it the socket signals as usual.
+const hushLowat = 1 << 20
+
+func (c *drainConn) hush() {
+	if c == nil || !c.tcp || c.hushed {
+		return
+	}
+	c.hushed = c.setLowat(hushLowat) == nil
+}
+
+func (c *drainConn) unhush() {
+	if c == nil || !c.hushed {
+		return
+	}
+	if err := c.setLowat(1); err != nil {
+		// A mark left high would keep a waiting read from waking: give
+		// the connection up instead (the stream then fails and restarts).
+		_ = c.Conn.Close()
+	}
+	c.hushed = false
+}
+
+func (c *drainConn) setLowat(n int) error {
+	var serr error
+	if err := c.raw.Control(func(fd uintptr) {
+		serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVLOWAT, n)
+	}); err != nil {
+		return err
+	}
+	return serr
 }
 
 // wrapDrainable is the replication connection's AfterNetConnect: a socket
@@ -37,7 +80,8 @@ func wrapDrainable(_ context.Context, _ *pgconn.Config, conn net.Conn) (net.Conn
 	if err != nil {
 		return conn, nil
 	}
-	return &drainConn{Conn: conn, raw: raw}, nil
+	_, tcp := conn.(*net.TCPConn)
+	return &drainConn{Conn: conn, raw: raw, tcp: tcp}, nil
 }
 
 // errWouldWait is what a draining read returns when the socket is empty:

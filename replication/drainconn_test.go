@@ -114,3 +114,73 @@ func TestDrainConnReadsWithoutWaiting(t *testing.T) {
 		t.Fatalf("after the peer closed: %v, want EOF", err)
 	}
 }
+
+// Hushed, bytes arriving on a TCP socket are not signalled: a read already
+// waiting when they come runs into its deadline (what would otherwise wake
+// the process, and why the stream unhushes before it reads); a read
+// started later takes them, and unhushed, arrivals wake the reader again.
+func TestDrainConnHushKeepsArrivalsQuiet(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err == nil {
+			accepted <- c
+		}
+	}()
+	raw, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	peer := <-accepted
+	defer peer.Close()
+	wrapped, err := wrapDrainable(context.Background(), nil, raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := wrapped.(*drainConn)
+	defer c.Close()
+	buf := make([]byte, 64)
+	// readWhileArriving starts a read, lets the peer write while it
+	// waits, and returns what the read got.
+	readWhileArriving := func(data string, wait time.Duration) (string, error) {
+		t.Helper()
+		if err := c.SetReadDeadline(time.Now().Add(wait)); err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			time.Sleep(100 * time.Millisecond) // the read is waiting by then
+			_, _ = peer.Write([]byte(data))
+		}()
+		n, err := c.Read(buf)
+		return string(buf[:n]), err
+	}
+
+	c.hush()
+	if !c.hushed {
+		t.Fatal("a TCP socket could not be hushed")
+	}
+	got, err := readWhileArriving("quiet", 600*time.Millisecond)
+	var ne net.Error
+	if !errors.As(err, &ne) || !ne.Timeout() {
+		t.Fatalf("hushed: the waiting read got %q, %v; want a timeout, the arrival unsignalled", got, err)
+	}
+	if err := c.SetReadDeadline(time.Now().Add(5 * time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := c.Read(buf); err != nil || string(buf[:n]) != "quiet" {
+		t.Fatalf("hushed, a new read: %q, %v; want the bytes that came", buf[:n], err)
+	}
+	c.unhush()
+	start := time.Now()
+	if got, err := readWhileArriving("loud", 5*time.Second); err != nil || got != "loud" {
+		t.Fatalf("unhushed: %q, %v; want loud", got, err)
+	}
+	if d := time.Since(start); d > 2*time.Second {
+		t.Fatalf("unhushed, the waiting read woke after %v", d)
+	}
+}

@@ -408,6 +408,10 @@ func (r *run) linger() (again bool, err error) {
 	}
 	if d := time.Until(r.lingerUntil); d > 0 {
 		r.lingerTimer.Reset(d)
+		// What arrives meanwhile is read after the wait; hushed, it does
+		// not wake the process on its way in either.
+		r.drainer.hush()
+		defer r.drainer.unhush()
 		select {
 		case <-r.stop:
 			return false, errStopped
