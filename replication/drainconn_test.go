@@ -9,10 +9,11 @@ import (
 	"time"
 )
 
-// A draining read takes what the socket holds and, on an empty socket,
-// fails at once with the timeout a read deadline gives (which pgconn
-// survives); a read that is not draining waits as before.
-func TestDrainConnReadsWithoutWaiting(t *testing.T) {
+// tcpPair is a loopback TCP connection: the peer's end, and the other
+// end as the replication connection wraps it; both closed at the test's
+// end.
+func tcpPair(t *testing.T) (net.Conn, *drainConn) {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -30,7 +31,7 @@ func TestDrainConnReadsWithoutWaiting(t *testing.T) {
 		t.Fatal(err)
 	}
 	peer := <-accepted
-	defer peer.Close()
+	t.Cleanup(func() { peer.Close() })
 	wrapped, err := wrapDrainable(context.Background(), nil, raw)
 	if err != nil {
 		t.Fatal(err)
@@ -39,7 +40,15 @@ func TestDrainConnReadsWithoutWaiting(t *testing.T) {
 	if !ok {
 		t.Fatalf("a TCP socket became %T, want a drainConn", wrapped)
 	}
-	defer c.Close()
+	t.Cleanup(func() { c.Close() })
+	return peer, c
+}
+
+// A draining read takes what the socket holds and, on an empty socket,
+// fails at once with the timeout a read deadline gives (which pgconn
+// survives); a read that is not draining waits as before.
+func TestDrainConnReadsWithoutWaiting(t *testing.T) {
+	peer, c := tcpPair(t)
 	buf := make([]byte, 64)
 
 	c.draining.Store(true)
@@ -120,30 +129,7 @@ func TestDrainConnReadsWithoutWaiting(t *testing.T) {
 // the process, and why the stream unhushes before it reads); a read
 // started later takes them, and unhushed, arrivals wake the reader again.
 func TestDrainConnHushKeepsArrivalsQuiet(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	accepted := make(chan net.Conn, 1)
-	go func() {
-		c, err := ln.Accept()
-		if err == nil {
-			accepted <- c
-		}
-	}()
-	raw, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	peer := <-accepted
-	defer peer.Close()
-	wrapped, err := wrapDrainable(context.Background(), nil, raw)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := wrapped.(*drainConn)
-	defer c.Close()
+	peer, c := tcpPair(t)
 	buf := make([]byte, 64)
 	// readWhileArriving starts a read, lets the peer write while it
 	// waits, and returns what the read got.
