@@ -28,13 +28,6 @@ type Future interface {
 	Wait(ctx context.Context) (Ack, error)
 }
 
-// Ready is what a Future may also implement: Ready reports, without
-// blocking, that Wait would return at once. A caller collecting many
-// futures uses it to take every answer already in with one wake-up.
-type Ready interface {
-	Ready() bool
-}
-
 // Sink publishes messages to a broker.
 type Sink interface {
 	// Publish starts publishing m. It may block while the client's own buffers
@@ -74,9 +67,6 @@ type Resolved Ack
 
 // Wait implements Future.
 func (r Resolved) Wait(context.Context) (Ack, error) { return Ack(r), nil }
-
-// Ready implements Ready.
-func (Resolved) Ready() bool { return true }
 
 // Batcher is what a Sink may also implement: publishing the messages of one
 // transaction as an atomic batch, all of them stored or none (G20, run

@@ -390,19 +390,6 @@ func (f *future) settle(ack sinks.Ack, err error) {
 	}
 }
 
-// Ready implements sinks.Ready.
-func (f *future) Ready() bool {
-	if f.state.Load() == stateDone {
-		return true
-	}
-	if f.sink != nil {
-		f.sink.pub.take()
-	}
-	return f.state.Load() == stateDone
-}
-
-var _ sinks.Ready = (*future)(nil)
-
 // done returns a channel to wait on, or nil once the outcome is in.
 func (f *future) done() <-chan struct{} {
 	switch f.state.Load() {
