@@ -52,6 +52,10 @@ func TestDrainConnReadsWithoutWaiting(t *testing.T) {
 	buf := make([]byte, 64)
 
 	c.draining.Store(true)
+	// A deadline well ahead: a draining read must not wait for it.
+	if err := c.SetReadDeadline(time.Now().Add(2 * time.Second)); err != nil {
+		t.Fatal(err)
+	}
 	start := time.Now()
 	n, err := c.Read(buf)
 	var ne net.Error
