@@ -253,13 +253,16 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Eve
 				break
 			}
 			l.stopCand = res.cand
-			if l.pastStop(l.curCommitLSN) {
+			if l.pastStop(l.curCommitLSN) && l.cur == nil {
 				// A transaction committed after the candidate was
-				// taken came through meanwhile: its rows are past the
-				// candidate's snapshot, and nothing more should be.
+				// taken came through meanwhile: nothing more should.
 				l.reachedStop()
 				break
 			}
+			// One still coming through past it ends at its commit: the
+			// next Begin or the stream's position is past the candidate
+			// too. Stopping within it would leave it open, and the
+			// stop's watermark is recorded only with none open.
 			l.stream.StopAt(replication.LSN(res.cand.LSN))
 		case <-reachBy:
 			reachBy, candTaken = nil, nil

@@ -56,6 +56,13 @@ const lostSinceMargin = 5 * time.Minute
 // checked again at the next interval.
 const lostCheckTimeout = 30 * time.Second
 
+// lostStateTimeout bounds the read of the stream's state within a check.
+// A request sent while the client reconnects to a restarted broker can be
+// lost with the old socket, and its answer then never comes: waiting the
+// whole check's bound for it would hold the repair of what the restart
+// lost for 30 s; asking again soon finds the new connection.
+const lostStateTimeout = 5 * time.Second
+
 // checkLost runs one check; errors are logged, never fatal (the check is
 // a repair, not a condition of publishing). full reads the table under
 // mark whatever the stream says (session starts; only the rows created
@@ -70,7 +77,9 @@ func (r *Relay) checkLost(ctx context.Context, full bool) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, lostCheckTimeout)
 	defer cancel()
-	state, err := st.OwnStreamState(ctx)
+	stateCtx, stateCancel := context.WithTimeout(ctx, lostStateTimeout)
+	state, err := st.OwnStreamState(stateCtx)
+	stateCancel()
 	if err != nil {
 		r.log.Warn().Err(err).Msg("could not read the stream's state to check for messages the broker lost; checking again later")
 		return

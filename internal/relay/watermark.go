@@ -244,9 +244,13 @@ func (l *loop) noteRecorded(c store.WatermarkCandidate) (owed bool) {
 // confirmed; an id added is a transaction this session streamed (a row of
 // it was acked), and the candidate is recorded only once every
 // transaction the session began is settled (finish: stopReached and no
-// transaction open), each of them committed before L (the stop hands over
-// none committing at or after L, and transactions come whole, in commit
-// order). Nothing else is read as ended: a transaction running at the
+// transaction open), so every row of it is stored or handed to the poller.
+// Most committed before L (the stop hands over none committing at or
+// after L once it knows L); those that came through while L was being
+// read committed after it, and are settled whole all the same: the stop
+// ends at the commit of the one it is in when L arrives, never within it
+// (a transaction left open would leave the candidate unrecorded). Nothing
+// else is read as ended: a transaction running at the
 // stop that the relay did not stream stays running in the recorded
 // snapshot (relay TestNoneCleanStopCoversARowAckedWhileInvisible). A
 // later watermark, a plain snapshot, may see such an added transaction
