@@ -435,7 +435,12 @@ func (l *loop) received(ctx context.Context, batch []replication.Event, confirms
 // settleDue sends the next settle once a batch is full or its oldest row
 // has waited SettleDelay: at one row per transaction this groups a few
 // marks per statement instead of one statement per ack. The delay holds
-// back the mark and the confirmation, never the publish.
+// back the mark and the confirmation, never the publish. It is checked at
+// every step of the loop, and a trickle of transactions brings a step (a
+// group of acks, a batch from the stream) every millisecond or two: the
+// timer is a backstop, set settleBackstop delays out, that wakes the loop
+// only when no step came. Set for the delay itself, it fired between the
+// groups, one wake-up of the process more per settle.
 func (l *loop) settleDue() {
 	if len(l.pending) > 0 && l.pendingSince.IsZero() {
 		l.pendingSince = time.Now()
@@ -446,13 +451,19 @@ func (l *loop) settleDue() {
 	if !l.stopping && len(l.pending) < l.r.cfg.SettleBatch {
 		if wait := l.r.cfg.SettleDelay - time.Since(l.pendingSince); wait > 0 {
 			if !l.settleArmed {
-				l.settleTimer.Reset(wait)
+				l.settleTimer.Reset(wait + (settleBackstop-1)*l.r.cfg.SettleDelay)
 				l.settleArmed = true
 			}
 			return
 		}
 	}
 	l.pendingSince = time.Time{}
+	if l.settleArmed {
+		// Set for rows this settle takes: left running, it would wake
+		// the loop for nothing.
+		l.settleTimer.Stop()
+		l.settleArmed = false
+	}
 	n := min(len(l.pending), l.r.cfg.SettleBatch)
 	batch := make([]*item, n)
 	copy(batch, l.pending)
@@ -460,6 +471,10 @@ func (l *loop) settleDue() {
 	l.settling = true
 	l.settleReq <- batch
 }
+
+// settleBackstop: a partial settle batch waits at most this many
+// SettleDelays when no step of the loop comes before.
+const settleBackstop = 2
 
 // handleResults takes a group of acks from the collector.
 func (l *loop) handleResults(ctx context.Context, its []*item) error {
