@@ -10,7 +10,8 @@ BIN     := bin/outbox-relay
 ## (Debian/Ubuntu): headless Chromium for the console's browser test,
 ## PostgreSQL server binaries in /usr/lib/postgresql/<v>/bin
 ## (skipped when OUTBOX_RELAY_TEST_PG_BIN names others), a C compiler for
-## go test -race (cgo), and, when running as root, the postgres user to run
+## go test -race (cgo), libfaketime (faketime) for the tests that run
+## PostgreSQL on a shifted clock, and, when running as root, the postgres user to run
 ## PostgreSQL as. Does nothing when everything is there. nats-server needs no
 ## setup: the tests build the version pinned in go.mod (go tool nats-server).
 setup:
@@ -25,6 +26,9 @@ setup:
 	pkgs=""; \
 	have_pg || pkgs="$$pkgs postgresql-15"; \
 	command -v chromium >/dev/null 2>&1 || pkgs="$$pkgs chromium fonts-dejavu-core"; \
+	have_faketime=no; \
+	for f in /usr/lib/*/faketime/libfaketime.so.1; do [ -e "$$f" ] && have_faketime=yes; done; \
+	[ "$$have_faketime" = yes ] || pkgs="$$pkgs faketime"; \
 	if [ "$$(uname -s)" = Linux ] && { ! command -v gcc >/dev/null 2>&1 || [ ! -e /usr/include/stdlib.h ]; }; then \
 		pkgs="$$pkgs gcc libc6-dev"; \
 	fi; \

@@ -50,15 +50,48 @@ type Stored struct {
 	Header map[string][]string
 }
 
+// From is where a read of the stream starts (G18). A position, never a
+// time, where one is known: the clocks of PostgreSQL, the relay and the
+// broker need not agree for a read that starts at a stream sequence.
+type From struct {
+	// AfterSeq: the relay's own stream is read from the message after this
+	// sequence (when BySeq).
+	AfterSeq uint64
+	BySeq    bool
+	// Since is the fallback where no position is known: every stream
+	// other than the own one, and the own one when not BySeq, is read from
+	// the messages the broker stored at or after it, by the broker's clock
+	// (zero: from the stream's first message).
+	Since time.Time
+}
+
+// ReadResult is how far a read of the stream got.
+type ReadResult struct {
+	// Read is the messages read.
+	Read int
+	// Complete: the read reached End (or the broker said no message on
+	// its subjects was left up to it). A read that stopped at its limit,
+	// or because the callback asked it to, is not complete. A read whose
+	// answers stopped coming before End is an error, never a short
+	// complete read.
+	Complete bool
+	// After is the position the read covered from (the messages after
+	// it): the From's AfterSeq, or for a read by time the sequence before
+	// the first message it found (End when it found none).
+	After uint64
+	// End is the stream's last sequence when the read began: what it had
+	// to reach.
+	End uint64
+}
+
 // StoredReader is what a Sink may also implement: reading back what the
 // broker stored, so that a relay starting again publishes only what is not
 // there yet (G18), whatever the broker's duplicate window.
 type StoredReader interface {
-	// StoredSince calls each for every message on the relay's own
-	// subjects stored at or after since, in stream order, reading at most
-	// limit messages. complete is false when it stopped at the limit (or
-	// each returned false) before the stream's end.
-	StoredSince(ctx context.Context, since time.Time, limit int, each func(Stored) bool) (read int, complete bool, err error)
+	// ReadStored calls each for every message on the relay's own
+	// subjects from from to the stream's last message when the read
+	// began, in stream order, reading at most limit messages.
+	ReadStored(ctx context.Context, from From, limit int, each func(Stored) bool) (ReadResult, error)
 }
 
 // Resolved is a Future that has its answer already: a message found
@@ -107,11 +140,13 @@ type Wanted struct {
 // broker's duplicate window (G18).
 type Finder interface {
 	// FindStored reads, on the wanted messages' subjects only, what was
-	// stored at or after since, at most limit messages in all, and
-	// returns the wanted messages it found by ID. complete is false when
-	// the read stopped at limit before the streams' ends: a message not
-	// found then may still be stored (inconclusive).
-	FindStored(ctx context.Context, want []Wanted, since time.Time, limit int) (found map[string]Stored, complete bool, err error)
+	// stored from from on (AfterSeq on the own stream, Since on the
+	// others), at most limit messages in all, and returns the wanted
+	// messages it found by ID. complete is false when the read stopped at
+	// limit before the streams' ends, or a subject is on no stream it may
+	// read: a message not found then may still be stored (inconclusive).
+	// A read the broker did not answer up to its end is an error.
+	FindStored(ctx context.Context, want []Wanted, from From, limit int) (found map[string]Stored, complete bool, err error)
 }
 
 // StreamState is where the relay's own stream stands: its first and last
@@ -133,4 +168,21 @@ type StreamStater interface {
 // it read the stream).
 type Windowed interface {
 	DuplicateWindow() time.Duration
+}
+
+// ReadChecker is what a Sink that reads the stream back may also
+// implement: finding out at start whether its reads can work at all (a
+// consumer it may create, room under the stream's consumer limit), so
+// that a relay that could not check the stream is named at start, not
+// after its first crash, when every read fails and delivery stalls.
+type ReadChecker interface {
+	CheckReads(ctx context.Context) error
+}
+
+// Positioner is what a Sink may also implement: a sequence of its own
+// stream that every message published from now on is stored after, so
+// that a lookup of those messages can start there instead of at a time
+// (G18).
+type Positioner interface {
+	StreamPosition(ctx context.Context, maxAge time.Duration) (seq uint64, ok bool)
 }

@@ -174,7 +174,10 @@ rows are gone from the table and nothing can be republished from it.
 	}
 	sink := natssink.New(js, natssink.Options{Stream: c.stream, SubjectPrefix: c.subjectPrefix, AllowStreams: allowStreams, DeadlineTTL: *deadlineTTL})
 	lctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
-	stored, complete, err := sink.FindStored(lctx, want, from, *lookupLimit)
+	// By time: the operator's --since names rows, not a position, and the
+	// messages lost left no position behind. The read still ends at the
+	// stream's last sequence, never at a late answer.
+	stored, complete, err := sink.FindStored(lctx, want, sinks.From{Since: from}, *lookupLimit)
 	cancel()
 	if err != nil {
 		return fmt.Errorf("look the %d rows up in stream %s (nothing was published): %s", len(rows), termsafe.String(c.stream), termsafe.String(scrub.Err(err).Error()))

@@ -510,7 +510,15 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		}
 		pollSink.Observe(info)
 		cdcSink.Observe(info)
-		return contract.check(sctx, info)
+		if err := contract.check(sctx, info); err != nil {
+			return err
+		}
+		if o.ReadBackLimit >= 0 {
+			// Found at start, not after the first crash: a consumer limit
+			// or a missing permission stops every read of the stream.
+			return cdcSink.CheckReads(sctx)
+		}
+		return nil
 	}
 	// A stream set up wrong fails the start; a broker that is only
 	// unreachable is retried by every session.

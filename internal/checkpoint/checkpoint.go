@@ -18,9 +18,13 @@ type Txn struct {
 	Xid        uint32
 	CommitLSN  pglogrepl.LSN
 	CommitTime time.Time // for lag in seconds; the checkpoint itself only uses LSNs
-	endLSN     pglogrepl.LSN
-	pending    int
-	committed  bool
+	// StreamAfter is a sequence of the relay's stream every message of
+	// this transaction is stored after (set by the relay at its Begin; the
+	// checkpoint does not read it).
+	StreamAfter uint64
+	endLSN      pglogrepl.LSN
+	pending     int
+	committed   bool
 }
 
 // Pending is the number of rows not yet settled.

@@ -32,6 +32,13 @@ type NATSOptions struct {
 	// directory and log behind, for a person to read after a failure.
 	KeepFiles bool
 
+	// Conf is more of the server's configuration file (accounts, users and
+	// their permissions, limits): what has no command-line flag. With
+	// users in it, ReadyUser and ReadyPassword are the user the readiness
+	// check logs in as.
+	Conf                     string
+	ReadyUser, ReadyPassword string
+
 	// NoAdvertise is for StartNATSCluster only: the servers do not tell
 	// clients the other nodes' client URLs (cluster no_advertise), so a
 	// client that reaches the cluster through proxies stays behind them.
@@ -49,6 +56,8 @@ type NATS struct {
 	port     int
 	args     []string
 	keep     bool
+	// readyUser, readyPassword: the user the readiness check logs in as.
+	readyUser, readyPassword string
 	// monitorPort serves /varz when started with NATSOptions.Monitor.
 	monitorPort int
 
@@ -85,13 +94,18 @@ func StartNATS(opts NATSOptions) (*NATS, error) {
 		storeDir: filepath.Join(base, "store"),
 		logPath:  filepath.Join(base, "nats.log"),
 		keep:     opts.KeepFiles,
+
+		readyUser: opts.ReadyUser, readyPassword: opts.ReadyPassword,
 	}
 	var confPath string
-	if opts.SyncAlways {
+	if opts.SyncAlways || opts.Conf != "" {
 		// sync_interval has no command-line flag. The store directory stays
 		// on the command line only: nats-server rejects it in both places.
 		confPath = filepath.Join(base, "nats.conf")
-		conf := "jetstream {\n  sync_interval: always\n}\n"
+		conf := opts.Conf + "\n"
+		if opts.SyncAlways {
+			conf += "jetstream {\n  sync_interval: always\n}\n"
+		}
 		if err := os.WriteFile(confPath, []byte(conf), 0o644); err != nil {
 			n.removeAll()
 			return nil, fmt.Errorf("start nats: write config: %w", err)
@@ -208,7 +222,7 @@ func (n *NATS) waitReady(proc *child) error {
 }
 
 func (n *NATS) ping(ctx context.Context) error {
-	nc, err := nats.Connect(n.URL(), nats.Timeout(2*time.Second), nats.NoReconnect())
+	nc, err := nats.Connect(n.URL(), nats.Timeout(2*time.Second), nats.NoReconnect(), nats.UserInfo(n.readyUser, n.readyPassword))
 	if err != nil {
 		return fmt.Errorf("connect: %w", err)
 	}

@@ -36,6 +36,14 @@ type PostgresOptions struct {
 	// /usr/lib/postgresql/*/bin decide.
 	Version int
 	BinDir  string
+
+	// ClockOffset runs the server on a wall clock this far ahead of the
+	// host's (behind when negative), in whole seconds, through
+	// libfaketime (Debian's faketime package): what clock skew between the
+	// relay's host and the database does to leases, backoff and ages.
+	// Monotonic clocks stay real, so the server's own timeouts are not
+	// shifted. A standby of the server inherits it.
+	ClockOffset time.Duration
 }
 
 // Postgres is a PostgreSQL server running as a child process with its own data
@@ -51,6 +59,7 @@ type Postgres struct {
 	logPath string
 	port    int
 	args    []string
+	env     []string // added to the server's environment at every start
 	cred    *syscall.Credential
 	keep    bool
 
@@ -155,6 +164,10 @@ func newPostgres(binDir string, opts PostgresOptions) (*Postgres, error) {
 	if err != nil {
 		return nil, err
 	}
+	env, err := clockEnv(opts.ClockOffset)
+	if err != nil {
+		return nil, err
+	}
 	base, err := os.MkdirTemp("", "outbox-relay-pg-")
 	if err != nil {
 		return nil, fmt.Errorf("create temp dir: %w", err)
@@ -162,6 +175,7 @@ func newPostgres(binDir string, opts PostgresOptions) (*Postgres, error) {
 	p := &Postgres{
 		binDir:  binDir,
 		opts:    opts,
+		env:     env,
 		baseDir: base,
 		dataDir: filepath.Join(base, "data"),
 		sockDir: filepath.Join(base, "run"),
@@ -174,6 +188,37 @@ func newPostgres(binDir string, opts PostgresOptions) (*Postgres, error) {
 		return nil, err
 	}
 	return p, nil
+}
+
+// faketimeGlob finds Debian's libfaketime whatever the multiarch directory.
+const faketimeGlob = "/usr/lib/*/faketime/libfaketime.so.1"
+
+// clockEnv returns the environment that makes libfaketime shift the
+// server's wall clock by offset, or nothing for a zero offset.
+func clockEnv(offset time.Duration) ([]string, error) {
+	if offset == 0 {
+		return nil, nil
+	}
+	if offset%time.Second != 0 {
+		return nil, fmt.Errorf("clock offset %v: use whole seconds", offset)
+	}
+	libs, err := filepath.Glob(faketimeGlob)
+	if err != nil {
+		return nil, fmt.Errorf("clock offset %v: find libfaketime: %w", offset, err)
+	}
+	if len(libs) == 0 {
+		return nil, fmt.Errorf("clock offset %v needs libfaketime (%s), which is not installed: apt-get install faketime (or make setup)", offset, faketimeGlob)
+	}
+	secs := int64(offset / time.Second)
+	return []string{
+		"LD_PRELOAD=" + libs[0],
+		// libfaketime takes the number as seconds and ignores the "s",
+		// which is there for whoever reads the environment.
+		fmt.Sprintf("FAKETIME=%+ds", secs),
+		// PostgreSQL times its timeouts and waits on the monotonic clock,
+		// which a shifted wall clock must leave alone.
+		"FAKETIME_DONT_FAKE_MONOTONIC=1",
+	}, nil
 }
 
 // readMajor reads the major version from PG_VERSION, which initdb writes:
@@ -312,6 +357,12 @@ func (p *Postgres) Start() error {
 	}
 	cmd := exec.Command(filepath.Join(p.binDir, "postgres"), p.args...)
 	cmd.Dir = p.baseDir
+	if len(p.env) > 0 {
+		// Exec'd directly under the postgres credential, not through
+		// runuser or su, so nothing in between resets the environment;
+		// the postmaster's backends inherit it by fork.
+		cmd.Env = append(os.Environ(), p.env...)
+	}
 	cmd.SysProcAttr = &syscall.SysProcAttr{
 		Credential: p.cred,
 		// SIGQUIT is PostgreSQL's immediate shutdown: the postmaster takes its

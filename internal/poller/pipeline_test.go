@@ -151,8 +151,13 @@ func TestLeaseLostWithTwoBatchesInFlight(t *testing.T) {
 	if n := counter(t, am.StaleCompletions.WithLabelValues("complete")); n != 5 {
 		t.Errorf("a's stale completions: %v, want 5 (the first batch)", n)
 	}
-	if n := counter(t, bm.Published.WithLabelValues("poller", "duplicate")); n != 5 {
-		t.Errorf("b's duplicates: %v, want 5 (a's publishes were stored)", n)
+	// a's publishes were stored: b's reclaim looks them up (G18) and
+	// settles them from the stream instead of publishing them again.
+	if n := counter(t, bm.UncertainResolved.WithLabelValues("found")); n != 5 {
+		t.Errorf("b found %v of a's publishes in the stream, want 5", n)
+	}
+	if n := counter(t, bm.Published.WithLabelValues("poller", "duplicate")); n != 0 {
+		t.Errorf("b's duplicates: %v, want 0 (it looked a's publishes up instead of sending them again)", n)
 	}
 	f.wantStreamMsgs(10)
 }
@@ -197,8 +202,9 @@ func TestStopWithTwoBatchesInFlight(t *testing.T) {
 }
 
 // A worker that dies with two batches in flight loses nothing: once the
-// leases run out another worker publishes every row again (the broker
-// drops the repeats) and completes them. Should the first worker come back
+// leases run out another worker reclaims every row, finds the dead
+// worker's publishes in the stream (G18: a reclaim is looked up, never
+// published blind) and completes them. Should the first worker come back
 // to life and receive its acks, none of its completions matches.
 func TestDeadWorkerWithTwoBatchesInFlight(t *testing.T) {
 	ctx := context.Background()
@@ -221,14 +227,17 @@ func TestDeadWorkerWithTwoBatchesInFlight(t *testing.T) {
 		t.Fatalf("a's Run: %v", err)
 	}
 
-	if n, err := f.count(`state = 'published' AND claim_generation = 2 AND attempts = 2 AND stream_seq IS NOT NULL`); err != nil || n != 10 {
-		t.Errorf("%d rows published by b's reclaim (err %v), want 10", n, err)
+	if n, err := f.count(`state = 'published' AND claim_generation = 2 AND attempts = 2 AND stream_seq IS NOT NULL AND last_error LIKE 'found:%'`); err != nil || n != 10 {
+		t.Errorf("%d rows settled by b's reclaim from the stream (err %v), want 10", n, err)
 	}
 	if n := counter(t, am.StaleCompletions.WithLabelValues("complete")); n != 10 {
 		t.Errorf("a's stale completions: %v, want 10", n)
 	}
-	if n := counter(t, bm.Published.WithLabelValues("poller", "duplicate")); n != 10 {
-		t.Errorf("b's duplicates: %v, want 10", n)
+	if n := counter(t, bm.UncertainResolved.WithLabelValues("found")); n != 10 {
+		t.Errorf("b found %v of a's publishes in the stream, want 10", n)
+	}
+	if n := counter(t, bm.Published.WithLabelValues("poller", "duplicate")); n != 0 {
+		t.Errorf("b's duplicates: %v, want 0 (it looked a's publishes up instead of sending them again)", n)
 	}
 	f.wantStreamMsgs(10)
 }

@@ -391,7 +391,9 @@ func (p *Poller) Poll(ctx context.Context) (int, error) {
 }
 
 func (p *Poller) claim(ctx context.Context) ([]store.Claimed, error) {
-	claimed, err := p.st.Claim(ctx, p.cfg.WorkerID, p.cfg.Lease, p.cfg.Batch, store.ClaimOptions{Ordered: p.cfg.Ordered, DeadlineMargin: p.cfg.DeadlineMargin})
+	o := store.ClaimOptions{Ordered: p.cfg.Ordered, DeadlineMargin: p.cfg.DeadlineMargin}
+	o.StreamSeq, o.HasStreamSeq = p.streamPosition(ctx)
+	claimed, err := p.st.Claim(ctx, p.cfg.WorkerID, p.cfg.Lease, p.cfg.Batch, o)
 	if err != nil {
 		return nil, fmt.Errorf("claim: %w", err)
 	}

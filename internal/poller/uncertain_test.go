@@ -3,6 +3,7 @@ package poller_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -14,6 +15,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/poller"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/sinks"
+	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
 
 // G18: a row whose last attempt was uncertain is looked up in the stream
@@ -194,9 +196,143 @@ type failingFinder struct {
 	failing *atomic.Bool
 }
 
-func (f failingFinder) FindStored(ctx context.Context, want []sinks.Wanted, since time.Time, limit int) (map[string]sinks.Stored, bool, error) {
+func (f failingFinder) FindStored(ctx context.Context, want []sinks.Wanted, from sinks.From, limit int) (map[string]sinks.Stored, bool, error) {
 	if f.failing.Load() {
 		return nil, false, errors.New("find stored messages: test failure")
 	}
-	return f.finder.FindStored(ctx, want, since, limit)
+	return f.finder.FindStored(ctx, want, from, limit)
+}
+
+// G18, item 3 of issue 41: a worker killed after the broker stored its
+// batch leaves the rows running; reclaimed after the lease, past the
+// duplicate window, they were published again without a lookup (200 of 200
+// stored twice in the issue's run): only last_error prefixes marked a row
+// uncertain. A claim now records the stream's position, and a reclaim
+// looks the rows up from there before it publishes anything.
+func TestReclaimPastTheWindowLooksUpFirst(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	f.shortDuplicateWindow(t)
+	f.insertDue(20)
+	// What worker a did before it was killed: claimed the batch (recording
+	// where the stream stood), published it, and the broker stored every
+	// message; its completion never ran.
+	sink := natssink.New(f.js, natssink.Options{Stream: f.stream, SubjectPrefix: f.prefix})
+	seq, ok := sink.StreamPosition(ctx, 0)
+	if !ok {
+		t.Fatal("no stream position")
+	}
+	st := store.New(f.pool, table, store.PolicyMark)
+	claimed, err := st.Claim(ctx, "a", time.Minute, 20, store.ClaimOptions{StreamSeq: seq, HasStreamSeq: true})
+	if err != nil || len(claimed) != 20 {
+		t.Fatalf("a's claim: %d rows, %v", len(claimed), err)
+	}
+	for _, c := range claimed {
+		msg, err := poller.Message(c, f.prefix, map[string]string{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		fut, err := sink.Publish(ctx, msg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := fut.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n, err := f.count(`state = 'running' AND claimed_by = 'a' AND lookup_seq IS NOT NULL`); err != nil || n != 20 {
+		t.Fatalf("%d rows running under a's claim with a lookup position (err %v), want 20", n, err)
+	}
+	// a's leases run out, and the window passes.
+	if _, err := f.pool.Exec(ctx, `UPDATE outbox SET lease_until = clock_timestamp() - interval '1 millisecond' WHERE claimed_by = 'a'`); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(1500 * time.Millisecond)
+	b, bm := f.poller("b", poller.Config{Batch: 20}.WithDefaults())
+	pollOnce(t, b)
+
+	if n := streamMsgs(t, f.js, f.stream); n != 20 {
+		t.Errorf("stream holds %d messages, want 20: the reclaim published a's stored rows again", n)
+	}
+	if n, err := f.count(`state = 'published' AND claim_generation = 2 AND last_error LIKE 'found:%'`); err != nil || n != 20 {
+		t.Errorf("%d rows settled from the stream by b's reclaim (err %v), want 20", n, err)
+	}
+	if got := counter(t, bm.UncertainResolved.WithLabelValues("found")); got != 20 {
+		t.Errorf("found %v, want 20", got)
+	}
+}
+
+// An uncertain row on a subject that carries steady traffic (50 messages
+// a second here, after a backlog on it). The lookup started at its
+// available_at less --backoff-max, the lease and 5 s, and gave up at its
+// limit: at about 30 messages a second on a subject it was always
+// inconclusive, and the row was published again (5 of 5 stored twice in
+// the issue's run). It now starts at the position its claim recorded.
+func TestUncertainRowOnABusySubjectIsFound(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	f.shortDuplicateWindow(t)
+	subject := f.prefix + "k"
+	publish := func(id string) uint64 {
+		m := nats.NewMsg(subject)
+		m.Header.Set(jetstream.MsgIDHeader, id)
+		m.Data = []byte(`{}`)
+		ack, err := f.js.PublishMsg(ctx, m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ack.Sequence
+	}
+	for i := range 3000 {
+		publish(fmt.Sprintf("backlog-%d", i))
+	}
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		tick := time.NewTicker(20 * time.Millisecond)
+		defer tick.Stop()
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			case <-tick.C:
+				publish(fmt.Sprintf("traffic-%d", i))
+			}
+		}
+	}()
+	defer func() { close(stop); <-done }()
+	if _, err := f.pool.Exec(ctx, `INSERT INTO outbox (work_id, kind, payload, state, available_at) VALUES ('u', 'k', '{}', 'scheduled', clock_timestamp())`); err != nil {
+		t.Fatal(err)
+	}
+	// A worker's claim and publish whose ack never came: the claim records
+	// the stream's position, the message is stored, the row rescheduled
+	// as uncertain.
+	st := store.New(f.pool, table, store.PolicyMark)
+	last, err := f.js.Stream(ctx, f.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := last.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	claimed, err := st.Claim(ctx, "dead", time.Minute, 1, store.ClaimOptions{StreamSeq: info.State.LastSeq, HasStreamSeq: true})
+	if err != nil || len(claimed) != 1 {
+		t.Fatalf("claim: %v, %v", claimed, err)
+	}
+	seq := publish("u")
+	if ok, err := st.Reschedule(ctx, "u", "dead", claimed[0].ClaimGeneration, 0, "uncertain: no ack in time"); err != nil || !ok {
+		t.Fatalf("reschedule: %v, %v", ok, err)
+	}
+	time.Sleep(1500 * time.Millisecond) // past the window, with traffic behind the row
+	p, m := f.poller("w1", poller.Config{LookupLimit: 1000, BackoffMax: 5 * time.Minute}.WithDefaults())
+	pollOnce(t, p)
+
+	if r := f.row("u"); r.state != "published" || uint64(r.streamSeq) != seq || !strings.HasPrefix(r.lastError, "found:") {
+		t.Errorf("u: %+v, want published at the found sequence %d with a found note", r, seq)
+	}
+	if got := counter(t, m.UncertainResolved.WithLabelValues("found")); got != 1 {
+		t.Errorf("found %v, want 1", got)
+	}
 }

@@ -78,7 +78,7 @@ func atomicBytes(c Config) int {
 
 // add takes a ready row of the open transaction, with its message built.
 func (a *atomicState) add(ctx context.Context, l *loop, it *item) error {
-	if ack, ok := l.found(it.workID); ok {
+	if ack, ok := l.found(it); ok {
 		// Stored before the restart (the read-back, G18): settled with
 		// its sequence, not sent again; the rest of its transaction goes
 		// as a batch.

@@ -93,6 +93,10 @@ type loop struct {
 	// readBackDone once the session's read is behind it.
 	readBack     *readBack
 	readBackDone bool
+	// pos: the stream position of each confirmation (position.go);
+	// newSlot: the session created its slot.
+	pos     positions
+	newSlot bool
 
 	atomic   *atomicState // nil without --atomic-transactions
 	order    *orderState  // nil without --ordering aggregate
@@ -511,6 +515,7 @@ func (l *loop) finish(ctx context.Context, confirms chan replication.LSN, stream
 		final = replication.LSN(l.stopCand.LSN)
 	}
 	record := reached && l.cover.owes()
+	l.pos.confirmed(final, l.cp)
 	sendConfirm(confirms, final)
 	close(confirms)
 	select {
@@ -522,6 +527,7 @@ func (l *loop) finish(ctx context.Context, confirms chan replication.LSN, stream
 		return errors.New("final confirmation: stream did not finish")
 	}
 	l.r.log.Info().Str("lsn", final.String()).Msg("stopped; slot confirmed")
+	l.recordFinalPosition(ctx, final)
 	switch {
 	case record:
 		l.recordAtStop(ctx, max(time.Second, l.r.cfg.DrainTimeout/stopReachShare))
@@ -554,6 +560,7 @@ func (l *loop) handleEvent(ctx context.Context, ev replication.Event, confirms c
 			}
 		}
 		l.cur = l.cp.Begin(ev.Xid, ev.CommitLSN)
+		l.pos.begin(l.cur)
 		l.cur.CommitTime = ev.CommitTime
 		l.curCommitTime = ev.CommitTime
 		if l.cp.Open() == 1 {
@@ -655,7 +662,7 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row, held int) er
 }
 
 func (l *loop) publish(ctx context.Context, it *item) error {
-	if ack, ok := l.found(it.workID); ok {
+	if ack, ok := l.found(it); ok {
 		// Stored before the restart: settled as published with its
 		// sequence, like an ack, through the same path.
 		l.r.metrics.ReadBackFound.Inc()
@@ -787,8 +794,10 @@ func (l *loop) handleResult(ctx context.Context, it *item) error {
 		// says which one it points at.
 		it.settle.Error = store.DuplicateNote(it.ack.Stream, it.ack.Sequence)
 		l.r.repeats.Add(it.workID, it.ack.Stream, it.ack.Sequence)
+		l.pos.earlier(it.ack.Stream, it.ack.Sequence, it.txn)
 	} else {
 		l.publishedOK.Inc()
+		l.pos.acked(it.ack.Stream, it.ack.Sequence)
 	}
 	l.r.metrics.CommitToAck.Observe(time.Since(it.commitTime).Seconds())
 	it.settle.Outcome = store.Published
@@ -894,6 +903,7 @@ func (l *loop) dueRetries() {
 func (l *loop) advance(confirms chan replication.LSN) {
 	if lsn, moved := l.cp.Advance(); moved {
 		l.r.metrics.ConfirmedLSN.Set(float64(lsn))
+		l.pos.confirmed(lsn, l.cp)
 		sendConfirm(confirms, lsn)
 		if t := l.cp.Oldest(); t != nil {
 			l.r.oldestOpen.Store(t.CommitTime.UnixNano())

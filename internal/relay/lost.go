@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"maps"
 	"sync"
 	"time"
 
@@ -77,6 +78,11 @@ func (r *Relay) checkLost(ctx context.Context, full bool) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, lostCheckTimeout)
 	defer cancel()
+	// What this process saw acknowledged is read before the stream's
+	// state: an ack that arrives while the state is asked for is then
+	// below the stream's end as read, never a loss (read the other way
+	// round, 31 false reports in 30 s under load).
+	seenBefore := r.acked.snapshot()
 	stateCtx, stateCancel := context.WithTimeout(ctx, lostStateTimeout)
 	state, err := st.OwnStreamState(stateCtx)
 	stateCancel()
@@ -84,8 +90,8 @@ func (r *Relay) checkLost(ctx context.Context, full bool) {
 		r.log.Warn().Err(err).Msg("could not read the stream's state to check for messages the broker lost; checking again later")
 		return
 	}
+	seen := seenBefore[state.Stream]
 	if r.store.Policy() != store.PolicyMark {
-		seen := r.acked.get(state.Stream)
 		if seen > state.LastSeq {
 			lost := seen - state.LastSeq
 			r.metrics.BrokerLost.Add(float64(lost))
@@ -106,11 +112,11 @@ func (r *Relay) checkLost(ctx context.Context, full bool) {
 				ev.Msg("the broker lost messages it had acknowledged: the stream ends below sequences it acknowledged to this relay; " +
 					"under --on-publish delete the rows were deleted once acknowledged and cannot be published again from the table: republish them from their source (docs/runbook.md, \"The broker lost messages\")")
 			}
-			r.acked.lower(state.Stream, state.LastSeq)
+			r.acked.lower(state.Stream, seen, state.LastSeq)
 		}
 		return
 	}
-	shortfall := r.acked.get(state.Stream) > state.LastSeq
+	shortfall := seen > state.LastSeq
 	if !full && !shortfall {
 		return
 	}
@@ -123,7 +129,9 @@ func (r *Relay) checkLost(ctx context.Context, full bool) {
 		r.log.Warn().Err(err).Msg("could not hand rows the broker lost back to the poller; checking again later")
 		return
 	}
-	r.acked.lower(state.Stream, state.LastSeq)
+	if shortfall {
+		r.acked.lower(state.Stream, seen, state.LastSeq)
+	}
 	if lost.Rows == 0 {
 		return
 	}
@@ -189,12 +197,19 @@ func (a *ackedSeqs) get(stream string) uint64 {
 	return a.seq[stream]
 }
 
-// lower sets stream's highest to seq once a shortfall was reported, so it
-// is reported once.
-func (a *ackedSeqs) lower(stream string, seq uint64) {
+// snapshot copies the highest acknowledged sequences.
+func (a *ackedSeqs) snapshot() map[string]uint64 {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.seq != nil {
+	return maps.Clone(a.seq)
+}
+
+// lower sets stream's highest to seq once a shortfall from seen was
+// reported, so it is reported once; an ack past seen since then stays.
+func (a *ackedSeqs) lower(stream string, seen, seq uint64) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.seq != nil && a.seq[stream] <= seen {
 		a.seq[stream] = seq
 	}
 }

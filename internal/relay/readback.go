@@ -7,6 +7,7 @@ import (
 
 	"github.com/jackc/pglogrepl"
 
+	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/sinks"
@@ -18,25 +19,30 @@ import (
 // in flight behind them. Past the broker's duplicate window nothing drops
 // those repeats; a crash followed by a longer outage stored every recent
 // row twice. So before the first publish of a session the relay reads the
-// headers the stream stored since the first replayed transaction committed,
-// and a replayed row whose work ID is there is settled as published with
-// the stored sequence instead of being published again.
+// headers the stream stored from the position recorded with the slot's
+// confirmation (position.go) to the stream's last sequence as it stood
+// when the read began, and a replayed row whose work ID is there is settled
+// as published with the stored sequence instead of being published again.
 //
-// The read is bounded by what was stored since that commit on the relay's
-// own subjects (what this relay published after its last confirmation,
-// plus what others stored there since: other instances' pollers, other
-// publishers), not by the outage's length, and by ReadBackLimit messages.
-// Past the limit, and for rows whose subject column names another stream,
-// the duplicate window is what is left.
+// The read is bounded by what was in flight at the last confirmation and
+// what others stored on the relay's subjects since (other instances'
+// pollers, other publishers), never by recent traffic or by clocks, and by
+// ReadBackLimit messages. Where no position is recorded (the first start
+// after an upgrade, a slot whose confirmations PostgreSQL took back, a
+// stream created again) it falls back to the broker's time of the first
+// replayed commit less readBackMargin, and says so: that fallback is the
+// only read that trusts the clocks of PostgreSQL and the broker. Past the
+// limit, and for rows whose subject column names another stream, the
+// duplicate window is what is left.
 
 // DefaultReadBackLimit bounds the messages a session start reads back, and
 // so the memory of the IDs it keeps (about 100 bytes each).
 const DefaultReadBackLimit = 200_000
 
-// readBackMargin starts the read this long before the first replayed
-// commit: the broker's clock stamps a stored message, PostgreSQL's the
-// commit, and a broker clock behind PostgreSQL's would hide the first
-// repeats.
+// readBackMargin starts a read by time (the fallback) this long before the
+// first replayed commit: the broker's clock stamps a stored message,
+// PostgreSQL's the commit, and a broker clock behind PostgreSQL's would
+// hide the first repeats.
 const readBackMargin = 5 * time.Second
 
 // readBack holds the replay's messages the stream has already, by work ID,
@@ -55,9 +61,10 @@ type storedMsg struct {
 }
 
 // startReadBack reads the stream back before the session's first publish:
-// first is the first replayed transaction's commit time, confirmed the
-// slot's position the session started from. A read that fails is tried
-// again, each attempt bounded by readBackAttempt, for up to
+// first is the first replayed transaction's commit time (for the fallback
+// by time only), confirmed the slot's position the session started from.
+// A read that fails, or that the broker does not answer up to its end, is
+// tried again, each attempt bounded by readBackAttempt, for up to
 // readBackTimeout; then the session ends as in an outage rather than
 // publish what it could not check: past the duplicate window each replayed
 // row would be stored again (a read hung across a cut NATS connection for
@@ -68,34 +75,37 @@ func (l *loop) startReadBack(ctx context.Context, first time.Time, confirmed rep
 	if !ok || l.r.cfg.ReadBackLimit < 0 {
 		return nil
 	}
-	since := first.Add(-readBackMargin)
 	started := time.Now()
 	var rb *readBack
-	var read int
-	var complete bool
+	var res sinks.ReadResult
+	var from sinks.From
+	var state sinks.StreamState
 	var err error
 	for attempt := 1; ; attempt++ {
 		rb = &readBack{stored: map[string]storedMsg{}}
 		rctx, cancel := context.WithTimeout(ctx, min(readBackAttempt, readBackTimeout-time.Since(started)))
-		read, complete, err = reader.StoredSince(rctx, since, l.r.cfg.ReadBackLimit, func(m sinks.Stored) bool {
-			lsn, err := pglogrepl.ParseLSN(firstHeader(m.Header, wire.HeaderCommitLSN))
-			if err == nil && lsn < confirmed {
-				// Confirmed, not replayed. PostgreSQL skips only the
-				// transactions whose commit record starts before the
-				// confirmed position; one that starts at it (the end of its
-				// predecessor's, when its rows were written before that one
-				// committed) is replayed and must be found.
+		from, state, err = l.readBackStart(rctx, first, confirmed)
+		if err == nil {
+			res, err = reader.ReadStored(rctx, from, l.r.cfg.ReadBackLimit, func(m sinks.Stored) bool {
+				lsn, err := pglogrepl.ParseLSN(firstHeader(m.Header, wire.HeaderCommitLSN))
+				if err == nil && lsn < confirmed {
+					// Confirmed, not replayed. PostgreSQL skips only the
+					// transactions whose commit record starts before the
+					// confirmed position; one that starts at it (the end of its
+					// predecessor's, when its rows were written before that one
+					// committed) is replayed and must be found.
+					return true
+				}
+				if err != nil {
+					lsn = 0
+				}
+				rb.stored[m.ID] = storedMsg{stream: m.Stream, seq: m.Seq, lsn: lsn}
+				rb.upTo = max(rb.upTo, lsn)
 				return true
-			}
-			if err != nil {
-				lsn = 0
-			}
-			rb.stored[m.ID] = storedMsg{stream: m.Stream, seq: m.Seq, lsn: lsn}
-			rb.upTo = max(rb.upTo, lsn)
-			return true
-		})
+			})
+			l.r.metrics.ReadBackMessages.Add(float64(res.Read))
+		}
 		cancel()
-		l.r.metrics.ReadBackMessages.Add(float64(read))
 		if err == nil || ctx.Err() != nil || time.Since(started)+readBackRetryWait >= readBackTimeout {
 			break
 		}
@@ -113,15 +123,60 @@ func (l *loop) startReadBack(ctx context.Context, first time.Time, confirmed rep
 			errOutage, took.Round(time.Millisecond), err)
 	}
 	ev := l.r.log.Info()
-	if !complete {
+	if !res.Complete {
 		ev = l.r.log.Warn()
 	}
-	ev.Time("since", since).Int("read", read).Int("stored", len(rb.stored)).Bool("complete", complete).
-		Dur("took", took).Msg(readBackMessage(complete))
+	if from.BySeq {
+		ev = ev.Uint64("after_seq", from.AfterSeq)
+	} else {
+		ev = ev.Time("since", from.Since)
+	}
+	ev.Uint64("end_seq", res.End).Int("read", res.Read).Int("stored", len(rb.stored)).Bool("complete", res.Complete).
+		Dur("took", took).Msg(readBackMessage(res.Complete))
 	if len(rb.stored) > 0 {
 		l.readBack = rb
 	}
+	// From here on the session records the position of what it confirms:
+	// what it replays was stored after where this read started.
+	l.pos = positions{on: true, stream: state.Stream, created: state.Created, start: res.After, known: res.After, marks: l.pos.marks}
+	if l.pos.marks != nil {
+		l.pos.marks.start(state.Stream, state.Created, res.After)
+	}
 	return nil
+}
+
+// readBackStart is where the read-back starts: the position recorded for
+// the slot's confirmed position, or by time where none is (and why, at
+// warn).
+func (l *loop) readBackStart(ctx context.Context, first time.Time, confirmed replication.LSN) (sinks.From, sinks.StreamState, error) {
+	stater, ok := l.r.sink.(sinks.StreamStater)
+	if !ok {
+		return sinks.From{Since: first.Add(-readBackMargin)}, sinks.StreamState{}, nil
+	}
+	state, err := stater.OwnStreamState(ctx)
+	if err != nil {
+		return sinks.From{}, state, err
+	}
+	if l.newSlot {
+		// A slot created by this session streams only transactions that
+		// commit after it: the CDC path never published any of them.
+		return sinks.From{AfterSeq: state.LastSeq, BySeq: true}, state, nil
+	}
+	rec, err := l.r.store.ReadPosition(ctx, l.r.cfg.Slot)
+	if err != nil {
+		return sinks.From{}, state, err
+	}
+	seq, ok, why := rec.StartAt(store.LSN(confirmed), state.Stream, state.Created)
+	if ok && state.LastSeq < seq {
+		ok, why = false, fmt.Sprintf("stream %s ends at %d, before the position recorded (%d): the broker lost messages it had stored", state.Stream, state.LastSeq, seq)
+	}
+	if ok {
+		return sinks.From{AfterSeq: seq, BySeq: true}, state, nil
+	}
+	since := first.Add(-readBackMargin)
+	l.r.log.Warn().Str("why", why).Time("since", since).
+		Msg("reading the stream back by time, not from a recorded position: this read assumes the clocks of PostgreSQL and the broker agree within 5 s (a broker clock behind lets replayed rows through to be stored twice); the positions recorded from this session on make the next start's read exact")
+	return sinks.From{Since: since}, state, nil
 }
 
 func readBackMessage(complete bool) string {
@@ -129,6 +184,21 @@ func readBackMessage(complete bool) string {
 		return "read the stream back up to --readback-limit only: replayed rows past it are published again, and only the duplicate window drops the repeats"
 	}
 	return "read the stream back before replaying: replayed rows found stored are settled, not published again"
+}
+
+// recordFinalPosition records, after a clean stop's final confirmation,
+// the stream position of final: the next session's read-back starts past
+// everything this one published and confirmed (none of its own to read).
+func (l *loop) recordFinalPosition(ctx context.Context, final replication.LSN) {
+	if !l.pos.on {
+		return
+	}
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	at := store.StreamPos{Stream: l.pos.stream, Created: l.pos.created, Seq: l.pos.after(l.cp)}
+	if err := l.r.store.RecordPosition(rctx, l.r.cfg.Slot, l.slotLSN, store.LSN(final), at); err != nil {
+		l.r.log.Warn().Err(err).Msg("stopped; could not record the stream position of the final confirmation: the next start reads back from the one recorded before (longer, not wrong)")
+	}
 }
 
 // readBackAttempt bounds one attempt of the read; readBackRetryWait is the
@@ -147,14 +217,15 @@ const readBackTimeout = time.Minute
 // newest message. A message of another transaction under the row's work
 // ID (a work_id reused) is answered as a duplicate, as the broker would
 // inside its window: the row then says which message it points at.
-func (l *loop) found(workID string) (sinks.Ack, bool) {
+func (l *loop) found(it *item) (sinks.Ack, bool) {
 	rb := l.readBack
 	if rb == nil {
 		return sinks.Ack{}, false
 	}
-	m, ok := rb.stored[workID]
+	m, ok := rb.stored[it.workID]
 	if ok {
-		delete(rb.stored, workID)
+		delete(rb.stored, it.workID)
+		l.pos.earlier(m.stream, m.seq, it.txn)
 	}
 	if len(rb.stored) == 0 || (rb.upTo != 0 && l.curCommitLSN > rb.upTo) {
 		l.readBack = nil

@@ -94,12 +94,12 @@ type failingReadBack struct {
 	attempts *atomic.Int32
 }
 
-func (f *failingReadBack) StoredSince(ctx context.Context, since time.Time, limit int, each func(sinks.Stored) bool) (int, bool, error) {
+func (f *failingReadBack) ReadStored(ctx context.Context, from sinks.From, limit int, each func(sinks.Stored) bool) (sinks.ReadResult, error) {
 	if f.failing.Load() {
 		f.attempts.Add(1)
-		return 0, false, errors.New("read back: test failure")
+		return sinks.ReadResult{}, errors.New("read back: test failure")
 	}
-	return f.Sink.StoredSince(ctx, since, limit, each)
+	return f.Sink.ReadStored(ctx, from, limit, each)
 }
 
 // replayPublished publishes rows (first-0..1 in one transaction, second-0..2

@@ -249,6 +249,9 @@ type Relay struct {
 	// the poller); Run does not repeat it. checked: the next session may
 	// skip the checks, which Preflight has just run.
 	preflighted, checked atomic.Bool
+	// slotCreated: the last ensureSlot created the slot (the session
+	// goroutine's own; nothing it replays was ever published).
+	slotCreated bool
 	// settingsRefused holds the error of the last session start that found
 	// this instance's settings differ from the table's, nil since one that
 	// found them equal (SettingsRefused).
@@ -538,6 +541,7 @@ func (r *Relay) session(ctx context.Context) error {
 	}
 	budget := replication.NewBudget(int64(r.cfg.MaxBufferedBytes))
 	r.budget.Store(budget)
+	marks := &posMarks{}
 	defer func() {
 		r.budget.Store(nil)
 		r.metrics.BufferedBytes.Set(0)
@@ -553,8 +557,10 @@ func (r *Relay) session(ctx context.Context) error {
 		// Nothing is confirmed to the slot past what its record allows
 		// (issue 30, item 3): the next session tells a slot moved by
 		// someone else by a confirmed position past the record.
+		// With it, the stream position of pos (position.go, G18).
 		RecordBound: func(ctx context.Context, pos replication.LSN) error {
-			return r.store.RaiseConfirmBound(ctx, r.cfg.Slot, ident.SlotLSN, store.LSN(pos))
+			at, _ := marks.position(pos)
+			return r.store.RaiseConfirmBound(ctx, r.cfg.Slot, ident.SlotLSN, store.LSN(pos), at)
 		},
 		Bound: replication.LSN(ident.ConfirmBound),
 		// G18 across instances: WAL that reaches this session after the
@@ -589,6 +595,8 @@ func (r *Relay) session(ctx context.Context) error {
 	}
 	l := newLoop(r, slot.ConfirmedFlush, held, budget)
 	l.slotLSN = ident.SlotLSN
+	l.newSlot = r.slotCreated
+	l.pos.marks = marks
 	l.stream = stream
 	l.keeper = r.newRestartKeeper(ctx)
 	// Before the session publishes: rows whose messages the broker lost
@@ -634,6 +642,7 @@ func (r *Relay) staleAfter() time.Duration {
 // that someone else moved, is treated as missing (issue 30, item 3).
 func (r *Relay) ensureSlot(ctx context.Context, conn replication.PgConn) (replication.SlotInfo, store.SlotState, error) {
 	var none store.SlotState
+	r.slotCreated = false
 	slot, err := replication.LookupSlot(ctx, r.pool, r.cfg.Slot)
 	if err != nil {
 		return slot, none, err
@@ -708,6 +717,7 @@ func (r *Relay) ensureSlot(ctx context.Context, conn replication.PgConn) (replic
 	}
 	r.log.Info().Str("lsn", created.ConsistentPoint.String()).Bool("failover", failover).Msg("created replication slot")
 	r.metrics.SlotsCreated.Inc()
+	r.slotCreated = true
 	n, err := r.store.BackfillFromSnapshot(ctx, r.cfg.Slot, created.Snapshot, created.ConsistentPoint.String())
 	switch {
 	case errors.Is(err, store.ErrBackfillNotPending):

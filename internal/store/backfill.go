@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -101,10 +102,20 @@ func (s *Store) AdoptSlot(ctx context.Context, slot string, lsn LSN) error {
 // (confirm_bound, migration 0016). A slot found later with a confirmed
 // position past the bound was moved by someone else. ErrSlotReplaced: the
 // record names another slot now, and the session must not confirm.
-func (s *Store) RaiseConfirmBound(ctx context.Context, slot string, slotLSN, pos LSN) error {
-	tag, err := s.pool.Exec(ctx, `UPDATE `+s.SlotsTable()+` SET confirm_bound = greatest(confirm_bound, $3::pg_lsn)
+//
+// at, when set, is recorded with it as the stream position of pos
+// (RecordPosition).
+func (s *Store) RaiseConfirmBound(ctx context.Context, slot string, slotLSN, pos LSN, at *StreamPos) error {
+	var seq *int64
+	var stream *string
+	var created *time.Time
+	if at != nil {
+		v := int64(at.Seq)
+		seq, stream, created = &v, &at.Stream, &at.Created
+	}
+	tag, err := s.pool.Exec(ctx, `UPDATE `+s.SlotsTable()+` SET confirm_bound = greatest(confirm_bound, $3::pg_lsn), `+positionSetSQL+`
 		WHERE slot_name = $1 AND slot_lsn = $2::pg_lsn AND NOT backfill_pending AND system_identifier = `+systemSQL,
-		slot, slotLSN.String(), pos.String())
+		slot, slotLSN.String(), pos.String(), seq, stream, created)
 	if err != nil {
 		return fmt.Errorf("record the confirmation bound %s of slot %s: %w", pos, slot, err)
 	}
@@ -112,6 +123,132 @@ func (s *Store) RaiseConfirmBound(ctx context.Context, slot string, slotLSN, pos
 		return fmt.Errorf("record the confirmation bound %s of slot %s: %w", pos, slot, ErrSlotReplaced)
 	}
 	return nil
+}
+
+// StreamPos is where in a stream the messages of interest were stored
+// after: past Seq in Stream, the stream created at Created (a stream
+// created again under the same name starts its sequences over).
+type StreamPos struct {
+	Stream  string
+	Created time.Time
+	Seq     uint64
+}
+
+// positionSetSQL records $4 (seq), $5 (stream) and $6 (created) as the
+// position of $3 (an LSN), keeping the pair before it as the previous one
+// when it is of the same stream (and dropping it when not); with $4 NULL it
+// changes nothing. Every SET expression reads the row as it was.
+const positionSetSQL = `
+		position_prev_lsn = CASE WHEN $4::bigint IS NULL THEN position_prev_lsn
+			WHEN position_stream = $5::text AND position_created = $6::timestamptz AND position_lsn <> $3::pg_lsn THEN position_lsn
+			WHEN position_stream = $5::text AND position_created = $6::timestamptz THEN position_prev_lsn END,
+		position_prev_seq = CASE WHEN $4::bigint IS NULL THEN position_prev_seq
+			WHEN position_stream = $5::text AND position_created = $6::timestamptz AND position_lsn <> $3::pg_lsn THEN position_seq
+			WHEN position_stream = $5::text AND position_created = $6::timestamptz THEN position_prev_seq END,
+		position_lsn = CASE WHEN $4::bigint IS NULL THEN position_lsn ELSE $3::pg_lsn END,
+		position_seq = coalesce($4::bigint, position_seq),
+		position_stream = coalesce($5::text, position_stream),
+		position_created = coalesce($6::timestamptz, position_created)`
+
+// RecordPosition records at as the stream position of pos for the slot
+// whose consistent point is slotLSN: every message of a transaction that
+// commits at or past pos is stored past at.Seq. A session whose slot
+// starts at or past pos reads the stream back from there (G18). A clean
+// stop records its final position this way: its next start reads back
+// nothing of its own.
+func (s *Store) RecordPosition(ctx context.Context, slot string, slotLSN, pos LSN, at StreamPos) error {
+	seq := int64(at.Seq)
+	tag, err := s.pool.Exec(ctx, `UPDATE `+s.SlotsTable()+` SET `+positionSetSQL+`
+		WHERE slot_name = $1 AND slot_lsn = $2::pg_lsn AND NOT backfill_pending AND system_identifier = `+systemSQL,
+		slot, slotLSN.String(), pos.String(), &seq, &at.Stream, &at.Created)
+	if err != nil {
+		return fmt.Errorf("record the stream position of %s for slot %s: %w", pos, slot, err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("record the stream position of %s for slot %s: %w", pos, slot, ErrSlotReplaced)
+	}
+	return nil
+}
+
+// Position is a recorded pair: every message of a transaction committing
+// at or past LSN is stored past Seq.
+type Position struct {
+	LSN LSN
+	Seq uint64
+}
+
+// PositionRecord is what the slot record says of the stream positions:
+// the newest pair and the one before it, of one stream.
+type PositionRecord struct {
+	Stream     string
+	Created    time.Time
+	Last, Prev *Position
+}
+
+// StartAt returns the recorded position a session starting at confirmed
+// reads the stream back from, for stream created at created: the newest
+// pair at or before confirmed. ok is false, with why, when there is none:
+// nothing recorded, another stream (or the stream created again), or a
+// slot that starts before every pair (its confirmations were lost: a
+// PostgreSQL crash that took back what the slot had not written to disk).
+func (r PositionRecord) StartAt(confirmed LSN, stream string, created time.Time) (seq uint64, ok bool, why string) {
+	switch {
+	case r.Last == nil:
+		return 0, false, "no stream position recorded (the first start, or the first since an upgrade)"
+	case r.Stream != stream:
+		return 0, false, fmt.Sprintf("the position recorded is of stream %s, not %s", r.Stream, stream)
+	case !r.Created.Equal(created.Truncate(time.Microsecond)):
+		return 0, false, fmt.Sprintf("stream %s was created again since the position was recorded (at %s, now %s)", stream,
+			r.Created.UTC().Format(time.RFC3339Nano), created.UTC().Format(time.RFC3339Nano))
+	}
+	best := (*Position)(nil)
+	for _, p := range []*Position{r.Last, r.Prev} {
+		if p != nil && p.LSN <= confirmed && (best == nil || p.LSN > best.LSN) {
+			best = p
+		}
+	}
+	if best == nil {
+		return 0, false, fmt.Sprintf("the slot starts at %s, before the positions recorded (%s): its confirmations were taken back", confirmed, r.Last.LSN)
+	}
+	return best.Seq, true, ""
+}
+
+// ReadPosition reads the stream positions recorded for slot.
+func (s *Store) ReadPosition(ctx context.Context, slot string) (PositionRecord, error) {
+	var rec PositionRecord
+	var lsn, prevLSN, stream *string
+	var seq, prevSeq *int64
+	var created *time.Time
+	err := s.pool.QueryRow(ctx, `SELECT position_lsn::text, position_seq, position_prev_lsn::text, position_prev_seq, position_stream, position_created
+		FROM `+s.SlotsTable()+` WHERE slot_name = $1 AND system_identifier = `+systemSQL, slot).
+		Scan(&lsn, &seq, &prevLSN, &prevSeq, &stream, &created)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return rec, nil
+	}
+	if err != nil {
+		return rec, fmt.Errorf("read the stream position recorded for slot %s: %w", slot, err)
+	}
+	if stream == nil || created == nil {
+		return rec, nil
+	}
+	rec.Stream, rec.Created = *stream, *created
+	pair := func(l *string, q *int64) (*Position, error) {
+		if l == nil || q == nil || *q < 0 {
+			return nil, nil
+		}
+		v, err := parseLSN(*l)
+		if err != nil {
+			return nil, fmt.Errorf("read the stream position recorded for slot %s: %w", slot, err)
+		}
+		return &Position{LSN: v, Seq: uint64(*q)}, nil
+	}
+	if rec.Last, err = pair(lsn, seq); err != nil {
+		return PositionRecord{}, err
+	}
+	if rec.Prev, err = pair(prevLSN, prevSeq); err != nil {
+		return PositionRecord{}, err
+	}
+	return rec, nil
 }
 
 // MarkBackfillPending records, durably and before the slot is created, that
@@ -123,7 +260,8 @@ func (s *Store) MarkBackfillPending(ctx context.Context, slot string) error {
 		VALUES ($1, true, clock_timestamp(), 1, `+systemSQL+`)
 		ON CONFLICT (slot_name) DO UPDATE SET backfill_pending = true,
 			pending_since = CASE WHEN t.backfill_pending THEN t.pending_since ELSE clock_timestamp() END,
-			created_count = t.created_count + 1, system_identifier = excluded.system_identifier, slot_lsn = NULL, confirm_bound = NULL`, slot)
+			created_count = t.created_count + 1, system_identifier = excluded.system_identifier, slot_lsn = NULL, confirm_bound = NULL,
+			position_lsn = NULL, position_seq = NULL, position_prev_lsn = NULL, position_prev_seq = NULL, position_stream = NULL, position_created = NULL`, slot)
 	if err != nil {
 		return fmt.Errorf("mark backfill pending for slot %s: %w", slot, err)
 	}

@@ -21,7 +21,10 @@ const LostNotePrefix = "lost:"
 // into stream at a sequence past last, the stream's last sequence now
 // (G19): the broker acknowledged them and then lost them (its store came
 // back shorter). They become scheduled (the poller's), due at once, their attempts kept and
-// last_error saying what was lost. Rows of another stream, and rows below
+// last_error saying what was lost, and their lookup_seq at most last: a
+// copy published since the loss (the CDC path's replay starts after the
+// check at a session start) is stored after it, and the poller looks it up
+// from there before it publishes the row again (G18). Rows of another stream, and rows below
 // the stream's first sequence (removed by its own limits) are left alone;
 // so are rows published before created, the stream's creation time: a
 // stream deleted and created again under the same name starts its
@@ -49,6 +52,7 @@ func (s *Store) RequeueLost(ctx context.Context, stream string, last uint64, cre
 	}
 	err := s.pool.QueryRow(ctx, `WITH lost AS (
 		UPDATE `+s.table.String()+` AS o SET state = 'scheduled', available_at = clock_timestamp(), published_at = NULL,
+			lookup_seq = least(o.lookup_seq, $2::bigint),
 			last_error = format('lost: broker acknowledged seq %s in stream %s but the stream ends at %s', o.stream_seq, o.stream_name, $2::bigint)
 		WHERE o.state = 'published' AND o.stream_name = $1 AND o.stream_seq > $2::bigint
 			AND o.published_at >= $3`+recent+`

@@ -160,11 +160,24 @@ type OpRow struct {
 	// estimate errs long, so a warning based on it errs on the side of
 	// warning.
 	SinceLastAttempt time.Duration
+	// LookupSeq, when HasLookupSeq, is the row's lookup_seq: the poller
+	// claimed it before, and any message of it is stored in the own stream
+	// after this sequence (G18).
+	LookupSeq    uint64
+	HasLookupSeq bool
 }
 
 // Uncertain says the row's last attempt ended without knowing whether the
 // broker stored the message (a timeout, an outage, an expired lease).
 func (r OpRow) Uncertain() bool { return strings.HasPrefix(r.PreviousError, "uncertain") }
+
+// MayBeStored says an earlier attempt may have stored the row's message
+// without the table knowing: its last attempt was uncertain, or the poller
+// claimed it before and its last attempt was not refused by the broker (a
+// known non-effect).
+func (r OpRow) MayBeStored() bool {
+	return r.Uncertain() || (r.HasLookupSeq && !strings.HasPrefix(r.PreviousError, "rejected"))
+}
 
 // Refusal is a work ID a redrive or cancel did not change.
 type Refusal struct {
@@ -378,7 +391,7 @@ func (s *Store) opSQL(a Action, r *OpRequest) (string, args) {
 		FROM n WHERE t.work_id = n.work_id AND t.state = ANY(` + from + `::text[])
 		RETURNING t.work_id, t.kind, n.state AS prev_state, n.attempts AS prev_attempts,
 			n.claim_generation AS prev_generation, n.last_error AS prev_error,
-			t.redriven_at, t.available_at, n.last_try, ` + deadline + ` AS deadline, coalesce(t.subject, '') AS subject),
+			t.redriven_at, t.available_at, n.last_try, ` + deadline + ` AS deadline, coalesce(t.subject, '') AS subject, t.lookup_seq),
 	h AS (
 		INSERT INTO ` + s.table.derived("redrives", true) + `
 			(work_id, action, at, "by", reason, previous_state, previous_attempts, previous_generation, previous_error, deadline)
@@ -387,7 +400,7 @@ func (s *Store) opSQL(a Action, r *OpRequest) (string, args) {
 	SELECT work_id, kind, prev_state, prev_attempts, prev_generation, coalesce(prev_error, ''),
 		redriven_at, available_at,
 		CASE WHEN isfinite(available_at) AND isfinite(last_try) THEN extract(epoch FROM available_at - last_try)::float8 END,
-		subject
+		subject, lookup_seq
 	FROM u ORDER BY available_at, work_id`
 	return q, p
 }
@@ -446,8 +459,12 @@ func (s *Store) op(ctx context.Context, a Action, r OpRequest) (res OpResult, er
 	res.Changed, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (OpRow, error) {
 		var o OpRow
 		var since *float64
+		var lookup *int64
 		err := row.Scan(&o.WorkID, &o.Kind, &o.PreviousState, &o.PreviousAttempts, &o.PreviousGeneration,
-			&o.PreviousError, &o.ChangedAt, anyTime{&o.AvailableAt}, &since, &o.Subject)
+			&o.PreviousError, &o.ChangedAt, anyTime{&o.AvailableAt}, &since, &o.Subject, &lookup)
+		if lookup != nil && *lookup >= 0 {
+			o.LookupSeq, o.HasLookupSeq = uint64(*lookup), true
+		}
 		if since != nil {
 			o.SinceLastAttempt = time.Duration(*since * float64(time.Second))
 		}

@@ -107,7 +107,7 @@ func TestOrderStatementsAtScale(t *testing.T) {
 		args []any
 	}{
 		{"held-aggregate refresh (HeldAggregates)", s.HeldAggregatesSQL(), nil},
-		{"ordered claim (Claim, ordered)", s.ClaimSQL(true), []any{100, "w", lease, margin}},
+		{"ordered claim (Claim, ordered)", s.ClaimSQL(true), []any{100, "w", lease, margin, int64(0)}},
 		{"hand-back check (WithPoller), a held aggregate", s.WithPollerSQL(), []any{"order", "o7"}},
 		{"hand-back check (WithPoller), the long aggregate", s.WithPollerSQL(), []any{"order", "long"}},
 		{"hand-back check (WithPoller), a free aggregate", s.WithPollerSQL(), []any{"order", "o8"}},

@@ -42,6 +42,11 @@ type Claimed struct {
 	// AvailableAt is when the row became due (the claim leaves it as it
 	// was): after a reschedule, its last attempt's time plus the backoff.
 	AvailableAt time.Time
+	// LookupSeq, when HasLookupSeq, is the row's lookup_seq before this
+	// claim: an earlier claim may have published it, and any message of
+	// it is stored in the own stream after this sequence (G18).
+	LookupSeq    uint64
+	HasLookupSeq bool
 }
 
 // ClaimOptions are the rules a claim follows beyond due and unlocked.
@@ -53,6 +58,12 @@ type ClaimOptions struct {
 	// DeadlineMargin: never claim a row whose deadline is closer than
 	// this; it is left to ExpireDue (G13).
 	DeadlineMargin time.Duration
+	// StreamSeq, when HasStreamSeq, is a sequence of the own stream that
+	// every message published from now on is stored after: a row claimed
+	// for the first time records it as its lookup_seq, where a lookup of
+	// this claim's publish starts (G18).
+	StreamSeq    uint64
+	HasStreamSeq bool
 }
 
 // Completion is one acked publish of a claim.
@@ -77,18 +88,26 @@ func (s *Store) Claim(ctx context.Context, workerID string, lease time.Duration,
 	// Planned for each call (see unplanned): a plan cached while the table
 	// was small would keep joining the claims to it by a sequential scan
 	// once a backlog arrives.
-	rows, err := s.pool.Query(ctx, q, unplanned, batch, workerID, micros(lease), micros(o.DeadlineMargin))
+	var seq *int64
+	if o.HasStreamSeq {
+		v := int64(o.StreamSeq)
+		seq = &v
+	}
+	rows, err := s.pool.Query(ctx, q, unplanned, batch, workerID, micros(lease), micros(o.DeadlineMargin), seq)
 	if err != nil {
 		return nil, fmt.Errorf("claim from %s: %w", s.table.Qualified(), err)
 	}
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Claimed, error) {
 		var c Claimed
-		var aggSeq *int64
+		var aggSeq, lookup *int64
 		var expires *time.Time
 		// Payload and Headers scan straight into []byte (a copy of the
 		// row's text; nil for NULL headers): no string in between.
 		err := r.Scan(&c.WorkID, &c.Kind, &c.Subject, &c.Payload, &c.Headers, &c.Attempts, &c.ClaimGeneration, &c.LastError, &c.Reclaimed,
-			&c.AggregateType, &c.AggregateID, &aggSeq, anyTimePtr{&expires}, anyTime{&c.AvailableAt})
+			&c.AggregateType, &c.AggregateID, &aggSeq, anyTimePtr{&expires}, anyTime{&c.AvailableAt}, &lookup)
+		if lookup != nil && *lookup >= 0 {
+			c.LookupSeq, c.HasLookupSeq = uint64(*lookup), true
+		}
 		if aggSeq != nil {
 			c.AggregateSeq = *aggSeq
 		}
@@ -301,7 +320,8 @@ func (s *Store) Fail(ctx context.Context, workID, workerID string, gen int64, la
 }
 
 // claimSQL is the claim statement; $1 batch, $2 worker, $3 lease and $4
-// deadline margin in microseconds. The CTE's select walks the partial poll
+// deadline margin in microseconds, $5 the own stream's sequence a first
+// claim records as the row's lookup_seq (NULL: not known). The CTE's select walks the partial poll
 // index in poll_at order and stops after batch due rows; with ordered, a row
 // of an aggregate is claimable only while no lower sequence of it blocks
 // (see BlockingStates; the partial aggregate index serves that probe).
@@ -326,7 +346,7 @@ func (s *Store) claimSQL(ordered bool) string {
 	}
 	tbl := s.table.String()
 	return `WITH c AS (
-		SELECT work_id, state AS prev_state FROM ` + tbl + ` AS q
+		SELECT work_id, state AS prev_state, lookup_seq AS prev_lookup FROM ` + tbl + ` AS q
 		WHERE poll_at IS NOT NULL AND poll_at <= (SELECT clock_timestamp()) AND coalesce(` + dueSQL("q") + `, false)
 		ORDER BY poll_at
 		LIMIT $1
@@ -342,16 +362,21 @@ func dueSQL(a string) string {
 		  AND (` + a + `.expires_at IS NULL OR ` + a + `.expires_at > clock_timestamp() + $4::bigint * interval '1 microsecond')`
 }
 
-// claimUpdateSQL moves the rows of the CTE c (work_id, prev_state) to
-// running under this claim.
+// claimUpdateSQL moves the rows of the CTE c (work_id, prev_state,
+// prev_lookup) to running under this claim. A row's lookup_seq is set by
+// its first claim and kept by every later one (coalesce): a message of
+// any earlier claim's publish is stored after it too. The claim returns
+// the value from before it, which says whether an earlier claim may have
+// published the row.
 func (s *Store) claimUpdateSQL() string {
 	tbl := s.table.String()
 	return `UPDATE ` + tbl + ` AS t SET state = 'running', claimed_by = $2, claim_generation = t.claim_generation + 1,
-		lease_until = clock_timestamp() + $3::bigint * interval '1 microsecond', attempts = t.attempts + 1
+		lease_until = clock_timestamp() + $3::bigint * interval '1 microsecond', attempts = t.attempts + 1,
+		lookup_seq = coalesce(t.lookup_seq, $5::bigint)
 	FROM c WHERE t.work_id = c.work_id
 	RETURNING t.work_id, t.kind, coalesce(t.subject, ''), t.payload::text, t.headers::text, t.attempts,
 		t.claim_generation, coalesce(t.last_error, ''), c.prev_state = 'running',
-		coalesce(t.aggregate_type, ''), coalesce(t.aggregate_id, ''), t.aggregate_seq, t.expires_at, t.available_at`
+		coalesce(t.aggregate_type, ''), coalesce(t.aggregate_id, ''), t.aggregate_seq, t.expires_at, t.available_at, c.prev_lookup`
 }
 
 // orderedClaimSQL is the claim with the order rule (G12): it takes, per
@@ -395,7 +420,7 @@ func (s *Store) orderedClaimSQL() string {
 		return a + `.aggregate_type = ` + b + `.aggregate_type AND ` + a + `.aggregate_id = ` + b + `.aggregate_id`
 	}
 	return `WITH h AS (
-		SELECT work_id, state AS prev_state, poll_at, aggregate_type, aggregate_id, aggregate_seq FROM ` + tbl + ` AS q
+		SELECT work_id, state AS prev_state, lookup_seq AS prev_lookup, poll_at, aggregate_type, aggregate_id, aggregate_seq FROM ` + tbl + ` AS q
 		WHERE poll_at IS NOT NULL AND poll_at <= (SELECT clock_timestamp()) AND coalesce(` + dueSQL("q") + `
 		  AND (q.aggregate_type IS NULL OR (
 			coalesce((SELECT p.state NOT IN ` + blockingStatesSQL + ` OR (p.state = '` + StateReady + `' AND ` + s.coveredSQL("p") + `)
@@ -425,7 +450,7 @@ func (s *Store) orderedClaimSQL() string {
 			LIMIT $1 - 1) AS n
 		WHERE h.aggregate_type IS NOT NULL),
 	l AS (
-		SELECT t.work_id, t.state AS prev_state FROM ` + tbl + ` AS t
+		SELECT t.work_id, t.state AS prev_state, t.lookup_seq AS prev_lookup FROM ` + tbl + ` AS t
 		WHERE t.work_id IN (SELECT work_id FROM r) AND coalesce(t.poll_at IS NOT NULL AND ` + dueSQL("t") + `, false)
 		FOR UPDATE SKIP LOCKED),
 	k AS (
@@ -433,9 +458,9 @@ func (s *Store) orderedClaimSQL() string {
 		WHERE r.work_id NOT IN (SELECT work_id FROM l)
 		GROUP BY r.head),
 	c AS (
-		SELECT work_id, prev_state FROM h
+		SELECT work_id, prev_state, prev_lookup FROM h
 		UNION ALL
-		(SELECT r.work_id, l.prev_state FROM r JOIN l ON l.work_id = r.work_id LEFT JOIN k ON k.head = r.head
+		(SELECT r.work_id, l.prev_state, l.prev_lookup FROM r JOIN l ON l.work_id = r.work_id LEFT JOIN k ON k.head = r.head
 		WHERE k.cut IS NULL OR r.aggregate_seq < k.cut
 		ORDER BY r.poll_at, r.aggregate_seq
 		LIMIT greatest($1 - (SELECT count(*) FROM h), 0)))

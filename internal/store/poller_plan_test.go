@@ -60,7 +60,7 @@ func TestPollerPlansWithoutStatistics(t *testing.T) {
 		}
 		t.Run("claim, statistics "+stats, func(t *testing.T) {
 			for _, ordered := range []bool{false, true} {
-				plan := explain(ctx, t, pool, s.ClaimSQL(ordered), batch, "w", int64(time.Minute/time.Microsecond), int64(time.Second/time.Microsecond))
+				plan := explain(ctx, t, pool, s.ClaimSQL(ordered), batch, "w", int64(time.Minute/time.Microsecond), int64(time.Second/time.Microsecond), int64(0))
 				if !strings.Contains(plan, "Index Scan using outbox_poll_idx on outbox q") || sortsTheTable(plan) {
 					t.Errorf("ordered %v: claim plan reads the table and sorts it:\n%s", ordered, plan)
 				}

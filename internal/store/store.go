@@ -46,7 +46,7 @@ var RequiredColumns = []string{
 	"attempts", "claim_generation", "claimed_by", "lease_until", "published_at", "stream_seq",
 	"last_error", "redriven_at", "redriven_by", "redrive_reason",
 	"aggregate_type", "aggregate_id", "aggregate_seq", "expires_at",
-	"stream_name", "parked", "xact_id",
+	"stream_name", "parked", "xact_id", "lookup_seq",
 }
 
 // Store runs the outbox table's statements on a pool.

@@ -72,7 +72,7 @@ func TestWatermarkCandidateBoundToSlot(t *testing.T) {
 		t.Fatalf("both slots recorded at %s", first)
 	}
 	// The stalled session's bound is refused too: it may not confirm.
-	if err := s.RaiseConfirmBound(ctx, slot, first, c1.LSN); !errors.Is(err, store.ErrSlotReplaced) {
+	if err := s.RaiseConfirmBound(ctx, slot, first, c1.LSN, nil); !errors.Is(err, store.ErrSlotReplaced) {
 		t.Errorf("the first slot's session raising the bound: %v, want ErrSlotReplaced", err)
 	}
 	_, c2, err := advance(s, second, store.WatermarkCandidate{})

@@ -36,6 +36,11 @@ type Sink struct {
 	binding *binding
 	pub     *publisher
 	window  atomic.Int64 // the own stream's duplicate window as last observed, in nanoseconds
+	// known is a sequence of the own stream every message published from
+	// now on is stored after: the highest acknowledged to this sink, or
+	// read as the stream's last; knownAt is when it was last raised or
+	// read (unix nanoseconds).
+	known, knownAt atomic.Int64
 }
 
 var _ sinks.Sink = (*Sink)(nil)
@@ -129,6 +134,9 @@ func (f *future) Wait(ctx context.Context) (sinks.Ack, error) {
 			return sinks.Ack{}, &wire.RejectedError{Reason: ReasonWrongStream, Err: fmt.Errorf(
 				"%s on %s was acknowledged by stream %s at sequence %d, not by %s, the stream the relay published it to: %s",
 				f.msg.ID, f.msg.Subject, f.ack.Stream, f.ack.Sequence, f.stream, f.sink.binding.wrongStreamFix(f.ack.Stream))}
+		}
+		if !f.ack.Duplicate && f.ack.Stream == f.sink.binding.opts.Stream {
+			f.sink.raiseKnown(f.ack.Sequence)
 		}
 		return f.ack, nil
 	}
