@@ -113,7 +113,7 @@ type Stream struct {
 	// send time seen (the clocks' offset plus the fastest delivery), so a
 	// message's send time in local time is its server time plus offset,
 	// never later than its receipt.
-	alive     time.Time
+	alive     atomicTime
 	offset    time.Duration
 	offsetSet bool
 	holder    int32 // this session's walsender, as pg_replication_slots names it
@@ -625,9 +625,7 @@ func (s *Stream) heard(sent time.Time) {
 	if d := now.Sub(sent); !s.offsetSet || d < s.offset {
 		s.offset, s.offsetSet = d, true
 	}
-	if at := sent.Add(s.offset); at.After(s.alive) {
-		s.alive = at
-	}
+	s.alive.raise(sent.Add(s.offset))
 }
 
 // fenceTimeout bounds the query that checks who holds the slot.
@@ -638,7 +636,7 @@ const fenceTimeout = 10 * time.Second
 // session's walsender still holds the slot, and ends the stream when it
 // does not (or when it cannot tell).
 func (s *Stream) fence(ctx context.Context) error {
-	if s.cfg.Slots == nil || s.cfg.StaleAfter <= 0 || time.Since(s.alive) <= s.cfg.StaleAfter {
+	if s.cfg.Slots == nil || s.cfg.StaleAfter <= 0 || time.Since(s.alive.load()) <= s.cfg.StaleAfter {
 		return nil
 	}
 	asked := time.Now()
@@ -652,8 +650,38 @@ func (s *Stream) fence(ctx context.Context) error {
 		return fmt.Errorf("%w: slot %s: the WAL read last was sent over %s ago and the slot is held by walsender %d now, not by this session's %d: the server dropped this session meanwhile and another may have streamed it; ending it without handing that WAL over",
 			ErrSessionFenced, s.cfg.Slot, s.cfg.StaleAfter, si.ActivePID, s.holder)
 	}
-	s.alive = asked
+	s.alive.raise(asked)
 	return nil
+}
+
+// Fence is the fence for a row the relay took from an earlier batch and
+// publishes only now: it was let through when its batch was handed over,
+// but the process may have been paused since (SIGSTOP, a frozen VM) past
+// wal_sender_timeout while another instance took the slot over and
+// published the same rows. Cheap while the evidence is fresh; past
+// StaleAfter it asks the server who holds the slot, as a handover does.
+// Safe from any goroutine.
+func (s *Stream) Fence(ctx context.Context) error { return s.fence(ctx) }
+
+// atomicTime is a time read from any goroutine.
+type atomicTime struct{ ns atomic.Int64 }
+
+func (a *atomicTime) load() time.Time {
+	if n := a.ns.Load(); n != 0 {
+		return time.Unix(0, n)
+	}
+	return time.Time{}
+}
+
+// raise moves the time forward to t, never back.
+func (a *atomicTime) raise(t time.Time) {
+	n := t.UnixNano()
+	for {
+		cur := a.ns.Load()
+		if n <= cur || a.ns.CompareAndSwap(cur, n) {
+			return
+		}
+	}
 }
 
 // ErrSessionFenced ends a stream whose walsender no longer holds the slot

@@ -37,6 +37,13 @@ type Sink interface {
 	Publish(ctx context.Context, m *wire.Message) (Future, error)
 }
 
+// ErrUnrecognised marks a publish that failed in a way the sink knows
+// neither as a refusal of the message nor as an outage (a timeout, a
+// disconnect, a broker-wide error). A caller retries it as an outage, and
+// counts such failures per message: after bounded tries it is that
+// message's refusal, never an endless replay of the stream (G7).
+var ErrUnrecognised = errors.New("an unrecognised publish failure")
+
 // ErrAckTimeout marks a publish whose ack did not come in time: the broker
 // may or may not have stored it (an uncertain outcome, not a rejection).
 var ErrAckTimeout = errors.New("no ack in time")

@@ -23,6 +23,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/outbox-relay/outbox-relay/internal/console"
+	"github.com/outbox-relay/outbox-relay/internal/dbclock"
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
 	"github.com/outbox-relay/outbox-relay/internal/poller"
 	"github.com/outbox-relay/outbox-relay/internal/procs"
@@ -143,6 +144,9 @@ type Options struct {
 	// CDCSink, when set, wraps the CDC path's sink (tests make the broker
 	// fail in ways a real one does only by chance).
 	CDCSink func(*natssink.Sink) sinks.Sink
+	// SessionBackoff, when set, is the CDC path's wait between failed
+	// sessions, fixed (tests: the relay's default grows from 200 ms to 30 s).
+	SessionBackoff time.Duration
 }
 
 // NATSAuth holds the broker's credentials and TLS files; empty fields are
@@ -171,8 +175,12 @@ func (o *Options) natsOptions(log zerolog.Logger) ([]nats.Option, error) {
 		// out whenever the connection returns, possibly after its row's
 		// deadline (G13); the republish is deduplicated anyway.
 		nats.ReconnectBufSize(-1),
-		nats.ReconnectWait(500 * time.Millisecond),
-		nats.ReconnectJitter(250*time.Millisecond, time.Second),
+		// A broker back is found within about a third of a second: the
+		// session waiting to restart starts at the reconnect (issue 42,
+		// item 4). An attempt against a broker still down is one refused
+		// TCP connect.
+		nats.ReconnectWait(250 * time.Millisecond),
+		nats.ReconnectJitter(100*time.Millisecond, time.Second),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			if err == nil {
 				// Our own Drain or Close at shutdown: nothing went wrong.
@@ -461,6 +469,28 @@ func observerPool(ctx context.Context, o *Options) (*pgxpool.Pool, error) {
 	return pool, nil
 }
 
+// dbClockInterval is how often the database's clock is measured again.
+const dbClockInterval = 30 * time.Second
+
+// startDBClock measures the database's clock once before anything decides
+// a deadline, then keeps measuring it until ctx ends. A first measurement
+// that fails leaves the relay's own clock in use until one succeeds.
+func startDBClock(ctx context.Context, pool *pgxpool.Pool, log zerolog.Logger) *dbclock.Clock {
+	clock := &dbclock.Clock{}
+	probe := func(ctx context.Context) (time.Time, error) {
+		var t time.Time
+		err := pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&t)
+		return t, err
+	}
+	mctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	if err := clock.Measure(mctx, probe); err != nil {
+		log.Warn().Err(err).Msg("could not measure PostgreSQL's clock at start: deadlines are decided on the relay's clock until a measurement succeeds")
+	}
+	cancel()
+	go clock.Keep(ctx, probe, dbClockInterval, log.With().Str("component", "clock").Logger())
+	return clock
+}
+
 // Run runs the daemon until ctx is cancelled.
 func Run(ctx context.Context, o Options, log zerolog.Logger) error {
 	// Whatever ends the run is printed by the caller: no NATS secret may
@@ -495,6 +525,13 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	// behind each other's acks.
 	pollOpts, cdcOpts := o.sinkOptions(), o.sinkOptions()
 	pollOpts.Pending, cdcOpts.Pending = max(o.PollBatch, 1)*(o.PollPipeline+1), o.MaxInFlight
+	// Deadlines are the database's (G13): the CDC path decides on its
+	// clock, and Nats-TTL counts from it. For the TTL the clock reads early
+	// by its uncertainty: the broker removes a message after its deadline,
+	// never before.
+	clock := startDBClock(ctx, pool, log)
+	ttlClock := func() time.Time { return clock.Now().Add(-clock.Uncertainty()) }
+	pollOpts.Clock, cdcOpts.Clock = ttlClock, ttlClock
 	pollSink, cdcSink := natssink.New(js, pollOpts), natssink.New(js, cdcOpts)
 	contract := newContractCheck(o, nc, log, m)
 	ensureStream := func(ctx context.Context) error {
@@ -572,6 +609,9 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 
 		AtomicTransactions: o.AtomicTransactions,
 		AtomicBatchMax:     o.AtomicBatchMax,
+		DeadlineClock:      clock,
+		BackoffMin:         o.SessionBackoff,
+		BackoffMax:         o.SessionBackoff,
 	}, pool, st, o.wrapCDCSink(cdcSink), log, m)
 	// A broker that comes back may have lost what it acknowledged (G19):
 	// check at once rather than at the next --lost-check-interval.

@@ -82,8 +82,7 @@ func (a *atomicState) add(ctx context.Context, l *loop, it *item) error {
 		// Stored before the restart (the read-back, G18): settled with
 		// its sequence, not sent again; the rest of its transaction goes
 		// as a batch.
-		l.r.metrics.ReadBackFound.Inc()
-		return l.published(it, sinks.Resolved(ack))
+		return l.foundStored(ctx, it, ack)
 	}
 	if len(a.open) > 0 && a.openBytes+it.size > a.maxBytes {
 		if err := a.flush(ctx, l); err != nil {
@@ -159,6 +158,9 @@ func (a *atomicState) send(ctx context.Context, l *loop, b []*item) error {
 	if len(b) == 1 {
 		return l.publish(ctx, b[0])
 	}
+	if err := l.fence(ctx); err != nil {
+		return err
+	}
 	msgs := make([]*wire.Message, len(b))
 	for i, it := range b {
 		msgs[i] = it.msg
@@ -203,6 +205,9 @@ func (a *atomicState) counted(l *loop, it *item) {
 
 // republish publishes alone a row whose batch the broker refused whole.
 func (a *atomicState) republish(ctx context.Context, l *loop, it *item) error {
+	if err := l.fence(ctx); err != nil {
+		return err
+	}
 	fut, err := a.batcher.Republish(ctx, it.msg)
 	if err != nil {
 		if re, ok := wire.IsRejected(err); ok {

@@ -10,6 +10,9 @@ import (
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
+	"github.com/outbox-relay/outbox-relay/sinks"
+	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
 
 // G18 across instances: the session the server dropped must not publish
@@ -175,4 +178,92 @@ func (p *pauseProxy) close() {
 	}
 	p.mu.Unlock()
 	p.wg.Wait()
+}
+
+// gatedAcks is the relay's sink with every ack held until open is closed,
+// as a paused process holds them.
+type gatedAcks struct {
+	*natssink.Sink
+	open chan struct{}
+}
+
+func (s *gatedAcks) Publish(ctx context.Context, m *wire.Message) (sinks.Future, error) {
+	f, err := s.Sink.Publish(ctx, m)
+	if err != nil {
+		return nil, err
+	}
+	return gatedFuture{f, s.open}, nil
+}
+
+type gatedFuture struct {
+	sinks.Future
+	open chan struct{}
+}
+
+func (f gatedFuture) Wait(ctx context.Context) (sinks.Ack, error) {
+	select {
+	case <-f.open:
+	case <-ctx.Done():
+		return sinks.Ack{}, ctx.Err()
+	}
+	return f.Future.Wait(ctx)
+}
+
+// The fence at publish (issue 42, item 3). A relay paused (SIGSTOP, a
+// frozen VM) past wal_sender_timeout while another took over published the
+// rows it had already taken into its loop after it resumed, before the
+// fence at the next handover stopped it: 32 rows stored twice. Here B's
+// in-flight window is full of acks it cannot hear (held, as in a pause), a
+// transaction waits behind them in its loop, and its database connection
+// stalls until its walsender times out; A takes the slot over and publishes
+// everything. Past the duplicate window B hears its acks and has room: it
+// must end its session instead of publishing what it held.
+func TestPausedSessionDoesNotPublishWhatItHeld(t *testing.T) {
+	s := sharedSetup(t)
+	b := newHarness(t, s)
+	a := newHarness(t, s)
+	for _, h := range []*harness{a, b} {
+		h.opts.DuplicateWindow = time.Second
+		h.opts.StatusInterval = 200 * time.Millisecond
+	}
+	proxy := newPauseProxy(t, hostPort(t, s.dbURL))
+	u, err := url.Parse(withHost(t, s.dbURL, proxy.addr()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.RawQuery += "&options=-c%20wal_sender_timeout%3D2s"
+	b.opts.DatabaseURL = u.String()
+	b.opts.AppName, b.opts.WorkerID = "fence-b", "fence-b"
+	a.opts.AppName, a.opts.WorkerID = "fence-a", "fence-a"
+	b.opts.MaxInFlight = 4
+	b.opts.AckTimeout = time.Minute
+	b.opts.Lease = 2 * time.Minute
+	open := make(chan struct{})
+	b.opts.CDCSink = func(sk *natssink.Sink) sinks.Sink { return &gatedAcks{Sink: sk, open: open} }
+
+	b.start()
+	inflight := b.insertRows("inflight", 4, 4)
+	held := b.insertRows("held", 20, 20)
+	testenv.WaitFor(t, 30*time.Second, "B's in-flight window stored", func() (bool, error) {
+		return b.streamCount() == 4, nil
+	})
+	proxy.pause()
+	ctx := context.Background()
+	testenv.WaitFor(t, 30*time.Second, "B's walsender to time out", func() (bool, error) {
+		var active bool
+		err := a.pool.QueryRow(ctx, `SELECT active FROM pg_replication_slots WHERE slot_name = $1`, b.opts.Slot).Scan(&active)
+		return !active, err
+	})
+	a.start()
+	testenv.WaitFor(t, 30*time.Second, "A to publish the held transaction", func() (bool, error) {
+		byID, _ := a.streamMsgs()
+		return byID["held-19"] != nil, nil
+	})
+	time.Sleep(3 * a.opts.DuplicateWindow)
+	proxy.resume()
+	close(open) // B hears its acks: room for what it held
+	time.Sleep(proxyCloseDelay + 2*time.Second)
+	a.assertExactlyOnce(append(inflight, held...))
+	a.stop()
+	b.stop()
 }

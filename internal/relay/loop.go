@@ -606,11 +606,12 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row, held int) er
 	if l.order != nil && row.Aggregate != nil {
 		it.ordered, it.agg = true, store.AggregateKey{Type: row.Aggregate.Type, ID: row.Aggregate.ID}
 	}
-	// A deadline is decided on the database clock, by the poller: near or
-	// past it, the row is not this path's to publish (G13). Counted as a
+	// A deadline is decided on the database clock (measured, not
+	// assumed; the poller decides in SQL): near or past it, the row is not
+	// this path's to publish (G13). Counted as a
 	// hand-off only: the poller's sweep counts the row in expired_total
 	// when it ends expired, and a row is counted there once.
-	if !row.ExpiresAt.IsZero() && !row.ExpiresAt.After(time.Now().Add(l.r.cfg.DeadlineMargin)) {
+	if !row.ExpiresAt.IsZero() && !row.ExpiresAt.After(l.r.deadlineNow().Add(l.r.cfg.DeadlineMargin)) {
 		it.settle.Outcome = store.Delayed
 		l.r.metrics.Handoffs.WithLabelValues("deadline").Inc()
 		l.handOff(it)
@@ -663,14 +664,14 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row, held int) er
 
 func (l *loop) publish(ctx context.Context, it *item) error {
 	if ack, ok := l.found(it); ok {
-		// Stored before the restart: settled as published with its
-		// sequence, like an ack, through the same path.
-		l.r.metrics.ReadBackFound.Inc()
-		return l.published(it, sinks.Resolved(ack))
+		return l.foundStored(ctx, it, ack)
+	}
+	if err := l.fence(ctx); err != nil {
+		return err
 	}
 	fut, err := l.r.sink.Publish(ctx, it.msg)
 	if err != nil {
-		if re, ok := wire.IsRejected(err); ok {
+		if re, ok := l.refusal(it, err); ok {
 			l.reject(it, re)
 			return nil
 		}
@@ -678,6 +679,33 @@ func (l *loop) publish(ctx context.Context, it *item) error {
 		return fmt.Errorf("%w: %w", errOutage, err)
 	}
 	return l.published(it, fut)
+}
+
+// fence checks, before a publish, that this session's walsender may still
+// hold the slot (replication.Stream.Fence): a row taken from a batch
+// before the process was paused past wal_sender_timeout would otherwise
+// go out after another instance took the slot over and published it (32
+// rows stored twice after a SIGSTOP and a SIGCONT).
+func (l *loop) fence(ctx context.Context) error {
+	if l.stream == nil {
+		return nil
+	}
+	return l.stream.Fence(ctx)
+}
+
+// foundStored settles a row the read-back found stored (G18) as acked
+// with the stored sequence, at once and through the same path as an ack.
+// It publishes nothing, so it never waits for room in flight nor enters
+// the collector's queue: counted in flight there without a room check, the
+// found rows of a replay filled the queue, and the loop and the collector
+// blocked on each other (--atomic-transactions with 100-row transactions
+// and --max-in-flight 8 or 64: the slot frozen, SIGTERM ignored).
+func (l *loop) foundStored(ctx context.Context, it *item, ack sinks.Ack) error {
+	l.r.metrics.ReadBackFound.Inc()
+	l.inflight++
+	l.inflightBytes += it.size
+	it.ack, it.err = ack, nil
+	return l.handleResult(ctx, it)
 }
 
 // published counts a row in flight with its future.
@@ -775,7 +803,7 @@ func (l *loop) handleResult(ctx context.Context, it *item) error {
 		if errors.Is(it.err, sinks.ErrBatchRefused) {
 			return l.atomic.republish(ctx, l, it)
 		}
-		if re, ok := wire.IsRejected(it.err); ok {
+		if re, ok := l.refusal(it, it.err); ok {
 			l.reject(it, re)
 			return nil
 		}
@@ -785,6 +813,7 @@ func (l *loop) handleResult(ctx context.Context, it *item) error {
 		return fmt.Errorf("%w: %w", errOutage, it.err)
 	}
 	it.settle.Error = ""
+	l.r.unrecognised.forget(it.workID)
 	if it.ack.Duplicate {
 		l.publishedDup.Inc()
 		l.r.metrics.Duplicates.Inc()

@@ -145,10 +145,16 @@ func (r *Relay) checkLost(ctx context.Context, full bool) {
 }
 
 // BrokerReconnected asks the running session for a check at once: the
-// broker that came back may have lost what it acknowledged.
+// broker that came back may have lost what it acknowledged; and it ends a
+// wait between sessions.
 func (r *Relay) BrokerReconnected() {
 	select {
 	case r.lostNow <- struct{}{}:
+	default:
+	}
+	// A session waiting to start again starts now (waitToRestart).
+	select {
+	case r.wake <- struct{}{}:
 	default:
 	}
 }

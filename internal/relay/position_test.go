@@ -200,3 +200,50 @@ func readBackLines(logs string) string {
 	}
 	return strings.Join(out, "\n")
 }
+
+// One in-flight bound on every path (issue 42, item 3): with
+// --atomic-transactions the rows the read-back found were counted in
+// flight without a room check, and with 100-row transactions and
+// --max-in-flight 8 or 64 the loop and the ack collector blocked on each
+// other (in flight 725 and 4,186, the slot frozen, SIGTERM ignored). Here
+// a replay of 50 such transactions the read-back finds, at
+// --max-in-flight 8: drained, each row stored once, and the stop works.
+func TestAtomicReplayFoundStaysWithinTheBound(t *testing.T) {
+	h := newHarness(t, sharedSetup(t))
+	h.opts.DuplicateWindow = time.Second
+	h.opts.AtomicTransactions = true
+	h.opts.MaxInFlight = 8
+	h.start()
+	warm := h.insertRows("warm", 1, 1)
+	h.waitPublished(1, 30*time.Second)
+	h.stop()
+	saved := h.opts.Slot + "_saved"
+	h.exec(`SELECT pg_copy_logical_replication_slot($1, $2)`, h.opts.Slot, saved)
+	t.Cleanup(func() { _, _ = h.pool.Exec(context.Background(), `SELECT pg_drop_replication_slot($1)`, saved) })
+	replayed := h.insertRows("tx", 5000, 100)
+	h.start()
+	h.waitPublished(5001, 60*time.Second)
+	h.stop()
+	// As after a crash that confirmed none of them.
+	h.exec(`SELECT pg_drop_replication_slot($1)`, h.opts.Slot)
+	h.exec(`SELECT pg_copy_logical_replication_slot($1, $2)`, saved, h.opts.Slot)
+	time.Sleep(3 * h.opts.DuplicateWindow)
+
+	logs := &testenv.LogBuffer{}
+	h.logs = logs
+	h.start()
+	more := h.insertRows("after", 200, 100)
+	testenv.WaitFor(t, 60*time.Second, "the replay drained and the new rows published", func() (bool, error) {
+		byID, _ := h.streamMsgs()
+		return byID["after-199"] != nil, nil
+	})
+	stopped := time.Now()
+	h.stop()
+	if d := time.Since(stopped); d > 15*time.Second {
+		t.Errorf("the stop took %s", d)
+	}
+	if !strings.Contains(logs.String(), `"stored":5000`) {
+		t.Errorf("the read-back did not find the 5,000 replayed rows:\n%s", readBackLines(logs.String()))
+	}
+	h.assertExactlyOnce(append(append(warm, replayed...), more...))
+}

@@ -91,11 +91,16 @@ const (
 	ReasonInvalidAggregate = "invalid_aggregate"
 	ReasonInvalidDeadline  = "invalid_deadline"
 	ReasonInvalidPayload   = "invalid_payload"
+	// ReasonRefused: the broker answered the message with an error the
+	// relay has no name for (a 4xx answer at once; a failure it does not
+	// recognise, for the same row again and again, after bounded tries):
+	// that row's refusal, never an endless replay of the stream (G7).
+	ReasonRefused = "refused"
 )
 
 // Reasons is every reason above: the one list docs checks hold the docs to.
 var Reasons = []string{ReasonInvalidWorkID, ReasonInvalidKind, ReasonInvalidSubject, ReasonInvalidHeader,
-	ReasonHeaderTooLarge, ReasonReservedSubject, ReasonInvalidAggregate, ReasonInvalidDeadline, ReasonInvalidPayload}
+	ReasonHeaderTooLarge, ReasonReservedSubject, ReasonInvalidAggregate, ReasonInvalidDeadline, ReasonInvalidPayload, ReasonRefused}
 
 // BuildMessage turns a row into the message the broker stores: the payload's
 // committed text as the data (G4), the subject column or prefix+kind, the

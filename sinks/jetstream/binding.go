@@ -39,6 +39,9 @@ type Options struct {
 	// DeadlineTTL: a message with a deadline carries Nats-TTL, the time
 	// left until it, when its stream allows per-message TTL (G21).
 	DeadlineTTL bool
+	// Clock is the clock deadlines are measured on: the database's (G13),
+	// as the relay measures it. nil: this process's.
+	Clock func() time.Time
 	// Pending is how many publishes the caller keeps waiting for at most
 	// (the CDC path's --max-in-flight, the poller's batches in flight): the
 	// channel the answers wait in holds twice as many (at least

@@ -3,9 +3,11 @@ package jetstream
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
 	"time"
@@ -199,19 +201,32 @@ func less(a, b [3]int) bool {
 // ReadServerSync reads nats-server's JetStream sync setting from its
 // monitoring endpoint (/varz on the -m port): a client connection cannot
 // ask for it.
+//
+// Every error names the endpoint without its password: the relay logs them.
 func ReadServerSync(ctx context.Context, monitorURL string) (*ServerSync, error) {
 	u := strings.TrimRight(monitorURL, "/") + "/varz"
+	shown := u
+	if pu, err := url.Parse(u); err == nil {
+		shown = pu.Redacted()
+	} else {
+		shown = "--nats-monitor-url (unparsable, not shown)"
+	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
 	if err != nil {
-		return nil, fmt.Errorf("read nats-server's sync setting from %s: %w", u, err)
+		return nil, fmt.Errorf("read nats-server's sync setting from %s: %s", shown, strings.ReplaceAll(err.Error(), u, shown))
 	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
-		return nil, fmt.Errorf("read nats-server's sync setting from %s: %w", u, err)
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			// Its text quotes the URL as given.
+			err = ue.Err
+		}
+		return nil, fmt.Errorf("read nats-server's sync setting from %s: %w", shown, err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("read nats-server's sync setting from %s: %s", u, resp.Status)
+		return nil, fmt.Errorf("read nats-server's sync setting from %s: %s", shown, resp.Status)
 	}
 	var varz struct {
 		JetStream struct {
@@ -222,7 +237,7 @@ func ReadServerSync(ctx context.Context, monitorURL string) (*ServerSync, error)
 		} `json:"jetstream"`
 	}
 	if err := json.NewDecoder(io.LimitReader(resp.Body, 4<<20)).Decode(&varz); err != nil {
-		return nil, fmt.Errorf("read nats-server's sync setting from %s: %w", u, err)
+		return nil, fmt.Errorf("read nats-server's sync setting from %s: %w", shown, err)
 	}
 	return &ServerSync{Always: varz.JetStream.Config.SyncAlways, Interval: varz.JetStream.Config.SyncInterval}, nil
 }

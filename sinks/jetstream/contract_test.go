@@ -3,6 +3,7 @@ package jetstream_test
 import (
 	"context"
 	"errors"
+	"net"
 	"slices"
 	"strings"
 	"testing"
@@ -231,4 +232,26 @@ func mustStream(t *testing.T, js jetstream.JetStream, name string) jetstream.Str
 		t.Fatal(err)
 	}
 	return st
+}
+
+// The monitoring URL's password never reaches an error (the relay logs
+// them at warn: 9 lines in 20 s carried it), whatever went wrong.
+func TestReadServerSyncErrorsHideThePassword(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close() // nothing listens there now
+	for _, u := range []string{"http://ops:s3cr3t-pw@" + addr, "http://ops:s3cr3t-pw@" + addr + "/%zz", "http://ops:s3cr3t-pw@[::1"} {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		_, err := natssink.ReadServerSync(ctx, u)
+		cancel()
+		if err == nil {
+			t.Fatalf("%s: no error", u)
+		}
+		if strings.Contains(err.Error(), "s3cr3t-pw") {
+			t.Errorf("the error shows the password: %v", err)
+		}
+	}
 }

@@ -90,10 +90,10 @@ func (s *Sink) prepare(ctx context.Context, m *wire.Message) (*future, error) {
 	// above and the publish, and a message stored in another stream would
 	// be a write where this relay may not write.
 	f.hdr[wire.HeaderExpectedStream] = s.binding.expect[stream]
-	// The time left is worked out now, at each attempt: a retry an hour
-	// later carries an hour less.
-	if !m.ExpiresAt.IsZero() && s.binding.allowsTTL(stream) {
-		f.hdr[wire.HeaderTTL] = []string{TTL(m.ExpiresAt, time.Now())}
+	// The time left is worked out now, at each attempt, on the database's
+	// clock: a retry an hour later carries an hour less.
+	if ttl, ok := s.ttl(m, stream); ok {
+		f.hdr[wire.HeaderTTL] = []string{ttl}
 	} else {
 		delete(f.hdr, wire.HeaderTTL)
 	}
@@ -189,8 +189,14 @@ func checkMessage(m *wire.Message) error {
 
 // classify turns err into a *wire.RejectedError when the broker refused the
 // message for good, and leaves it alone (an outage: retry) otherwise.
-// Storage failures, timeouts, disconnects and unknown API errors are outages:
+// Storage failures, timeouts, disconnects and the broker's errors about its
+// stream or account (a 5xx, a full account, a sealed stream) are outages:
 // treating them as poison would turn a broker restart into a write per row.
+// Any other 4xx answer is a refusal of the message (its request is wrong,
+// and will be wrong again: an endless replay otherwise, as a Nats-TTL the
+// server could not parse was). What is neither is wrapped in
+// sinks.ErrUnrecognised, for the caller to count against the row (G7: a
+// refusal after bounded tries).
 func classify(ctx context.Context, js API, subject string, err error) error {
 	switch {
 	case errors.Is(err, nats.ErrMaxPayload):
@@ -214,6 +220,10 @@ func classify(ctx context.Context, js API, subject string, err error) error {
 		case errCodeHeaderExceedsMaximum:
 			return &wire.RejectedError{Reason: wire.ReasonHeaderTooLarge, Err: err}
 		}
+		if apiErr.Code >= 400 && apiErr.Code < 500 && !streamWide(apiErr.ErrorCode) {
+			return &wire.RejectedError{Reason: wire.ReasonRefused, Err: fmt.Errorf("the broker refused the message (error %d, code %d: %s): %w", apiErr.ErrorCode, apiErr.Code, apiErr.Description, err)}
+		}
+		return err
 	}
 	if errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, nats.ErrNoResponders) {
 		// No responders also happens while JetStream restarts; only a lookup
@@ -223,9 +233,40 @@ func classify(ctx context.Context, js API, subject string, err error) error {
 		if _, lerr := js.StreamNameBySubject(lctx, subject); errors.Is(lerr, jetstream.ErrStreamNotFound) {
 			return &wire.RejectedError{Reason: ReasonNoStream, Err: fmt.Errorf("no JetStream stream binds subject %q: %w", subject, err)}
 		}
+		return err
 	}
-	return err
+	for _, outage := range []error{jetstream.ErrAsyncPublishTimeout, nats.ErrDisconnected, nats.ErrConnectionClosed, nats.ErrConnectionDraining,
+		nats.ErrConnectionReconnecting, nats.ErrInvalidConnection, nats.ErrStaleConnection, nats.ErrMaxConnectionsExceeded,
+		nats.ErrTimeout, context.DeadlineExceeded, context.Canceled, sinks.ErrAckTimeout, sinks.ErrBatchRefused} {
+		if errors.Is(err, outage) {
+			return err
+		}
+	}
+	return fmt.Errorf("%w: %w", sinks.ErrUnrecognised, err)
 }
+
+// streamWide says whether a 4xx JetStream error is about the stream or the
+// account (full, sealed, without limits, atomic batches turned off), not
+// about the message: an outage
+// that ends when an operator acts, never a refusal of every row.
+func streamWide(code jetstream.ErrorCode) bool {
+	switch code {
+	case errCodeAccountResourcesExceeded, errCodeStreamSealed, errCodeNoLimits,
+		// A batch's, not a message's (batchError): the stream's setting,
+		// the server's limits, a batch that can be taken later, its form.
+		errCodeAtomicDisabled, errCodeAtomicTooLarge, errCodeAtomicTooMany, errCodeDuplicateInProcess,
+		errCodeAtomicMissingSeq, errCodeAtomicInvalidID, errCodeAtomicInvalidCommit, errCodeAtomicUnsupported:
+		return true
+	}
+	return false
+}
+
+// JetStream's errors about the account or stream rather than the message.
+const (
+	errCodeAccountResourcesExceeded jetstream.ErrorCode = 10002
+	errCodeStreamSealed             jetstream.ErrorCode = 10109
+	errCodeNoLimits                 jetstream.ErrorCode = 10120
+)
 
 // ValidateSubject applies NATS's rules for a publish subject: dot-separated
 // non-empty tokens, no whitespace, no wildcards.
@@ -267,6 +308,36 @@ const errCodeStreamNotMatch jetstream.ErrorCode = 10060
 // errCodeMsgTTLDisabled is JetStream's "per-message TTL is disabled": the
 // message carried Nats-TTL to a stream without AllowMsgTTL.
 const errCodeMsgTTLDisabled jetstream.ErrorCode = 10166
+
+// MaxTTL is the longest Nats-TTL the relay sends. nats-server reads the
+// header with time.ParseDuration (about 292 years at most: a longer one is
+// refused, error 10165) and adds it to the message's timestamp in
+// nanoseconds (past the year 2262 that overflows, and the message would
+// expire at once). A message whose deadline is further ahead carries none:
+// the stream's own limits keep it, and Outbox-Expires-At says the deadline.
+const MaxTTL = 100 * 365 * 24 * time.Hour
+
+// ttl is the Nats-TTL of m when it goes to stream now: false for a message
+// without a deadline, to a stream that does not allow the header, or with
+// a deadline more than MaxTTL ahead on the deadline clock.
+func (s *Sink) ttl(m *wire.Message, stream string) (string, bool) {
+	if m.ExpiresAt.IsZero() || !s.binding.allowsTTL(stream) {
+		return "", false
+	}
+	now := s.now()
+	if m.ExpiresAt.Sub(now) > MaxTTL {
+		return "", false
+	}
+	return TTL(m.ExpiresAt, now), true
+}
+
+// now is the clock deadlines are measured on (Options.Clock).
+func (s *Sink) now() time.Time {
+	if c := s.binding.opts.Clock; c != nil {
+		return c()
+	}
+	return time.Now()
+}
 
 // TTL is the Nats-TTL of a message whose deadline is expires, published at
 // now: the time left in whole seconds, rounded up so the broker never

@@ -293,3 +293,22 @@ func TestRowsAtTheLimitsRoundTrip(t *testing.T) {
 		t.Errorf("%d of %d values stored: the cases do not straddle the limits", accepted, len(cases))
 	}
 }
+
+// A 4xx answer the sink has no name for is that message's refusal, never
+// an outage (issue 42, item 1: a refusal taken for an outage replayed the
+// stream without end): here the stream's "wrong last sequence" (10071) to a
+// message that expects a last sequence the stream is not at. A refusal of
+// the stream or account as a whole (10002, 10109, 10120) stays an outage.
+func TestUnknownRefusalIsTheMessagesRejection(t *testing.T) {
+	f := newFixture(t)
+	sink := natssink.New(f.js, natssink.Options{Stream: f.stream, SubjectPrefix: f.prefix})
+	m := &wire.Message{ID: "w1", Subject: f.prefix + "k", Data: []byte(`{}`), Header: map[string][]string{"Nats-Expected-Last-Sequence": {"42"}}}
+	fut, err := sink.Publish(context.Background(), m)
+	if err == nil {
+		_, err = fut.Wait(context.Background())
+	}
+	re, ok := wire.IsRejected(err)
+	if !ok || re.Reason != wire.ReasonRefused || !strings.Contains(err.Error(), "10071") {
+		t.Fatalf("publish with a wrong expected last sequence: %v, want a rejection %q naming error 10071", err, wire.ReasonRefused)
+	}
+}
