@@ -1,5 +1,8 @@
 package relay
 
+// Every test of the package runs with the loop's invariants asserted.
+func init() { checkInvariants = true }
+
 // GatePeak is the most events the CDC gate (--standby-slot) held at once.
 func (r *Relay) GatePeak() int64 { return r.gatePeak.Load() }
 

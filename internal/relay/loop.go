@@ -47,6 +47,22 @@ type settleResult struct {
 	err     error
 }
 
+// The loop's invariants, asserted after every step that changes them when
+// checkInvariants is set (every test of this package):
+//
+//   - In flight: inflight counts the rows handed to the sink (a publish, a
+//     row of an atomic batch) whose answer the loop has not taken yet. It
+//     never exceeds --max-in-flight, and inflightBytes never exceeds
+//     --max-in-flight-bytes except for one row (or one atomic batch) alone
+//     in flight: every path asks hasRoom first (publish, the waiting row,
+//     an atomic batch), a parked row takes the place of the row whose ack
+//     released it, and a row found stored (the read-back) is settled at
+//     once without counting (foundStored).
+//   - Confirmed: the checkpoint confirms a position only once every row of
+//     every transaction before it is settled in the table (G3), and the
+//     stream position recorded with it is below every message of every
+//     transaction after it (position.go).
+//
 // loop is one session's state. Everything here belongs to the goroutine in
 // run; the collector and settler goroutines only touch the items handed to
 // them through channels.
@@ -498,6 +514,7 @@ func (l *loop) handleResults(ctx context.Context, its []*item) error {
 		l.cover.add(xids)
 	}
 	l.xids = xids[:0]
+	l.assertInvariants()
 	l.r.metrics.InFlight.Set(float64(l.inflight))
 	l.r.metrics.InFlightBytes.Set(float64(l.inflightBytes))
 	l.r.metrics.BufferedBytes.Set(float64(l.budget.Held()))
@@ -708,11 +725,27 @@ func (l *loop) foundStored(ctx context.Context, it *item, ack sinks.Ack) error {
 	return l.handleResult(ctx, it)
 }
 
+// checkInvariants makes the loop assert its invariants (tests).
+var checkInvariants bool
+
+// assertInvariants panics when the in-flight bound is broken.
+func (l *loop) assertInvariants() {
+	if !checkInvariants {
+		return
+	}
+	if l.inflight < 0 || l.inflight > max(l.r.cfg.MaxInFlight, 1) ||
+		l.inflightBytes < 0 || l.inflight > 1 && l.inflightBytes > l.r.cfg.MaxInFlightBytes && l.atomic == nil {
+		panic(fmt.Sprintf("relay loop: in flight %d rows, %d bytes, against --max-in-flight %d and --max-in-flight-bytes %d",
+			l.inflight, l.inflightBytes, l.r.cfg.MaxInFlight, l.r.cfg.MaxInFlightBytes))
+	}
+}
+
 // published counts a row in flight with its future.
 func (l *loop) published(it *item, fut sinks.Future) error {
 	it.fut = fut
 	l.inflight++
 	l.inflightBytes += it.size
+	l.assertInvariants()
 	l.r.metrics.InFlight.Set(float64(l.inflight))
 	l.r.metrics.InFlightBytes.Set(float64(l.inflightBytes))
 	l.queue <- it // never blocks: its capacity exceeds MaxInFlight
