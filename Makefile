@@ -223,8 +223,10 @@ chaos-failover: setup pg-versions
 
 ## bench: the end-to-end benchmark (proof/bench): ceilings, CDC and poller
 ## paths, the naive polling publisher, idle cost, one slot's decode ceiling
-## (decode), restarts (restart) and the read-back after a kill -9 (readback:
-## G18's cost and rows stored twice without it, about 100 s); flags via
+## (decode), restarts (restart), the read-back after a kill -9 and after a
+## clean stop (readback: G18's cost and rows stored twice without it, about
+## 2 minutes) and three backlog drains with clean restarts between them
+## against the polling publisher (restart-drains, about a minute); flags via
 ## BENCH_FLAGS. Production scale,
 ## only when named: BENCH_FLAGS='-cases bigtx,bigtable,restart' (a 10M-row
 ## transaction with and without --standby-slot, a 20M-row table: G15, G16);

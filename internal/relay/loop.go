@@ -110,9 +110,11 @@ type loop struct {
 	readBack     *readBack
 	readBackDone bool
 	// pos: the stream position of each confirmation (position.go);
-	// newSlot: the session created its slot.
+	// newSlot: the session created its slot; started: the slot's
+	// confirmed position the session started from.
 	pos     positions
 	newSlot bool
+	started replication.LSN
 
 	atomic   *atomicState // nil without --atomic-transactions
 	order    *orderState  // nil without --ordering aggregate
@@ -147,6 +149,7 @@ func newLoop(r *Relay, confirmed replication.LSN, held map[store.AggregateKey]st
 	l := &loop{
 		r:          r,
 		cp:         checkpoint.New(confirmed),
+		started:    confirmed,
 		budget:     budget,
 		queue:      make(chan *item, r.cfg.MaxInFlight+1),
 		results:    make(chan []*item, 64),

@@ -179,6 +179,37 @@ func (l *loop) readBackStart(ctx context.Context, first time.Time, confirmed rep
 	return sinks.From{Since: since}, state, nil
 }
 
+// idlePosition is the stream position of a session that streamed no
+// transaction (so never read the stream back): it published nothing, so
+// the position it started from holds at its end too; a slot it created
+// has had nothing published, so the stream's end does. Recorded at a
+// clean stop, it spares the next start the read by time (a new slot's
+// first session that streams nothing, then a restart, read by time).
+func (l *loop) idlePosition(ctx context.Context) (store.StreamPos, bool) {
+	stater, ok := l.r.sink.(sinks.StreamStater)
+	if !ok || l.r.cfg.ReadBackLimit < 0 {
+		return store.StreamPos{}, false
+	}
+	state, err := stater.OwnStreamState(ctx)
+	if err != nil {
+		return store.StreamPos{}, false
+	}
+	at := store.StreamPos{Stream: state.Stream, Created: state.Created, Seq: state.LastSeq}
+	if l.newSlot {
+		return at, true
+	}
+	rec, err := l.r.store.ReadPosition(ctx, l.r.cfg.Slot)
+	if err != nil {
+		return store.StreamPos{}, false
+	}
+	seq, ok, _ := rec.StartAt(store.LSN(l.started), state.Stream, state.Created)
+	if !ok || seq > state.LastSeq {
+		return store.StreamPos{}, false
+	}
+	at.Seq = seq
+	return at, true
+}
+
 func readBackMessage(complete bool) string {
 	if !complete {
 		return "read the stream back up to --readback-limit only: replayed rows past it are published again, and only the duplicate window drops the repeats"
@@ -190,12 +221,17 @@ func readBackMessage(complete bool) string {
 // the stream position of final: the next session's read-back starts past
 // everything this one published and confirmed (none of its own to read).
 func (l *loop) recordFinalPosition(ctx context.Context, final replication.LSN) {
-	if !l.pos.on {
-		return
-	}
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
-	at := store.StreamPos{Stream: l.pos.stream, Created: l.pos.created, Seq: l.pos.after(l.cp)}
+	var at store.StreamPos
+	if l.pos.on {
+		at = store.StreamPos{Stream: l.pos.stream, Created: l.pos.created, Seq: l.pos.after(l.cp)}
+	} else {
+		var ok bool
+		if at, ok = l.idlePosition(rctx); !ok {
+			return
+		}
+	}
 	if err := l.r.store.RecordPosition(rctx, l.r.cfg.Slot, l.slotLSN, store.LSN(final), at); err != nil {
 		l.r.log.Warn().Err(err).Msg("stopped; could not record the stream position of the final confirmation: the next start reads back from the one recorded before (longer, not wrong)")
 	}

@@ -2,6 +2,7 @@ package bench
 
 import (
 	"math"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -237,5 +238,59 @@ func TestRenderReadBack(t *testing.T) {
 		if !strings.Contains(out, want) {
 			t.Errorf("renderReadBack lacks %q:\n%s", want, out)
 		}
+	}
+}
+
+// A clean stop's restart is reported from its own /metrics and log lines;
+// a session with no line about a read-back says so rather than print
+// nothing.
+func TestRenderReadBackCleanStop(t *testing.T) {
+	out := renderReadBack(&ReadBackResult{Rate: 2000, CleanStop: &CleanStopRound{
+		Backlog: 60000, DrainMsgsPerSec: 20000, StopSeconds: 0.25, Rows: 100,
+		ReadBackSeconds: 0.004, PublishedOK: 100, Log: []string{`{"level":"info","after_seq":123,"read":0}`},
+	}})
+	for _, want := range []string{
+		"| restarted after its clean stop | - | - | 0.004 | 0 | 0 | 100 | 0 | |",
+		`  {"level":"info","after_seq":123,"read":0}`,
+		"the draining session's read-back, relay log:\n  (no line about a read-back)",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("renderReadBack lacks %q:\n%s", want, out)
+		}
+	}
+}
+
+func TestRenderRestartDrains(t *testing.T) {
+	d := func(n int, relay, poll, us, over float64) RestartDrain {
+		return RestartDrain{Drain: n, Relay: Result{MsgsPerSec: relay, PubCPUPerMsgUS: us}, Polling: Result{MsgsPerSec: poll, PubCPUPerMsgUS: 10},
+			Ratio: relay / poll, CPUOverFirst: over}
+	}
+	r := &RestartDrainsResult{Rows: 60000, Drains: []RestartDrain{d(1, 30000, 20000, 7, 1), d(2, 28000, 20000, 7.7, 1.1), d(3, 26000, 20000, 9.8, 1.4)}, MedianRatio: 1.4}
+	out := renderRestartDrains(r)
+	for _, want := range []string{
+		"| 2 | 28000 | 20000 | 1.40x | 0.00 / 0.00 | 0.000 | 0.00 | 7.70 | 1.10x | 10.00 |",
+		"median of the drains: 1.40x (goal at least 1.5x: NOT met)",
+		"worst over drain 1's: 1.40x (goal within 1.3x: NOT met)",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("renderRestartDrains lacks %q:\n%s", want, out)
+		}
+	}
+}
+
+// Only the lines past the offset (the session's own) about a read-back.
+func TestReadBackLines(t *testing.T) {
+	path := t.TempDir() + "/relay.log"
+	before := "{\"message\":\"read the stream back before replaying: old session\"}\n"
+	after := "{\"message\":\"streaming slot\"}\n{\"after_seq\":7,\"message\":\"read the stream back before replaying: x\"}\n"
+	if err := os.WriteFile(path, []byte(before+after), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	got := readBackLines(path, int64(len(before)))
+	if len(got) != 1 || !strings.Contains(got[0], `"after_seq":7`) {
+		t.Fatalf("readBackLines = %q", got)
+	}
+	if n := fileSize(path + ".none"); n != 0 {
+		t.Errorf("fileSize of a missing file = %d", n)
 	}
 }

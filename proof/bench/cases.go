@@ -31,6 +31,11 @@ type bench struct {
 	// checkCPU is the CPU the last waitDrained's own backend spent counting
 	// unsettled rows.
 	checkCPU float64
+	// checkLast is how long the last waitDrained's last count took: the
+	// drain's end is known up to about five times that late (the count is
+	// repeated after four times its own time), and on a table without an
+	// index on state, as the relay's, the count scans the whole table.
+	checkLast time.Duration
 }
 
 // path is one way rows get from the table to the stream: the relay's CDC
@@ -50,11 +55,11 @@ type path struct {
 
 func caseKind(k string) string {
 	switch k {
-	case CDCBacklog, CDCLive, Decode, ReadBack:
+	case CDCBacklog, CDCLive, Decode, ReadBack, RestartDrains:
 		return "cdc"
 	case PollerBacklog, PollerLive:
 		return "poller"
-	case PollBacklog, PollLive:
+	case PollBacklog, PollLive, restartDrainsPoll:
 		return "naive"
 	}
 	return ""
@@ -69,13 +74,16 @@ func (b *bench) names(k string, round int) (db, stream, prefix string) {
 		fmt.Sprintf("b%d.%s.", round, strings.ReplaceAll(k, "-", ""))
 }
 
-func (b *bench) relayArgs(p *path, poll time.Duration) []string {
-	return append([]string{"run",
+// relayArgs are the relay's flags for path p; a case's extra flags come
+// before -relay-args, so that an experiment's flags still win.
+func (b *bench) relayArgs(p *path, poll time.Duration, extra ...string) []string {
+	args := append([]string{"run",
 		"--database-url", b.relayURL(p.url), "--nats-url", b.s.nats.URL(),
 		"--stream", p.stream, "--subject-prefix", p.prefix, "--on-publish", b.cfg.Policy,
 		"--poll-interval", poll.String(), "--stats-interval", "0",
 		"--application-name", relayAppName, "--worker-id", "bench", "--log-level", "warn",
-	}, b.cfg.RelayArgs...)
+	}, extra...)
+	return append(args, b.cfg.RelayArgs...)
 }
 
 // relayURL adds -relay-pg-options (server settings for the relay's
@@ -344,7 +352,7 @@ func (b *bench) waitDrainedThen(ctx context.Context, p *path, n int, pr *proc, t
 	if err != nil {
 		return acked, settled, err
 	}
-	b.checkCPU = 0
+	b.checkCPU, b.checkLast = 0, 0
 	defer func() {
 		// The count below is the benchmark's work, not the path's: its
 		// backend's CPU is taken out of the server's (checkCPU).
@@ -378,6 +386,7 @@ func (b *bench) waitDrainedThen(ctx context.Context, p *path, n int, pr *proc, t
 		if err := conn.QueryRow(ctx, p.remaining).Scan(&left); err != nil {
 			return acked, settled, err
 		}
+		b.checkLast = time.Since(q0)
 		if left == 0 {
 			return acked, time.Now(), nil
 		}
@@ -393,11 +402,19 @@ func drainTimeout(n int) time.Duration { return max(2*time.Minute, time.Duration
 // backlog commits all rows first, then starts the publisher and times it
 // from its start to the last row published.
 func (b *bench) backlog(ctx context.Context, p *path) (Result, error) {
+	return b.backlogThen(ctx, p, b.cfg.Rows, nil)
+}
+
+// backlogThen is backlog of rows rows, calling atEnd, if not nil, with the
+// publisher still running once every row is settled and its CPU is read:
+// what only the running process can tell (the relay's /metrics) is read
+// then, without counting in the drain.
+func (b *bench) backlogThen(ctx context.Context, p *path, rows int, atEnd func(pr *proc) error) (Result, error) {
 	wal0, err := b.s.walNow(ctx)
 	if err != nil {
 		return Result{}, err
 	}
-	l := b.newLoad(p, b.cfg.Rows, 0)
+	l := b.newLoad(p, rows, 0)
 	el, err := l.run(ctx)
 	if err != nil {
 		return Result{}, err
@@ -448,6 +465,12 @@ func (b *bench) backlog(ctx context.Context, p *path) (Result, error) {
 	}
 	r.NATSCPU, r.MachineBusy, r.PGCPU = natsCPU.delta(), machine.delta(), pgCPU.delta()-b.checkCPU
 	r.Extra["pg_check_cpu_seconds"] = b.checkCPU
+	r.Extra["pg_check_last_seconds"] = b.checkLast.Seconds()
+	if atEnd != nil {
+		if err := atEnd(pr); err != nil {
+			return r, err
+		}
+	}
 	// The drain's WAL alone (from the publisher's start): what it made the
 	// database write, without the inserts; a check on the share that
 	// addWALShares derives from ceiling-pg.

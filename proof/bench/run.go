@@ -36,7 +36,7 @@ const (
 )
 
 // AllCases is the default -cases.
-var AllCases = []string{CeilingPG, CeilingJS, CDCBacklog, CDCLive, PollBacklog, PollLive, PollerBacklog, PollerLive, Idle, Decode, Restart, ReadBack}
+var AllCases = []string{CeilingPG, CeilingJS, CDCBacklog, CDCLive, PollBacklog, PollLive, PollerBacklog, PollerLive, Idle, Decode, Restart, ReadBack, RestartDrains}
 
 // Config is the workload and what to run.
 type Config struct {
@@ -94,10 +94,12 @@ type Report struct {
 	Idle     *IdleResult       `json:"idle,omitempty"`
 	Restart  *RestartResult    `json:"restart,omitempty"`
 	ReadBack *ReadBackResult   `json:"readback,omitempty"`
-	Profile  *Result           `json:"profiled_in_process,omitempty"`
-	Warnings []string          `json:"warnings,omitempty"`
-	BigTable *bigtable.Result  `json:"bigtable,omitempty"`
-	Soak     []SoakSample      `json:"soak,omitempty"`
+	// RestartDrains is issue 41's drains with restarts between them.
+	RestartDrains *RestartDrainsResult `json:"restart_drains,omitempty"`
+	Profile       *Result              `json:"profiled_in_process,omitempty"`
+	Warnings      []string             `json:"warnings,omitempty"`
+	BigTable      *bigtable.Result     `json:"bigtable,omitempty"`
+	Soak          []SoakSample         `json:"soak,omitempty"`
 }
 
 // extraCases run once each after the rounds, only when named in -cases;
@@ -234,6 +236,14 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 		rep.ReadBack = &rr
 	}
+	if want(RestartDrains) {
+		cfg.logf("restart-drains: %d backlogs of %d rows, a clean restart of the relay before each, beside the polling publisher", restartDrainRounds, readBackBacklog)
+		rr, err := b.restartDrains(ctx)
+		if err != nil {
+			return fmt.Errorf("restart-drains: %w", err)
+		}
+		rep.RestartDrains = &rr
+	}
 	if cfg.CPUProfile != "" {
 		cfg.logf("profiling an in-process %s into %s", cfg.ProfileCase, cfg.CPUProfile)
 		profile := b.profiledBacklog
@@ -254,6 +264,9 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	if rep.ReadBack != nil {
 		fmt.Fprint(cfg.Out, renderReadBack(rep.ReadBack))
+	}
+	if rep.RestartDrains != nil {
+		fmt.Fprint(cfg.Out, renderRestartDrains(rep.RestartDrains))
 	}
 	if cfg.JSONPath != "" {
 		data, err := json.MarshalIndent(rep, "", "  ")
