@@ -27,22 +27,7 @@ import (
 // publishing that WAL: stored once. Without the fence B publishes it and
 // the stream holds it twice.
 func TestSessionDroppedByTheServerDoesNotPublishWhatItReadsLate(t *testing.T) {
-	s := sharedSetup(t)
-	b := newHarness(t, s)
-	a := newHarness(t, s)
-	for _, h := range []*harness{a, b} {
-		h.opts.DuplicateWindow = time.Second
-		h.opts.StatusInterval = 200 * time.Millisecond
-	}
-	proxy := newPauseProxy(t, hostPort(t, s.dbURL))
-	u, err := url.Parse(withHost(t, s.dbURL, proxy.addr()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	u.RawQuery += "&options=-c%20wal_sender_timeout%3D2s"
-	b.opts.DatabaseURL = u.String()
-	b.opts.AppName, b.opts.WorkerID = "fence-b", "fence-b"
-	a.opts.AppName, a.opts.WorkerID = "fence-a", "fence-a"
+	a, b, proxy := fencePair(t)
 
 	b.start()
 	warm := b.insertRows("warm", 3, 1)
@@ -68,6 +53,30 @@ func TestSessionDroppedByTheServerDoesNotPublishWhatItReadsLate(t *testing.T) {
 	a.assertExactlyOnce(append(warm, late...))
 	a.stop()
 	b.stop()
+}
+
+// fencePair is relay A and relay B on one table and slot with a 1 s
+// duplicate window, B's database connections through a pause proxy with
+// wal_sender_timeout 2 s on them: a pause times B's walsender out.
+func fencePair(t *testing.T) (a, b *harness, proxy *pauseProxy) {
+	t.Helper()
+	s := sharedSetup(t)
+	b = newHarness(t, s)
+	a = newHarness(t, s)
+	for _, h := range []*harness{a, b} {
+		h.opts.DuplicateWindow = time.Second
+		h.opts.StatusInterval = 200 * time.Millisecond
+	}
+	proxy = newPauseProxy(t, hostPort(t, s.dbURL))
+	u, err := url.Parse(withHost(t, s.dbURL, proxy.addr()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.RawQuery += "&options=-c%20wal_sender_timeout%3D2s"
+	b.opts.DatabaseURL = u.String()
+	b.opts.AppName, b.opts.WorkerID = "fence-b", "fence-b"
+	a.opts.AppName, a.opts.WorkerID = "fence-a", "fence-a"
+	return a, b, proxy
 }
 
 // proxyCloseDelay is how long a pauseProxy holds a close from one side
@@ -219,22 +228,7 @@ func (f gatedFuture) Wait(ctx context.Context) (sinks.Ack, error) {
 // everything. Past the duplicate window B hears its acks and has room: it
 // must end its session instead of publishing what it held.
 func TestPausedSessionDoesNotPublishWhatItHeld(t *testing.T) {
-	s := sharedSetup(t)
-	b := newHarness(t, s)
-	a := newHarness(t, s)
-	for _, h := range []*harness{a, b} {
-		h.opts.DuplicateWindow = time.Second
-		h.opts.StatusInterval = 200 * time.Millisecond
-	}
-	proxy := newPauseProxy(t, hostPort(t, s.dbURL))
-	u, err := url.Parse(withHost(t, s.dbURL, proxy.addr()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	u.RawQuery += "&options=-c%20wal_sender_timeout%3D2s"
-	b.opts.DatabaseURL = u.String()
-	b.opts.AppName, b.opts.WorkerID = "fence-b", "fence-b"
-	a.opts.AppName, a.opts.WorkerID = "fence-a", "fence-a"
+	a, b, proxy := fencePair(t)
 	b.opts.MaxInFlight = 4
 	b.opts.AckTimeout = time.Minute
 	b.opts.Lease = 2 * time.Minute
