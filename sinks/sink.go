@@ -161,7 +161,16 @@ type Finder interface {
 type StreamState struct {
 	Stream            string
 	FirstSeq, LastSeq uint64
-	Created           time.Time
+	// Created is the stream's creation time, on the broker's clock.
+	Created time.Time
+	// BrokerOffset is the broker's clock less this process's, measured
+	// with the request that read this state (the server's timestamp of
+	// its answer against the request's midpoint), to within
+	// OffsetUncertainty (half its round trip); OffsetKnown is false when
+	// the broker gave no timestamp.
+	BrokerOffset      time.Duration
+	OffsetUncertainty time.Duration
+	OffsetKnown       bool
 }
 
 // StreamStater is what a Sink may also implement: reading its own

@@ -169,6 +169,10 @@ func (o *Options) natsOptions(log zerolog.Logger) ([]nats.Option, error) {
 	scrub := NewNATSScrubber(o.NATSURL, o.NATS)
 	opts := []nats.Option{
 		nats.Name(name),
+		// The handshake waits for the server's INFO and PONG: a broker
+		// answering 1.3 s late took 2.6 s, past nats.go's 2 s default, and
+		// the relay could not start (the chaos run's broker-slow).
+		nats.Timeout(10 * time.Second),
 		nats.MaxReconnects(-1),
 		// No buffering while disconnected: a publish then fails at once
 		// and the session restarts from the slot. A buffered one would go

@@ -53,6 +53,11 @@ const DefaultLostCheckInterval = time.Minute
 // rows, this process's clock the start.
 const lostSinceMargin = 5 * time.Minute
 
+// lostCreatedMargin moves the stream's creation time earlier before the
+// rows' published_at is compared with it: the two servers' clocks, and the
+// measurement of their offset, may be off by that much.
+const lostCreatedMargin = 5 * time.Second
+
 // lostCheckTimeout bounds one check: a broker too slow to answer is
 // checked again at the next interval.
 const lostCheckTimeout = 30 * time.Second
@@ -103,7 +108,7 @@ func (r *Relay) checkLost(ctx context.Context, full bool) {
 				// margin for the clocks). A row created earlier and published
 				// after the loss point (a backlog) is missed by this bound:
 				// docs/runbook.md says how to widen it.
-				since := r.started.Add(-lostSinceMargin).UTC().Format(time.RFC3339)
+				since := r.started.Add(r.dbOffset() - lostSinceMargin).UTC().Format(time.RFC3339)
 				ev.Str("command", "outbox-relay republish --on-publish none --since "+since).
 					Msg("the broker lost messages it had acknowledged: the stream ends below sequences it acknowledged to this relay; " +
 						"under --on-publish none the relay does not publish them again itself: run the command logged here (with this relay's --database-url, --nats-url, --table, --stream, --subject-prefix), " +
@@ -120,11 +125,22 @@ func (r *Relay) checkLost(ctx context.Context, full bool) {
 	if !full && !shortfall {
 		return
 	}
+	// Both times are compared with the rows' times, which are
+	// PostgreSQL's: the lookback is moved onto its clock, and the stream's
+	// creation (the broker's) too, early by the figures' uncertainty and a
+	// margin (a row of the stream's earlier life taken for lost is
+	// published again, looked up first; a lost row taken for an earlier
+	// life's would be lost: with PostgreSQL 60 s behind the broker, 8,527
+	// rows were).
 	var since time.Time
 	if !shortfall {
-		since = time.Now().Add(-lostLookback)
+		since = time.Now().Add(r.dbOffset() - lostLookback)
 	}
-	lost, err := r.store.RequeueLost(ctx, state.Stream, state.LastSeq, state.Created, since)
+	created := state.Created.Add(-lostCreatedMargin)
+	if shift, slack, ok := r.dbToBroker(state); ok {
+		created = state.Created.Add(-shift - slack - lostCreatedMargin)
+	}
+	lost, err := r.store.RequeueLost(ctx, state.Stream, state.LastSeq, created, since)
 	if err != nil {
 		r.log.Warn().Err(err).Msg("could not hand rows the broker lost back to the poller; checking again later")
 		return

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
+
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/sinks"
@@ -253,4 +255,38 @@ func TestAtomicReplayFoundStaysWithinTheBound(t *testing.T) {
 		t.Errorf("the read-back did not find the 5,000 replayed rows:\n%s", readBackLines(logs.String()))
 	}
 	h.assertExactlyOnce(append(append(warm, replayed...), more...))
+}
+
+// The read-back's fallback by time, with PostgreSQL's clock 60 s ahead of
+// the broker's. PostgreSQL 15 and 16 can take a slot's confirmations back
+// at a restart (they write a logical slot's position at checkpoints), and
+// a slot that starts before every recorded position is read back by time:
+// the first replayed commit's time, PostgreSQL's, against the broker's
+// timestamps. Assumed equal, the read started 55 s in the broker's future,
+// found nothing, and the replay was stored twice (the chaos run: 12,289
+// rows, seed 1796645214785017829). Measured, the offset moves the start
+// onto the broker's clock. Here the slot is put back by hand.
+func TestReadBackByTimeMeasuresTheClocks(t *testing.T) {
+	pg, err := testenv.StartPostgres(testenv.PostgresOptions{ClockOffset: 60 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pg.Close)
+	env := testenv.Shared(t)
+	stream, prefix := env.StreamName(t)
+	h := newHarness(t, setup{dbURL: pg.CreateDatabase(t), natsURL: env.NATS.URL(), stream: stream, subjectPrefix: prefix})
+	h.opts.DuplicateWindow = time.Second
+	logs := &testenv.LogBuffer{}
+	h.logs = logs
+	stored, _ := replayPublished(t, h, func(map[string]*jetstream.RawStreamMsg) string { return "" })
+	// No usable position: as after the slot went back past them all.
+	h.exec(`UPDATE outbox_slots SET position_lsn = NULL, position_seq = NULL, position_prev_lsn = NULL, position_prev_seq = NULL`)
+	h.start()
+	more := h.insertRows("after", 1, 1)
+	waitStored(t, h, "after-0")
+	h.stop()
+	if !strings.Contains(logs.String(), "broker_minus_database") {
+		t.Errorf("the read-back by time did not use the measured clocks:\n%s", readBackLines(logs.String()))
+	}
+	h.assertExactlyOnce(append(stored, more...))
 }

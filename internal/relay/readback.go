@@ -173,9 +173,21 @@ func (l *loop) readBackStart(ctx context.Context, first time.Time, confirmed rep
 	if ok {
 		return sinks.From{AfterSeq: seq, BySeq: true}, state, nil
 	}
+	// The first replayed commit's time is PostgreSQL's; the read compares
+	// it with the broker's timestamps. Measured, the two clocks' offset
+	// moves it onto the broker's clock (PostgreSQL 60 s ahead read nothing,
+	// and every replayed row was stored twice); not measured, they are
+	// assumed to agree within the margin.
 	since := first.Add(-readBackMargin)
-	l.r.log.Warn().Str("why", why).Time("since", since).
-		Msg("reading the stream back by time, not from a recorded position: this read assumes the clocks of PostgreSQL and the broker agree within 5 s (a broker clock behind lets replayed rows through to be stored twice); the positions recorded from this session on make the next start's read exact")
+	ev := l.r.log.Warn().Str("why", why)
+	clocks := "assumed to agree within 5 s (not measured)"
+	if shift, slack, ok := l.r.dbToBroker(state); ok {
+		since = first.Add(shift - slack - readBackMargin)
+		ev = ev.Dur("broker_minus_database", shift)
+		clocks = "measured: the first replayed commit moved onto the broker's clock"
+	}
+	ev.Str("clocks", clocks).Time("since", since).
+		Msg("reading the stream back by time, not from a recorded position: the positions recorded from this session on make the next start's read exact")
 	return sinks.From{Since: since}, state, nil
 }
 

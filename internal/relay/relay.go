@@ -571,6 +571,40 @@ type DeadlineClock interface {
 	Now() time.Time
 	// Uncertainty is how far Now may be off.
 	Uncertainty() time.Duration
+	// Offset is the database's clock less this process's, and how far
+	// off that figure may be; measured is false before a measurement.
+	Offset() (offset, uncertainty time.Duration, measured bool)
+}
+
+// dbToBroker is what to add to a time on PostgreSQL's clock to have it on
+// the broker's, measured (the database's offset by DeadlineClock, the
+// broker's with the stream state's request), and how far off the figure
+// may be. ok is false when either clock was not measured: then the relay
+// can only assume they agree. Used only where a read of the stream has no
+// position to start from and a comparison of the two servers' times is
+// all there is (the read-back's fallback by time, the lost-check's
+// stream creation time against the rows' published_at).
+func (r *Relay) dbToBroker(state sinks.StreamState) (shift, slack time.Duration, ok bool) {
+	c := r.cfg.DeadlineClock
+	if c == nil || !state.OffsetKnown {
+		return 0, 0, false
+	}
+	dbOff, dbUnc, measured := c.Offset()
+	if !measured {
+		return 0, 0, false
+	}
+	return state.BrokerOffset - dbOff, dbUnc + state.OffsetUncertainty, true
+}
+
+// dbOffset is the database's clock less this process's, 0 when not
+// measured.
+func (r *Relay) dbOffset() time.Duration {
+	if c := r.cfg.DeadlineClock; c != nil {
+		if off, _, ok := c.Offset(); ok {
+			return off
+		}
+	}
+	return 0
 }
 
 // deadlineNow is the time a deadline is compared with: the database's

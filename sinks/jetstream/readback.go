@@ -386,11 +386,18 @@ func (s *Sink) OwnStreamState(ctx context.Context) (sinks.StreamState, error) {
 	if err != nil {
 		return sinks.StreamState{}, fmt.Errorf("stream state of %s: %w", name, err)
 	}
+	sent := time.Now()
 	info, err := st.Info(ctx)
 	if err != nil {
 		return sinks.StreamState{}, fmt.Errorf("stream state of %s: %w", name, err)
 	}
-	return sinks.StreamState{Stream: name, FirstSeq: info.State.FirstSeq, LastSeq: info.State.LastSeq, Created: info.Created}, nil
+	got := time.Now()
+	state := sinks.StreamState{Stream: name, FirstSeq: info.State.FirstSeq, LastSeq: info.State.LastSeq, Created: info.Created}
+	if !info.TimeStamp.IsZero() {
+		rtt := got.Sub(sent)
+		state.BrokerOffset, state.OffsetUncertainty, state.OffsetKnown = info.TimeStamp.Sub(sent.Add(rtt/2)), rtt/2, true
+	}
+	return state, nil
 }
 
 // raiseKnown notes that the own stream holds seq: every message published
