@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -543,9 +544,17 @@ func TestNotApplicableFaults(t *testing.T) {
 		if (why != "") != c.na {
 			t.Errorf("%+v: nats-lose-tail not applicable %q, want %v", c.cfg, why, c.na)
 		}
+		if c.cfg.notApplicable(FaultPGClockShifted) == "" {
+			t.Errorf("%+v: pg-clock-shifted applicable without -pg-clock-offset", c.cfg)
+		}
+		shifted := c.cfg
+		shifted.PGClockOffset = -60 * time.Second
+		if why := shifted.notApplicable(FaultPGClockShifted); why != "" {
+			t.Errorf("%+v: pg-clock-shifted not applicable: %s", shifted, why)
+		}
 		for _, k := range append(slices.Clone(AllFaults), FaultNATSNodeKill, FaultPGFailover) {
-			if k != FaultNATSLoseTail && c.cfg.notApplicable(k) != "" {
-				t.Errorf("%+v: %s not applicable", c.cfg, k)
+			if k != FaultNATSLoseTail && shifted.notApplicable(k) != "" {
+				t.Errorf("%+v: %s not applicable", shifted, k)
 			}
 		}
 	}
@@ -565,5 +574,291 @@ func TestNotApplicableFaults(t *testing.T) {
 	}
 	if tab := r.Table(); !strings.Contains(tab, "not applicable: --on-publish none") || strings.Contains(tab, "FAIL") {
 		t.Fatalf("table:\n%s", tab)
+	}
+}
+
+// arrivals is a server that echoes every line and records when each line
+// arrived, so that a test can tell which direction a proxy delayed.
+type arrivals struct {
+	addr string
+	mu   sync.Mutex
+	at   []time.Time
+}
+
+func arrivalServer(t *testing.T) *arrivals {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	a := &arrivals{addr: ln.Addr().String()}
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				r := bufio.NewReader(c)
+				for {
+					line, err := r.ReadString('\n')
+					if err != nil {
+						return
+					}
+					a.mu.Lock()
+					a.at = append(a.at, time.Now())
+					a.mu.Unlock()
+					if _, err := c.Write([]byte(line)); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return a
+}
+
+func (a *arrivals) last() time.Time {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.at[len(a.at)-1]
+}
+
+// SlowReplies delays what the server sends and nothing else, SlowRequests
+// the other way round: broker-slow's broker stores a publish at once and
+// answers it late.
+func TestProxyOneWayLatency(t *testing.T) {
+	const d = 300 * time.Millisecond
+	for _, c := range []struct {
+		mode        Mode
+		lateArrival bool
+	}{{SlowReplies, false}, {SlowRequests, true}} {
+		srv := arrivalServer(t)
+		p, err := NewProxy(srv.addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { p.Close() })
+		cl := dial(t, p)
+		p.Set(c.mode, d)
+		start := time.Now()
+		if got, err := cl.roundTrip("x", 5*time.Second); err != nil || got != "x" {
+			t.Fatalf("%s: got %q, %v", c.mode, got, err)
+		}
+		rtt, arrival := time.Since(start), srv.last().Sub(start)
+		if rtt < d || rtt > d+250*time.Millisecond {
+			t.Errorf("%s: round trip %v, want one delay of %v (one direction only)", c.mode, rtt, d)
+		}
+		if late := arrival >= d; late != c.lateArrival {
+			t.Errorf("%s: the request reached the server after %v (late %v, want %v)", c.mode, arrival, late, c.lateArrival)
+		}
+	}
+}
+
+// A delay is a latency, not a cap on throughput: 64 MiB sent at once all
+// arrive about one delay after they were sent (a queue of 256 chunks waiting
+// out the delay made the proxy stop reading, so that at most 256 chunks of
+// 32 KiB crossed per delay: about 8 s here).
+func TestProxyLatencyIsNotAThroughputCap(t *testing.T) {
+	const d, size = time.Second, 64 << 20
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	received := make(chan time.Time, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		if n, _ := io.CopyN(io.Discard, c, size); n == size {
+			received <- time.Now()
+		}
+	}()
+	p, err := NewProxy(ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	c := dial(t, p)
+	p.Set(SlowRequests, d)
+	data := make([]byte, size)
+	start := time.Now()
+	if _, err := c.c.Write(data); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case at := <-received:
+		if took := at.Sub(start); took > 2*d+1500*time.Millisecond {
+			t.Errorf("64 MiB under %v latency took %v to arrive: the delay capped throughput", d, took)
+		} else {
+			t.Logf("64 MiB under %v latency took %v to arrive", d, took)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("64 MiB did not arrive within 30 s")
+	}
+}
+
+// Hold keeps both directions and the end of the connection; HoldRequests
+// then hands over what the server sent, keeps the client's writes and the
+// end; Pass lets the rest through and the end after it.
+func TestProxyHold(t *testing.T) {
+	srvLn, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srvLn.Close() })
+	got := make(chan string, 4)
+	send := make(chan string)
+	go func() {
+		s, err := srvLn.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			r := bufio.NewReader(s)
+			for {
+				line, err := r.ReadString('\n')
+				if err != nil {
+					got <- "EOF"
+					return
+				}
+				got <- line
+			}
+		}()
+		// The server says something, then goes away (it reads on, to see
+		// what reaches it).
+		_, _ = s.Write([]byte(<-send))
+		_ = s.(*net.TCPConn).CloseWrite()
+	}()
+	p, err := NewProxy(srvLn.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	c := dial(t, p)
+	waitFor(t, func() bool { return p.Conns() == 1 }, "the connection through the proxy")
+	p.Set(Hold, 0)
+	send <- "late\n"
+	if _, err := c.c.Write([]byte("held\n")); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.c.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+	if s, err := c.r.ReadString('\n'); err == nil || s != "" {
+		t.Fatalf("during Hold the client read %q, %v", s, err)
+	}
+	select {
+	case s := <-got:
+		t.Fatalf("during Hold the server got %q", s)
+	case <-time.After(100 * time.Millisecond):
+	}
+	p.Set(HoldRequests, 0)
+	_ = c.c.SetReadDeadline(time.Now().Add(2 * time.Second))
+	if s, err := c.r.ReadString('\n'); err != nil || s != "late\n" {
+		t.Fatalf("after HoldRequests the client read %q, %v; want what the server sent before it went away", s, err)
+	}
+	// The end is kept too: the client's next read waits, it does not see
+	// the server gone yet.
+	_ = c.c.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+	if _, err := c.r.ReadString('\n'); err == nil {
+		t.Fatal("read more than was sent")
+	} else if ne, ok := err.(net.Error); !ok || !ne.Timeout() {
+		t.Fatalf("the end reached the client before the release: %v", err)
+	}
+	p.Set(Pass, 0)
+	_ = c.c.SetReadDeadline(time.Now().Add(2 * time.Second))
+	if _, err := c.r.ReadString('\n'); err == nil {
+		t.Fatal("read more than was sent")
+	} else if ne, ok := err.(net.Error); ok && ne.Timeout() {
+		t.Fatal("the end never reached the client after the release")
+	}
+}
+
+// Armed passes everything until the client sends the trigger, and answers
+// late from that chunk on.
+func TestProxyArmed(t *testing.T) {
+	const d = 300 * time.Millisecond
+	p := newTestProxy(t)
+	c := dial(t, p)
+	p.Arm("FETCH", d)
+	start := time.Now()
+	if _, err := c.roundTrip("hello", 2*time.Second); err != nil || time.Since(start) > d/2 {
+		t.Fatalf("before the trigger: %v after %v", err, time.Since(start))
+	}
+	if !p.Fired().IsZero() {
+		t.Fatal("fired without its trigger")
+	}
+	start = time.Now()
+	if _, err := c.roundTrip("FETCH more", 2*time.Second); err != nil || time.Since(start) < d {
+		t.Fatalf("the trigger's own answer: %v after %v, want late", err, time.Since(start))
+	}
+	if p.Fired().IsZero() || p.Mode() != SlowReplies {
+		t.Fatalf("after the trigger: fired %v, mode %s", p.Fired(), p.Mode())
+	}
+	start = time.Now()
+	if _, err := c.roundTrip("later", 2*time.Second); err != nil || time.Since(start) < d {
+		t.Fatalf("after the trigger: %v after %v, want late", err, time.Since(start))
+	}
+}
+
+// Deadlines are judged on the broker's clock, the database's moved by the
+// measured difference; an expired row is not lost; every figure is counted
+// in the window of the fault in effect.
+func TestLedgerDeadlinesAndWindows(t *testing.T) {
+	l := NewLedger()
+	t0 := time.Date(2026, 12, 1, 12, 0, 0, 0, time.UTC)
+	// The database's clock is a minute ahead of the broker's and this
+	// host's.
+	l.SetClocks(Clocks{DBMinusHost: time.Minute, Uncertainty: time.Millisecond})
+	l.SetWindows([]FaultWindow{
+		{N: 1, Kind: FaultRelayKill, Start: t0.Add(10 * time.Second), StartLSN: lsn("0/200")},
+		{N: 2, Kind: FaultPGClockShifted, Start: t0.Add(20 * time.Second), StartLSN: lsn("0/300")},
+	})
+	l.AddWitness([]WitnessRow{{"w-0-1", lsn("0/100")}, {"w-0-2", lsn("0/250")}, {"w-0-3", lsn("0/350")}, {"w-0-4", lsn("0/360")}, {"w-0-5", lsn("0/370")}})
+	db := func(d time.Duration) time.Time { return t0.Add(time.Minute + d) } // a database-clock time
+	l.Add(Msg{ID: "w-0-1", Seq: 1, Stored: t0.Add(5 * time.Second)})
+	// Stored 25 s in, deadline 24 s in on the broker's clock: late.
+	l.Add(Msg{ID: "w-0-3", Seq: 2, Stored: t0.Add(25 * time.Second), ExpiresAt: db(24 * time.Second)})
+	// Stored 25 s in, deadline 26 s: in time, though the database's clock
+	// reads a minute later.
+	l.Add(Msg{ID: "w-0-4", Seq: 3, Stored: t0.Add(25 * time.Second), ExpiresAt: db(26 * time.Second)})
+	l.Add(Msg{ID: "w-0-1", Seq: 4, Stored: t0.Add(15 * time.Second)}) // stored twice in relay-kill's window
+	l.Add(Msg{ID: "rb-0-9", Seq: 5, Stored: t0.Add(21 * time.Second)})
+	l.SetExpired([]string{"w-0-5"})
+	f := l.Figures(nil)
+	if f.PastDeadline != 1 || f.DeadlineMsgs != 2 || f.Expired != 1 || f.Lost != 1 || f.StoredDuplicates != 1 || f.Phantoms != 1 {
+		t.Fatalf("figures %+v", f)
+	}
+	if f.MaxPastDeadline != time.Second || f.MinDeadlineLeft != -time.Second {
+		t.Errorf("past the deadline by %v, least left %v; want 1s and -1s", f.MaxPastDeadline, f.MinDeadlineLeft)
+	}
+	if len(f.PastDeadlineSample) != 1 || !strings.Contains(f.PastDeadlineSample[0], "w-0-3") {
+		t.Errorf("past-deadline sample %q", f.PastDeadlineSample)
+	}
+	want := map[string]KindFigures{
+		FaultRelayKill:      {Windows: 1, Lost: 1, Duplicates: 1}, // w-0-2 ended at 0/250
+		FaultPGClockShifted: {Windows: 1, Phantoms: 1, PastDeadline: 1},
+	}
+	for k, w := range want {
+		if got := f.ByFault[k]; got == nil || *got != w {
+			t.Errorf("%s: %+v, want %+v", k, got, w)
+		}
+	}
+	if b := f.ByFault[BeforeFaults]; b != nil {
+		t.Errorf("before the first fault: %+v, want nothing", b)
+	}
+	r := &Report{Figures: f, Seed: 1}
+	r.G3Checks = 1
+	r.FaultsEnabled, r.Faults, r.FaultsBit = bitten([]string{FaultRelayKill, FaultPGClockShifted}, 1)
+	fails := strings.Join(r.Failures(), "; ")
+	if !strings.Contains(fails, "published past the deadline = 1") {
+		t.Errorf("failures %q", fails)
+	}
+	if tab := r.Table(); !strings.Contains(tab, "in its windows: lost 0, phantoms 1, stored twice 0, past deadline 1") {
+		t.Errorf("table:\n%s", tab)
 	}
 }

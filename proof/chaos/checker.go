@@ -6,6 +6,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/jackc/pglogrepl"
 )
@@ -85,11 +86,80 @@ type Ledger struct {
 	// hold; promotions counts Promote calls.
 	takenBack  map[string]bool
 	promotions int
+
+	// expired are the rows the table ended 'expired' (G13): never to be
+	// published, so not lost when they are not in the stream.
+	expired map[string]bool
+	clock   Clocks
+	windows []FaultWindow
+}
+
+// Clocks is what the run measured of the clocks it judges deadlines and
+// fault windows with: the database's and the broker's, each against this
+// process's, and how far each reading may be off (half its round trip).
+type Clocks struct {
+	DBMinusHost     time.Duration `json:"db_minus_host"`
+	BrokerMinusHost time.Duration `json:"broker_minus_host"`
+	Uncertainty     time.Duration `json:"uncertainty"`
+}
+
+// DBMinusBroker is how far the database's clock is ahead of the broker's:
+// a deadline (database clock) minus it is the same moment on the broker's
+// clock, which dates the stored messages.
+func (c Clocks) DBMinusBroker() time.Duration { return c.DBMinusHost - c.BrokerMinusHost }
+
+// FaultWindow is one injected fault, from its start to the next one's (the
+// last to the end of the run): the figures a message or a commit in it adds
+// are counted for its kind. Effects can outlast a window (a copy stored
+// twice after the next fault began); the attribution is a pointer to the
+// logs, not a proof of cause.
+type FaultWindow struct {
+	N        int           `json:"n"`
+	Kind     string        `json:"kind"`
+	Start    time.Time     `json:"start"`     // this process's clock
+	StartLSN pglogrepl.LSN `json:"start_lsn"` // the server's WAL position at the start
+}
+
+// BeforeFaults is the window before the first fault, in FaultFigures.
+const BeforeFaults = "(before the first fault)"
+
+// KindFigures are the must-be-zero figures counted in the windows of one
+// fault kind.
+type KindFigures struct {
+	Windows      int `json:"windows"`
+	Lost         int `json:"lost"`
+	Phantoms     int `json:"phantoms"`
+	Duplicates   int `json:"stored_duplicates"`
+	PastDeadline int `json:"published_past_deadline"`
 }
 
 // NewLedger returns an empty ledger.
 func NewLedger() *Ledger {
-	return &Ledger{known: map[string]bool{}, stream: map[string]*streamEntry{}, takenBack: map[string]bool{}}
+	return &Ledger{known: map[string]bool{}, stream: map[string]*streamEntry{}, takenBack: map[string]bool{}, expired: map[string]bool{}}
+}
+
+// SetClocks records the clocks' measured offsets, with which a message's
+// stored time is compared with its deadline and its fault window.
+func (l *Ledger) SetClocks(c Clocks) {
+	l.mu.Lock()
+	l.clock = c
+	l.mu.Unlock()
+}
+
+// SetExpired records the rows the table ended 'expired'.
+func (l *Ledger) SetExpired(ids []string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, id := range ids {
+		l.expired[id] = true
+	}
+}
+
+// SetWindows records the faults' windows, in the order injected.
+func (l *Ledger) SetWindows(w []FaultWindow) {
+	l.mu.Lock()
+	l.windows = append([]FaultWindow(nil), w...)
+	l.mu.Unlock()
 }
 
 // AddWitness records committed rows. A row seen before is skipped: after a
@@ -190,25 +260,39 @@ func (l *Ledger) Promote(held map[string]bool, at pglogrepl.LSN, acked []string)
 	return takenBack, joined
 }
 
-type seqMsg struct {
-	seq  uint64
-	id   string
-	from string
+// Msg is one stored message as the checker reads it.
+type Msg struct {
+	ID  string
+	Seq uint64
+	// From is what the message says of where it came from (its time,
+	// commit LSN, claim generation): a row stored twice is reported with
+	// each copy's, so that the copies can be matched with the relays' logs.
+	From string
+	// Stored is the broker's timestamp of the message (zero: unknown),
+	// ExpiresAt its Outbox-Expires-At (zero: no deadline).
+	Stored    time.Time
+	ExpiresAt time.Time
 }
+
+type seqMsg = Msg
 
 // AddMsg records one stored message. Messages come in ascending sequence
 // (the stream is read in order).
-func (l *Ledger) AddMsg(id string, seq uint64) { l.AddMsgFrom(id, seq, "") }
+func (l *Ledger) AddMsg(id string, seq uint64) { l.Add(Msg{ID: id, Seq: seq}) }
 
-// AddMsgFrom is AddMsg with what the message says of where it came from
-// (its time, commit LSN, claim generation): a row stored twice is reported
-// with each copy's, so that the copies can be matched with the relays' logs.
+// AddMsgFrom is AddMsg with where the message came from (Msg.From).
 func (l *Ledger) AddMsgFrom(id string, seq uint64, from string) {
+	l.Add(Msg{ID: id, Seq: seq, From: from})
+}
+
+// Add records one stored message.
+func (l *Ledger) Add(m Msg) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	id, seq := m.ID, m.Seq
 	l.streamMsg++
 	l.lastSeq = max(l.lastSeq, seq)
-	l.bySeq = append(l.bySeq, seqMsg{seq: seq, id: id, from: from})
+	l.bySeq = append(l.bySeq, m)
 	e := l.stream[id]
 	if e == nil {
 		l.stream[id] = &streamEntry{firstSeq: seq, count: 1}
@@ -226,24 +310,24 @@ func (l *Ledger) AddMsgFrom(id string, seq uint64, from string) {
 func (l *Ledger) LoseTail(seq uint64) (gone []string) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	i := sort.Search(len(l.bySeq), func(i int) bool { return l.bySeq[i].seq > seq })
+	i := sort.Search(len(l.bySeq), func(i int) bool { return l.bySeq[i].Seq > seq })
 	for _, m := range l.bySeq[i:] {
 		l.streamMsg--
-		e := l.stream[m.id]
+		e := l.stream[m.ID]
 		if e == nil {
 			continue
 		}
 		if e.count--; e.count == 0 {
-			delete(l.stream, m.id)
-			gone = append(gone, m.id)
+			delete(l.stream, m.ID)
+			gone = append(gone, m.ID)
 			continue
 		}
-		if e.firstSeq == m.seq {
+		if e.firstSeq == m.Seq {
 			// A repeat survives below the cut: its sequence is the first.
 			e.firstSeq = 0
 			for _, o := range l.bySeq[:i] {
-				if o.id == m.id {
-					e.firstSeq = o.seq
+				if o.ID == m.ID {
+					e.firstSeq = o.Seq
 					break
 				}
 			}
@@ -253,6 +337,22 @@ func (l *Ledger) LoseTail(seq uint64) (gone []string) {
 	l.bySeq = l.bySeq[:i]
 	l.lastSeq = min(l.lastSeq, seq)
 	return gone
+}
+
+// StoredAt is the broker's timestamp of the first stored copy of id
+// (false: not stored, or stored without a known time).
+func (l *Ledger) StoredAt(id string) (time.Time, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	e := l.stream[id]
+	if e == nil {
+		return time.Time{}, false
+	}
+	i := sort.Search(len(l.bySeq), func(i int) bool { return l.bySeq[i].Seq >= e.firstSeq })
+	if i == len(l.bySeq) || l.bySeq[i].Seq != e.firstSeq || l.bySeq[i].Stored.IsZero() {
+		return time.Time{}, false
+	}
+	return l.bySeq[i].Stored, true
 }
 
 // Stored reports whether a message with id is in the stream as recorded.
@@ -332,27 +432,44 @@ func (l *Ledger) CheckCovered(label string, ids []string, lastSeq uint64) (viola
 
 // Figures are the end-of-run counts from the ledger.
 type Figures struct {
-	CommittedRows     int      `json:"committed_rows"`
-	StreamMsgs        int      `json:"stream_msgs"`
-	StreamDistinct    int      `json:"stream_distinct_ids"`
-	Lost              int      `json:"lost"`
-	Phantoms          int      `json:"phantoms"`
-	StoredDuplicates  int      `json:"stored_duplicates"`
-	UnknownMsgs       int      `json:"unknown_msgs"`
-	WitnessGaps       int      `json:"witness_gaps"`
-	G3Checks          int      `json:"g3_checks"`
-	G3Violations      int      `json:"g3_violations"`
-	G3PollerHandoffs  int      `json:"g3_poller_handoffs"`
-	Promotions        int      `json:"promotions,omitempty"`
-	TakenBack         int      `json:"taken_back_by_promotion,omitempty"`
-	TakenBackInStream int      `json:"published_but_taken_back"`
-	LostSample        []string `json:"lost_sample,omitempty"`
-	PhantomSample     []string `json:"phantom_sample,omitempty"`
-	DuplicateSample   []string `json:"duplicate_sample,omitempty"`
-	G3ViolationSample []string `json:"g3_violation_sample,omitempty"`
-	WitnessGapSample  []string `json:"witness_gap_sample,omitempty"`
-	UnknownMsgSample  []string `json:"unknown_msg_sample,omitempty"`
-	TakenBackSample   []string `json:"published_taken_back_sample,omitempty"`
+	CommittedRows     int `json:"committed_rows"`
+	StreamMsgs        int `json:"stream_msgs"`
+	StreamDistinct    int `json:"stream_distinct_ids"`
+	Lost              int `json:"lost"`
+	Phantoms          int `json:"phantoms"`
+	StoredDuplicates  int `json:"stored_duplicates"`
+	UnknownMsgs       int `json:"unknown_msgs"`
+	WitnessGaps       int `json:"witness_gaps"`
+	G3Checks          int `json:"g3_checks"`
+	G3Violations      int `json:"g3_violations"`
+	G3PollerHandoffs  int `json:"g3_poller_handoffs"`
+	Promotions        int `json:"promotions,omitempty"`
+	TakenBack         int `json:"taken_back_by_promotion,omitempty"`
+	TakenBackInStream int `json:"published_but_taken_back"`
+	// PastDeadline counts the stored messages whose broker timestamp is
+	// later than their row's deadline (Outbox-Expires-At, a database-clock
+	// time) moved to the broker's clock by the measured difference, past
+	// the measurement's uncertainty (G13).
+	PastDeadline     int `json:"published_past_deadline"`
+	DeadlineMsgs     int `json:"deadline_msgs"`      // stored messages with a deadline
+	Expired          int `json:"expired"`            // rows that ended 'expired' and were never stored
+	ExpiredButStored int `json:"expired_but_stored"` // ended 'expired' with a copy stored before the deadline (an ack that never came)
+	// MaxPastDeadline is the latest a message was stored after its
+	// deadline, and MinDeadlineLeft the least time any message had left.
+	MaxPastDeadline    time.Duration `json:"max_past_deadline,omitempty"`
+	MinDeadlineLeft    time.Duration `json:"min_deadline_left,omitempty"`
+	LostSample         []string      `json:"lost_sample,omitempty"`
+	PhantomSample      []string      `json:"phantom_sample,omitempty"`
+	DuplicateSample    []string      `json:"duplicate_sample,omitempty"`
+	G3ViolationSample  []string      `json:"g3_violation_sample,omitempty"`
+	WitnessGapSample   []string      `json:"witness_gap_sample,omitempty"`
+	UnknownMsgSample   []string      `json:"unknown_msg_sample,omitempty"`
+	TakenBackSample    []string      `json:"published_taken_back_sample,omitempty"`
+	PastDeadlineSample []string      `json:"past_deadline_sample,omitempty"`
+	// ByFault counts lost rows (by their transaction's end LSN), phantoms,
+	// second copies and messages past their deadline (by stored time) in
+	// the windows of each fault kind (FaultWindow).
+	ByFault map[string]*KindFigures `json:"by_fault,omitempty"`
 }
 
 const sampleSize = 20
@@ -361,6 +478,19 @@ func addSample(s *[]string, v string) {
 	if len(*s) < sampleSize {
 		*s = append(*s, v)
 	}
+}
+
+// windowAt is the kind of the fault window in effect at t (this process's
+// clock) or, with byLSN, at the WAL position lsn.
+func (l *Ledger) windowAt(t time.Time, lsn pglogrepl.LSN, byLSN bool) string {
+	kind := BeforeFaults
+	for _, w := range l.windows {
+		if byLSN && w.StartLSN > lsn || !byLSN && w.Start.After(t) {
+			break
+		}
+		kind = w.Kind
+	}
+	return kind
 }
 
 // Figures compares the committed rows with the stream. acked are the work
@@ -378,6 +508,22 @@ func (l *Ledger) Figures(acked []string) Figures {
 		G3PollerHandoffs: l.handoffs,
 		Promotions:       l.promotions,
 	}
+	by := func(kind string) *KindFigures {
+		if f.ByFault == nil {
+			f.ByFault = map[string]*KindFigures{}
+		}
+		k := f.ByFault[kind]
+		if k == nil {
+			k = &KindFigures{}
+			f.ByFault[kind] = k
+		}
+		return k
+	}
+	for _, w := range l.windows {
+		by(w.Kind).Windows++
+	}
+	// A message's window is found on this process's clock.
+	hostTime := func(stored time.Time) time.Time { return stored.Add(-l.clock.BrokerMinusHost) }
 	// A row a producer saw commit on a former primary can turn up on the
 	// new one after all (its WAL reached the standby after the acked ids
 	// were read): then it was not taken back.
@@ -397,8 +543,17 @@ func (l *Ledger) Figures(acked []string) Figures {
 		}
 	}
 	for _, r := range l.rows {
-		if l.stream[r.ID] == nil {
+		switch {
+		case l.stream[r.ID] != nil && l.expired[r.ID]:
+			f.ExpiredButStored++
+		case l.stream[r.ID] != nil:
+		case l.expired[r.ID]:
+			f.Expired++
+		default:
 			f.Lost++
+			if len(l.windows) > 0 {
+				by(l.windowAt(time.Time{}, r.End, true)).Lost++
+			}
 			addSample(&f.LostSample, fmt.Sprintf("%s (txn end %s)", r.ID, r.End))
 		}
 	}
@@ -408,14 +563,48 @@ func (l *Ledger) Figures(acked []string) Figures {
 	}
 	sort.Strings(ids)
 	copies := map[string][]string{}
+	seen := map[string]bool{}
 	for _, m := range l.bySeq {
-		if e := l.stream[m.id]; e != nil && e.count > 1 {
-			c := fmt.Sprintf("seq %d", m.seq)
-			if m.from != "" {
-				c += " " + m.from
-			}
-			copies[m.id] = append(copies[m.id], c)
+		e := l.stream[m.ID]
+		if e == nil {
+			continue
 		}
+		first := !seen[m.ID]
+		seen[m.ID] = true
+		if e.count > 1 {
+			c := fmt.Sprintf("seq %d", m.Seq)
+			if m.From != "" {
+				c += " " + m.From
+			}
+			copies[m.ID] = append(copies[m.ID], c)
+			if !first && len(l.windows) > 0 {
+				by(l.windowAt(hostTime(m.Stored), 0, false)).Duplicates++
+			}
+		}
+		if first && strings.HasPrefix(m.ID, RollbackPrefix) && len(l.windows) > 0 {
+			by(l.windowAt(hostTime(m.Stored), 0, false)).Phantoms++
+		}
+		if m.ExpiresAt.IsZero() || m.Stored.IsZero() {
+			continue
+		}
+		f.DeadlineMsgs++
+		// The deadline on the broker's clock, which dated the message.
+		deadline := m.ExpiresAt.Add(-l.clock.DBMinusBroker())
+		left := deadline.Sub(m.Stored)
+		if f.DeadlineMsgs == 1 || left < f.MinDeadlineLeft {
+			f.MinDeadlineLeft = left
+		}
+		if -left <= l.clock.Uncertainty {
+			continue
+		}
+		f.PastDeadline++
+		f.MaxPastDeadline = max(f.MaxPastDeadline, -left)
+		if len(l.windows) > 0 {
+			by(l.windowAt(hostTime(m.Stored), 0, false)).PastDeadline++
+		}
+		addSample(&f.PastDeadlineSample, fmt.Sprintf("%s seq %d stored %s, %s after its deadline %s (database clock; %s on the broker's)",
+			m.ID, m.Seq, m.Stored.UTC().Format("15:04:05.000"), (-left).Round(time.Millisecond),
+			m.ExpiresAt.UTC().Format("15:04:05.000"), deadline.UTC().Format("15:04:05.000")))
 	}
 	for _, id := range ids {
 		e := l.stream[id]

@@ -33,6 +33,24 @@ func (g proxyGroup) Set(mode Mode, delay time.Duration) {
 	}
 }
 
+// Arm arms every proxy of the group (Proxy.Arm).
+func (g proxyGroup) Arm(trigger string, delay time.Duration) {
+	for _, p := range g {
+		p.Arm(trigger, delay)
+	}
+}
+
+// Fired is the earliest time a proxy of the group saw its trigger.
+func (g proxyGroup) Fired() time.Time {
+	var t time.Time
+	for _, p := range g {
+		if f := p.Fired(); !f.IsZero() && (t.IsZero() || f.Before(t)) {
+			t = f
+		}
+	}
+	return t
+}
+
 // Conns is the number of open connections through the group's proxies.
 func (g proxyGroup) Conns() int {
 	n := 0

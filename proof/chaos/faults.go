@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -28,10 +29,29 @@ func (r *runner) activeRelay(ctx context.Context) (*relayInst, int32, error) {
 	return r.relays[r.primary], 0, nil
 }
 
+// count records an injection of kind, starting now: its window (for the
+// figures counted by fault) starts at this moment and WAL position.
 func (r *runner) count(kind string) {
+	w := FaultWindow{Kind: kind, Start: time.Now()}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	var lsn string
+	if c, err := pgx.Connect(ctx, r.db()); err == nil {
+		if c.QueryRow(ctx, `SELECT pg_current_wal_insert_lsn()::text`).Scan(&lsn) == nil {
+			w.StartLSN, _ = pglogrepl.ParseLSN(lsn)
+		}
+		c.Close(context.Background())
+	}
 	r.mu.Lock()
+	defer r.mu.Unlock()
+	w.N = r.faultN
+	if w.StartLSN == 0 && len(r.windows) > 0 {
+		// Not reachable (a restart under way): the previous window's
+		// position is a lower bound.
+		w.StartLSN = r.windows[len(r.windows)-1].StartLSN
+	}
+	r.windows = append(r.windows, w)
 	r.report.Faults[kind]++
-	r.mu.Unlock()
 }
 
 // bit records that an injection of kind did what FaultBite says.
@@ -56,6 +76,9 @@ func (r *runner) skip(kind, why string) {
 func (r *runner) inject(ctx context.Context, kind string, n int) error {
 	hold := r.between(time.Second, r.cfg.MaxHold)
 	label := fmt.Sprintf("#%d %s", n, kind)
+	r.mu.Lock()
+	r.faultN = n
+	r.mu.Unlock()
 	if why := r.cfg.notApplicable(kind); why != "" {
 		r.mu.Lock()
 		r.report.FaultsNotApplicable[kind] = why
@@ -193,6 +216,21 @@ func (r *runner) inject(ctx context.Context, kind string, n int) error {
 
 	case FaultPGFailover:
 		return r.failoverFault(ctx, kind, label)
+
+	case FaultBrokerSlow:
+		return r.brokerSlow(ctx, kind, label)
+
+	case FaultRelayPaused:
+		return r.relayPaused(ctx, kind, label)
+
+	case FaultPollerKilled:
+		return r.pollerKilled(ctx, kind, label)
+
+	case FaultConsumerLimit:
+		return r.consumerLimit(ctx, kind, label)
+
+	case FaultPGClockShifted:
+		return r.clockShifted(ctx, kind, label)
 	}
 	return fmt.Errorf("unknown fault %q", kind)
 }
@@ -361,19 +399,29 @@ func (r *runner) loseTail(ctx context.Context, kind, label string) error {
 		if err := r.catchUpStream(ctx, last); err != nil {
 			return err
 		}
-		missing := 0
+		var missing []string
 		for _, id := range gone {
 			if !r.ledger.Stored(id) {
-				missing++
+				missing = append(missing, id)
 			}
 		}
-		if missing == 0 {
-			r.logf("fault %s: all %d lost rows stored again after %.2fs", label, len(gone), time.Since(t0).Seconds())
+		// A lost row whose deadline passed meanwhile is expired, not
+		// published again (G13 before G19): settled all the same.
+		var expired int
+		if len(missing) > 0 {
+			if err := r.withDB(ctx, func(c *pgx.Conn) error {
+				return c.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE work_id = ANY($1) AND state = 'expired'`, missing).Scan(&expired)
+			}); err != nil {
+				return err
+			}
+		}
+		if len(missing) == expired {
+			r.logf("fault %s: all %d lost rows settled after %.2fs: %d stored again, %d expired (their deadline passed first)", label, len(gone), time.Since(t0).Seconds(), len(gone)-expired, expired)
 			return nil
 		}
 		if time.Since(t0) > limit || ctx.Err() != nil {
 			// Not an error of the run: the end figures count them lost.
-			r.logf("fault %s: %d of %d lost rows still not stored again after %v", label, missing, len(gone), limit)
+			r.logf("fault %s: %d of %d lost rows still not stored again after %v (%d more expired)", label, len(missing)-expired, len(gone), limit, expired)
 			return nil
 		}
 		r.pause(ctx, 200*time.Millisecond)
@@ -433,9 +481,30 @@ func logSize(path string) int64 {
 // readBackLine is the relay's log line of a session start's read-back
 // (internal/relay/readback.go).
 type readBackLine struct {
-	Message string `json:"message"`
-	Read    int    `json:"read"`
-	Stored  int    `json:"stored"`
+	Message  string    `json:"message"`
+	Read     int       `json:"read"`
+	Stored   int       `json:"stored"`
+	AfterSeq *uint64   `json:"after_seq"`
+	Since    string    `json:"since"`
+	Time     time.Time `json:"time"`
+	Took     float64   `json:"took"` // milliseconds
+}
+
+// started is when the read began (the relay's clock: this host's).
+func (l readBackLine) started() time.Time {
+	return l.Time.Add(-time.Duration(l.Took * float64(time.Millisecond)))
+}
+
+// from says where the read started: a stream position, or a time (the
+// fallback that trusts the clocks to agree).
+func (l readBackLine) from() string {
+	switch {
+	case l.AfterSeq != nil:
+		return fmt.Sprintf("from position %d", *l.AfterSeq)
+	case l.Since != "":
+		return "BY TIME since " + l.Since
+	}
+	return "from an unknown start"
 }
 
 // waitReadBack waits for the first read-back line the relay logs after
@@ -467,8 +536,10 @@ func findReadBack(path string, offset int64) (readBackLine, bool) {
 		if !strings.Contains(string(line), "the stream back") {
 			continue
 		}
+		// Only a read that ended: "could not read the stream back ..." is
+		// an attempt that failed.
 		var l readBackLine
-		if json.Unmarshal(line, &l) == nil && strings.Contains(l.Message, "the stream back") {
+		if json.Unmarshal(line, &l) == nil && strings.HasPrefix(l.Message, "read the stream back") {
 			return l, true
 		}
 	}

@@ -14,7 +14,11 @@ import (
 
 // load is the producers' side: several connections committing transactions
 // of 1 to 50 outbox rows at a paced rate, with rolled-back transactions
-// mixed in. Connections go straight to PostgreSQL, so the relay's faults
+// mixed in. Some transactions carry a business deadline a few seconds
+// ahead (expires_at, G13), so that a publish past it is measurable under
+// every fault, and some are delayed (available_at a moment ahead), so that
+// the poller's claims carry traffic all along and not only after a broker
+// refusal. Connections go straight to PostgreSQL, so the relay's faults
 // do not slow the load; PostgreSQL restarts do, and a commit whose outcome
 // is unknown is left to the witness to resolve. With pg-failover dbURL names
 // both servers (target_session_attrs=read-write), so the load follows the
@@ -32,6 +36,17 @@ type load struct {
 
 	mu    sync.Mutex
 	acked [][]string
+
+	// quiet is held (Lock) by a fault that needs a moment without new
+	// commits; every producer's commit holds it for reading.
+	quiet sync.RWMutex
+}
+
+// hush stops new commits until the returned func is called; a commit under
+// way finishes first.
+func (l *load) hush() (resume func()) {
+	l.quiet.Lock()
+	return l.quiet.Unlock
 }
 
 func newLoad(cfg Config, dbURL string) *load {
@@ -99,7 +114,7 @@ func (l *load) produce(ctx context.Context, p int) {
 		}
 		if rng.IntN(8) == 0 {
 			rb := ids(RollbackPrefix, 1+rng.IntN(5))
-			if err := insertTx(ctx, conn, rb, rng, false); err != nil {
+			if err := insertTx(ctx, conn, rb, rng, false, timing{}); err != nil {
 				conn.Close(context.Background())
 				conn = nil
 				continue
@@ -112,7 +127,9 @@ func (l *load) produce(ctx context.Context, p int) {
 			return
 		}
 		w := ids(CommitPrefix, int(n))
-		err := insertTx(ctx, conn, w, rng, true)
+		l.quiet.RLock()
+		err := insertTx(ctx, conn, w, rng, true, rowTiming(rng))
+		l.quiet.RUnlock()
 		switch {
 		case err == nil:
 			l.committedRows.Add(n)
@@ -155,7 +172,39 @@ func isCommitErr(err error) bool {
 
 var kinds = []string{"order", "invoice", "mail"}
 
-func insertTx(ctx context.Context, conn *pgx.Conn, ids []string, rng *rand.Rand, commit bool) error {
+// timing is when a transaction's rows fall due and expire, as offsets from
+// the database's clock at the insert (zero: now, and no deadline). Both are
+// taken on the database's clock, which decides them (G6, G13), whatever
+// the clocks of the relay and the broker say.
+type timing struct {
+	delay    time.Duration // available_at ahead: the CDC path hands the rows to the poller
+	deadline time.Duration // expires_at ahead
+}
+
+// Shares of the committed transactions with a deadline and delayed. A
+// deadline of 2 to 6 s outlasts normal delivery by far (milliseconds) but
+// not most faults' holds, so some rows meet their deadline while a fault
+// holds them back; a delay of 0.5 to 2 s gives the poller a steady share
+// of the load.
+const (
+	deadlineOneIn = 6
+	delayedOneIn  = 8
+)
+
+// rowTiming draws a transaction's timing: a deadline or a delay, never
+// both (a delayed row that expires while it waits tells nothing).
+func rowTiming(rng *rand.Rand) timing {
+	n := rng.IntN(deadlineOneIn * delayedOneIn)
+	switch {
+	case n < delayedOneIn:
+		return timing{deadline: 2*time.Second + time.Duration(rng.Int64N(int64(4*time.Second)))}
+	case n < delayedOneIn+deadlineOneIn:
+		return timing{delay: 500*time.Millisecond + time.Duration(rng.Int64N(int64(1500*time.Millisecond)))}
+	}
+	return timing{}
+}
+
+func insertTx(ctx context.Context, conn *pgx.Conn, ids []string, rng *rand.Rand, commit bool, tm timing) error {
 	kk := make([]string, len(ids))
 	payloads := make([]string, len(ids))
 	for i, id := range ids {
@@ -166,8 +215,21 @@ func insertTx(ctx context.Context, conn *pgx.Conn, ids []string, rng *rand.Rand,
 	if err != nil {
 		return err
 	}
-	if _, err := tx.Exec(ctx, `INSERT INTO outbox (work_id, kind, payload)
-		SELECT w, k, p::jsonb FROM unnest($1::text[], $2::text[], $3::text[]) AS u(w, k, p)`, ids, kk, payloads); err != nil {
+	// A NULL offset leaves the column's default (available_at) or no
+	// deadline (expires_at).
+	var delay, deadline *int64
+	if tm.delay > 0 {
+		ms := tm.delay.Milliseconds()
+		delay = &ms
+	}
+	if tm.deadline > 0 {
+		ms := tm.deadline.Milliseconds()
+		deadline = &ms
+	}
+	if _, err := tx.Exec(ctx, `INSERT INTO outbox (work_id, kind, payload, available_at, expires_at)
+		SELECT w, k, p::jsonb, coalesce(clock_timestamp() + $4::bigint * interval '1 millisecond', clock_timestamp()),
+			clock_timestamp() + $5::bigint * interval '1 millisecond'
+		FROM unnest($1::text[], $2::text[], $3::text[]) AS u(w, k, p)`, ids, kk, payloads, delay, deadline); err != nil {
 		_ = tx.Rollback(context.Background())
 		return err
 	}

@@ -32,6 +32,7 @@ type relayInst struct {
 	done    chan struct{}
 	starts  int
 	exits   int // exits it was not asked for
+	paused  bool
 	onEvent func(string)
 }
 
@@ -92,7 +93,48 @@ func (r *relayInst) kill() error {
 		return fmt.Errorf("relay %s: kill: %w", r.name, err)
 	}
 	<-r.done
+	r.paused = false
 	r.appendNote("killed with SIGKILL")
+	return nil
+}
+
+// pause is SIGSTOP: the process keeps its sockets and its memory, and does
+// nothing at all until resume, as a stopped container, a frozen VM or a
+// very long stop-the-world pause would. Its peers notice only through
+// their own timeouts.
+func (r *relayInst) pause() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.cmd == nil || isDone(r.done) {
+		return fmt.Errorf("relay %s: pause: not running", r.name)
+	}
+	if err := r.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+		return fmt.Errorf("relay %s: pause: %w", r.name, err)
+	}
+	r.paused = true
+	r.appendNote("stopped with SIGSTOP")
+	return nil
+}
+
+// resume is SIGCONT of a paused process.
+func (r *relayInst) resume() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.resumeLocked()
+}
+
+func (r *relayInst) resumeLocked() error {
+	if !r.paused {
+		return nil
+	}
+	r.paused = false
+	if r.cmd == nil || isDone(r.done) {
+		return nil
+	}
+	r.appendNote("continued with SIGCONT")
+	if err := r.cmd.Process.Signal(syscall.SIGCONT); err != nil {
+		return fmt.Errorf("relay %s: resume: %w", r.name, err)
+	}
 	return nil
 }
 
@@ -105,6 +147,8 @@ func (r *relayInst) stop(timeout time.Duration) error {
 	if r.cmd == nil || isDone(r.done) {
 		return nil
 	}
+	// A stopped process would keep SIGTERM pending until the timeout.
+	_ = r.resumeLocked()
 	r.appendNote("SIGTERM")
 	_ = r.cmd.Process.Signal(syscall.SIGTERM)
 	select {

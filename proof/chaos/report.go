@@ -11,7 +11,7 @@ import (
 // Takeover is one measured hand-over of the slot from the active relay to
 // the standby.
 type Takeover struct {
-	Cause   string  `json:"cause"` // "sigkill" or "partition"
+	Cause   string  `json:"cause"` // "sigkill", "partition" or "pause" (relay-paused)
 	Seconds float64 `json:"seconds"`
 	OK      bool    `json:"ok"`
 }
@@ -25,19 +25,23 @@ type Report struct {
 	DrainSeconds     float64   `json:"drain_seconds"`
 	WalSenderTimeout string    `json:"wal_sender_timeout"`
 	Figures
-	CommittedTxns    int64          `json:"committed_txns"`
-	RolledBackRows   int64          `json:"rolled_back_rows"`
-	RolledBackTxns   int64          `json:"rolled_back_txns"`
-	UnknownCommits   int64          `json:"commits_with_unknown_outcome"`
-	NotPublished     int            `json:"not_published_after_drain"`
-	MaxSlotLagBytes  int64          `json:"max_slot_lag_bytes"`
-	Takeovers        []Takeover     `json:"takeovers"`
-	TakeoverFailures int            `json:"takeover_failures"`
-	FailoverEnabled  bool           `json:"failover_enabled,omitempty"`
-	Failovers        []Failover     `json:"failovers,omitempty"`
-	FailoverFailures int            `json:"failover_failures,omitempty"`
-	Faults           map[string]int `json:"faults"`
-	FaultsSkipped    map[string]int `json:"faults_skipped,omitempty"`
+	CommittedTxns  int64 `json:"committed_txns"`
+	RolledBackRows int64 `json:"rolled_back_rows"`
+	RolledBackTxns int64 `json:"rolled_back_txns"`
+	UnknownCommits int64 `json:"commits_with_unknown_outcome"`
+	NotPublished   int   `json:"not_published_after_drain"`
+	// ConsumerLimitStalls counts consumer-limit injections under which the
+	// relay did not read the stream back, or delivered nothing after it,
+	// though the limit left room for its reads.
+	ConsumerLimitStalls int            `json:"consumer_limit_stalls"`
+	MaxSlotLagBytes     int64          `json:"max_slot_lag_bytes"`
+	Takeovers           []Takeover     `json:"takeovers"`
+	TakeoverFailures    int            `json:"takeover_failures"`
+	FailoverEnabled     bool           `json:"failover_enabled,omitempty"`
+	Failovers           []Failover     `json:"failovers,omitempty"`
+	FailoverFailures    int            `json:"failover_failures,omitempty"`
+	Faults              map[string]int `json:"faults"`
+	FaultsSkipped       map[string]int `json:"faults_skipped,omitempty"`
 	// FaultsSkipReason is the reason of each kind's last skip;
 	// FaultsNotApplicable the kinds this run's configuration cannot run
 	// (Config.notApplicable), which do not fail it for never biting.
@@ -58,6 +62,11 @@ type Report struct {
 	FaultsBit     map[string]int `json:"faults_bit"`
 	// Replay is the command that runs this schedule and load again.
 	Replay string `json:"replay,omitempty"`
+
+	// Clocks are the measured offsets the deadline figures were judged
+	// with, Windows every injected fault's window (Figures.ByFault).
+	Clocks  Clocks        `json:"clocks"`
+	Windows []FaultWindow `json:"fault_windows,omitempty"`
 
 	// A run against a JetStream cluster (-cluster n).
 	ClusterNodes      int            `json:"cluster_nodes,omitempty"`
@@ -94,6 +103,16 @@ func FaultBite(kind string) string {
 		return "the relay was down longer than the duplicate window and its restart's read-back found replayed rows already stored"
 	case FaultPGFailover:
 		return "the promotion took back commits (the new primary lacked rows the old one had committed) and a relay streamed the slot again"
+	case FaultBrokerSlow:
+		return "the broker's answers to the streaming relay were delayed, it was SIGKILLed and started again, and its restart's read-back of the stream completed while the answers were late"
+	case FaultRelayPaused:
+		return "the standby took over the slot while the active relay was stopped (SIGSTOP), and it was continued after more than wal_sender_timeout"
+	case FaultPollerKilled:
+		return "a relay was SIGKILLed with rows of its poller's claims stored in the stream and not completed, and a later claim settled at least one of them, its lease ending more than the duplicate window after it was stored"
+	case FaultConsumerLimit:
+		return "the relay's read-back after a restart completed while the stream had a max_consumers limit with other consumers present"
+	case FaultPGClockShifted:
+		return "PostgreSQL's clock was measured off by the -pg-clock-offset asked for, rows reached their deadline on it while the relay was down, and the restarted relay's read-back ran"
 	}
 	return "unknown fault kind"
 }
@@ -128,6 +147,8 @@ func (r *Report) Failures() []string {
 	check("lost", r.Lost)
 	check("phantoms", r.Phantoms)
 	check("stored duplicates", r.StoredDuplicates)
+	check("published past the deadline", r.PastDeadline)
+	check("stalls under a consumer limit", r.ConsumerLimitStalls)
 	check("not published after drain", r.NotPublished)
 	check("G3 violations", r.G3Violations)
 	check("unknown messages", r.UnknownMsgs)
@@ -170,14 +191,17 @@ func (r *Report) Table() string {
 	row("lost", fmt.Sprint(r.Lost), must(r.Lost))
 	row("phantoms", fmt.Sprint(r.Phantoms), must(r.Phantoms))
 	row("stored duplicates", fmt.Sprint(r.StoredDuplicates), must(r.StoredDuplicates))
+	row("published past the deadline", fmt.Sprint(r.PastDeadline), must(r.PastDeadline)+"; "+r.deadlineNote())
 	row("unknown messages", fmt.Sprint(r.UnknownMsgs), must(r.UnknownMsgs))
 	row("witness gaps", fmt.Sprint(r.WitnessGaps), must(r.WitnessGaps))
 	row("rows not published after drain", fmt.Sprint(r.NotPublished), must(r.NotPublished))
+	row("stalls under a consumer limit", fmt.Sprint(r.ConsumerLimitStalls), must(r.ConsumerLimitStalls)+" (consumer-limit: no read-back, or nothing delivered after it)")
 	row("max slot lag seen (bytes)", fmt.Sprint(r.MaxSlotLagBytes), "")
 	row("G3 checks", fmt.Sprint(r.G3Checks), fmt.Sprintf("%d covered rows handed to the poller", r.G3PollerHandoffs))
 	row("G3 violations", fmt.Sprint(r.G3Violations), must(r.G3Violations))
 	row("takeover after SIGKILL (s)", takeoverSummary(r.Takeovers, "sigkill"), "")
 	row("takeover after partition (s)", takeoverSummary(r.Takeovers, "partition"), "")
+	row("takeover after SIGSTOP (s)", takeoverSummary(r.Takeovers, "pause"), "relay-paused")
 	row("takeover failures", fmt.Sprint(r.TakeoverFailures), must(r.TakeoverFailures))
 	if r.FailoverEnabled {
 		r.failoverRows(row, must)
@@ -216,9 +240,15 @@ func (r *Report) Table() string {
 			}
 			notes = append(notes, fmt.Sprintf("%d more skipped (%s)", s, why))
 		}
+		if kf := r.ByFault[k]; kf != nil && r.Faults[k] > 0 {
+			notes = append(notes, kf.String())
+		}
 		row("  "+k, fmt.Sprintf("%d (%d)", r.Faults[k], r.FaultsBit[k]), strings.Join(notes, "; "))
 	}
-	for _, s := range [][]string{r.LostSample, r.PhantomSample, r.DuplicateSample, r.TakenBackSample, r.G3ViolationSample, r.WitnessGapSample, r.UnknownMsgSample, r.RelayPanicSample} {
+	if kf := r.ByFault[BeforeFaults]; kf != nil {
+		row("  "+BeforeFaults, "-", kf.String())
+	}
+	for _, s := range [][]string{r.LostSample, r.PhantomSample, r.DuplicateSample, r.PastDeadlineSample, r.TakenBackSample, r.G3ViolationSample, r.WitnessGapSample, r.UnknownMsgSample, r.RelayPanicSample} {
 		for _, v := range s {
 			fmt.Fprintf(&b, "  evidence: %s\n", v)
 		}
@@ -232,6 +262,23 @@ func (r *Report) Table() string {
 		fmt.Fprintf(&b, "replay: %s\n", r.Replay)
 	}
 	return b.String()
+}
+
+func (k *KindFigures) String() string {
+	return fmt.Sprintf("in its windows: lost %d, phantoms %d, stored twice %d, past deadline %d", k.Lost, k.Phantoms, k.Duplicates, k.PastDeadline)
+}
+
+// deadlineNote says what the deadline figure was judged on.
+func (r *Report) deadlineNote() string {
+	s := fmt.Sprintf("%d stored messages had a deadline; %d rows expired unstored, %d expired after a copy was stored; clocks: %s",
+		r.DeadlineMsgs, r.Expired, r.ExpiredButStored, r.Clocks)
+	if r.DeadlineMsgs > 0 {
+		s += fmt.Sprintf("; least time left at the store %v", r.MinDeadlineLeft.Round(time.Millisecond))
+	}
+	if r.PastDeadline > 0 {
+		s += fmt.Sprintf(", latest past it %v", r.MaxPastDeadline.Round(time.Millisecond))
+	}
+	return s
 }
 
 // failoverRows are the rows of a run with pg-failover: what each promotion

@@ -54,6 +54,11 @@ const (
 	FaultTakeoverPartition = "takeover-partition"
 	FaultNATSLoseTail      = "nats-lose-tail"
 	FaultRelayKillLong     = "relay-kill-long"
+	FaultBrokerSlow        = "broker-slow"
+	FaultRelayPaused       = "relay-paused"
+	FaultPollerKilled      = "poller-killed-after-acks"
+	FaultConsumerLimit     = "consumer-limit"
+	FaultPGClockShifted    = "pg-clock-shifted"
 )
 
 // AllFaults are the kinds a run uses when -faults is not given. Each round
@@ -66,9 +71,14 @@ var AllFaults = []string{
 	FaultPGTermWalsender, FaultPGTermConns, FaultNATSCut, FaultPGCut,
 	FaultNATSLatency, FaultPGLatency, FaultTakeoverKill, FaultTakeoverPartition,
 	FaultNATSLoseTail, FaultRelayKillLong,
+	FaultBrokerSlow, FaultRelayPaused, FaultPollerKilled, FaultConsumerLimit, FaultPGClockShifted,
 }
 
 const relayKillWeight = 3
+
+// pollerLease is the relays' --lease: longer than their --ack-timeout (5 s),
+// as the relay requires, and as short as that allows.
+const pollerLease = 6 * time.Second
 
 // DefaultDuplicateWindow is the chaos stream's duplicate window: short, so
 // that outages (every nats-kill hold, relay-kill-long on purpose) outlast
@@ -85,6 +95,9 @@ const maxKillLongWindow = 10 * time.Second
 // it can). Such a kind is skipped with that reason whenever its turn comes
 // and does not fail the run for never biting.
 func (c *Config) notApplicable(kind string) string {
+	if kind == FaultPGClockShifted && c.PGClockOffset == 0 {
+		return "PostgreSQL runs on this host's clock: -pg-clock-offset (libfaketime) shifts it for the whole run, as make chaos-short (+60s) and chaos-short-17 (-60s) do; devenv sets a server's clock when it is created, so a run cannot shift it in the middle"
+	}
 	if kind == FaultRelayKillLong && c.DuplicateWindow > maxKillLongWindow {
 		return fmt.Sprintf("-duplicate-window %s: an outage of several duplicate windows does not fit a short run (the default is %s)", c.DuplicateWindow, DefaultDuplicateWindow)
 	}
@@ -113,15 +126,16 @@ type Config struct {
 	DuplicateWindow  time.Duration // the duplicate window the relay creates the stream with (--duplicate-window)
 	WalSenderTimeout time.Duration
 	DrainTimeout     time.Duration
-	Cluster          int    // 0: one nats-server; n: an n-node JetStream cluster and an R<n> stream
-	PGVersion        int    // PostgreSQL major version (0: testenv's default)
-	Failover         bool   // add pg-failover to the faults (and run a standby)
-	OnPublish        string // the relay's --on-publish (mark when empty); none adds the watermark's check (G17)
-	Race             bool   // build the relay with -race
-	RelayBin         string // use this binary instead of building one
-	Keep             bool   // keep the work directory even when the run passes
-	Command          string // recorded in the report
-	Replay           string // the command that replays this run, recorded in the report
+	Cluster          int           // 0: one nats-server; n: an n-node JetStream cluster and an R<n> stream
+	PGVersion        int           // PostgreSQL major version (0: testenv's default)
+	PGClockOffset    time.Duration // PostgreSQL's wall clock this far from the host's for the whole run (libfaketime; 0: the host's)
+	Failover         bool          // add pg-failover to the faults (and run a standby)
+	OnPublish        string        // the relay's --on-publish (mark when empty); none adds the watermark's check (G17)
+	Race             bool          // build the relay with -race
+	RelayBin         string        // use this binary instead of building one
+	Keep             bool          // keep the work directory even when the run passes
+	Command          string        // recorded in the report
+	Replay           string        // the command that replays this run, recorded in the report
 	Log              io.Writer
 }
 
@@ -249,6 +263,12 @@ type runner struct {
 	mu       sync.Mutex
 	report   Report
 	takeover []Takeover
+	windows  []FaultWindow
+	faultN   int // the number of the fault being injected
+	clocks   Clocks
+	// faultRows numbers the bursts of rows faults insert themselves, for
+	// their work ids.
+	faultRows int
 }
 
 func (r *runner) logf(format string, args ...any) {
@@ -313,7 +333,7 @@ func (r *runner) setup(ctx context.Context) error {
 			// delivery back.
 			conf["wal_retrieve_retry_interval"] = "500ms"
 		}
-		r.pg, pgErr = testenv.StartPostgres(testenv.PostgresOptions{Version: r.cfg.PGVersion, Conf: conf})
+		r.pg, pgErr = testenv.StartPostgres(testenv.PostgresOptions{Version: r.cfg.PGVersion, Conf: conf, ClockOffset: r.cfg.PGClockOffset})
 		if pgErr == nil && r.failover() {
 			// Before anything else: making it restarts the primary.
 			r.standby, pgErr = r.pg.StartStandby(testenv.StandbyOptions{Slot: standbySlot})
@@ -414,6 +434,17 @@ func (r *runner) setup(ctx context.Context) error {
 				"--status-interval", "500ms", "--ack-timeout", "5s",
 				"--log-format", "json", "--on-publish", r.cfg.onPublish(),
 				"--duplicate-window", r.cfg.DuplicateWindow.String(),
+				// The shortest lease the ack timeout allows: a claim a
+				// killed relay held is reclaimed within a fault's hold, and
+				// past the duplicate window, so that only the poller's
+				// lookup (G18) keeps its rows from being stored twice.
+				"--lease", pollerLease.String(),
+				// The checker must see every stored copy of a row with a
+				// deadline, and a message past its deadline most of all;
+				// with Nats-TTL the stream would remove them at the
+				// deadline (G21, tested in the relay's own tests), at most
+				// a second after a late one was stored.
+				"--deadline-ttl=false",
 			},
 			onEvent: func(s string) { r.logf("%s", s) },
 		}
@@ -662,7 +693,13 @@ func (r *runner) catchUpStream(ctx context.Context, upto uint64) error {
 					if gen := h.Get(wire.HeaderClaimGeneration); gen != "" {
 						from += " claim " + gen
 					}
-					r.ledger.AddMsgFrom(h.Get(jetstream.MsgIDHeader), md.Sequence.Stream, from)
+					var expires time.Time
+					if v := h.Get(wire.HeaderExpiresAt); v != "" {
+						if expires, err = time.Parse(time.RFC3339Nano, v); err != nil {
+							return fmt.Errorf("seq %d: %s %q: %w", md.Sequence.Stream, wire.HeaderExpiresAt, v, err)
+						}
+					}
+					r.ledger.Add(Msg{ID: h.Get(jetstream.MsgIDHeader), Seq: md.Sequence.Stream, From: from, Stored: md.Timestamp, ExpiresAt: expires})
 					got++
 				}
 				if err := batch.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) {
@@ -830,6 +867,17 @@ func (r *runner) run(ctx context.Context) error {
 		time.Sleep(50 * time.Millisecond)
 	}
 	r.logf("relay %s streams the slot; load starts: %d producers, %d rows/s", a.name, r.cfg.Producers, r.cfg.Rate)
+	c, err := r.measureClocks(ctx)
+	if err != nil {
+		return fmt.Errorf("measure the clocks of PostgreSQL and the broker: %w", err)
+	}
+	r.clocks = c
+	r.logf("clocks: %s", c)
+	if r.cfg.PGClockOffset != 0 {
+		if d := c.DBMinusHost - r.cfg.PGClockOffset; d > time.Second || d < -time.Second {
+			return fmt.Errorf("PostgreSQL's clock is %v from this host's, not the %v asked for (-pg-clock-offset): is libfaketime preloaded?", c.DBMinusHost.Round(time.Millisecond), r.cfg.PGClockOffset)
+		}
+	}
 
 	sctx, stopSampler := context.WithCancel(ctx)
 	var swg sync.WaitGroup
@@ -982,7 +1030,9 @@ func (r *runner) drain(ctx context.Context) error {
 	var left int64
 	for {
 		err := r.withDB(ctx, func(c *pgx.Conn) error {
-			q := `SELECT count(*) FROM outbox o WHERE o.state <> 'published'`
+			// An expired row is settled too: its deadline passed before it
+			// could be published (G13).
+			q := `SELECT count(*) FROM outbox o WHERE o.state NOT IN ('published', 'expired')`
 			if r.cfg.onPublish() == "none" {
 				q += ` AND NOT (o.state = 'ready' AND ` + coveredSQL + `)`
 			}
@@ -1015,6 +1065,34 @@ func (r *runner) finish(ctx context.Context, load *load) {
 	} else if err := r.catchUpStream(ctx, last); err != nil {
 		r.logf("final stream read: %v", err)
 	}
+	var expired []string
+	if err := r.withDB(ctx, func(c *pgx.Conn) error {
+		rows, err := c.Query(ctx, `SELECT work_id FROM outbox WHERE state = 'expired'`)
+		if err != nil {
+			return err
+		}
+		expired, err = pgx.CollectRows(rows, pgx.RowTo[string])
+		return err
+	}); err != nil {
+		r.logf("read the expired rows: %v", err)
+	}
+	r.ledger.SetExpired(expired)
+	if c, err := r.measureClocks(ctx); err != nil {
+		r.logf("measure the clocks at the end: %v (the first reading stands)", err)
+	} else {
+		r.logf("clocks at the end: %s", c)
+		r.mu.Lock()
+		if c.Uncertainty < r.clocks.Uncertainty || r.clocks.Uncertainty == 0 {
+			r.clocks = c
+		}
+		r.mu.Unlock()
+	}
+	r.mu.Lock()
+	r.ledger.SetClocks(r.clocks)
+	r.ledger.SetWindows(r.windows)
+	r.report.Clocks = r.clocks
+	r.report.Windows = r.windows
+	r.mu.Unlock()
 	r.report.Figures = r.ledger.Figures(load.ackedIDs())
 	r.report.CommittedTxns = load.committedTxns.Load()
 	r.report.RolledBackRows = load.rolledRows.Load()

@@ -5,6 +5,7 @@
 //	go run ./cmd/outbox-chaos -duration 30m -json chaos.json
 //	go run ./cmd/outbox-chaos -cluster 3 -duration 15m   # three-node JetStream cluster, R3 stream
 //	go run ./cmd/outbox-chaos -failover -pg-version 17 -duration 3m   # plus a standby promotion (G14)
+//	go run ./cmd/outbox-chaos -pg-clock-offset 60s   # PostgreSQL's clock a minute ahead (libfaketime), pg-clock-shifted with it
 //
 // It prints one table and exits 1 when a figure that must be zero is not
 // or an enabled fault kind was never injected or never bit, 2 when the run
@@ -45,6 +46,7 @@ func run() int {
 	fs.StringVar(&faults, "faults", "", "comma-separated fault kinds to enable (default all): "+strings.Join(chaos.AllFaults, ",")+" (and "+chaos.FaultNATSNodeKill+" with -cluster; "+chaos.FaultPGFailover+" only when named or with -failover)")
 	fs.BoolVar(&cfg.Failover, "failover", false, "add "+chaos.FaultPGFailover+": run PostgreSQL with a physical standby (relay: multi-host URL, --standby-slot), cut it off, kill the primary -m immediate and promote it; once per run, then the run goes on against the new primary")
 	fs.IntVar(&cfg.PGVersion, "pg-version", 0, "PostgreSQL major version (15; 16 to 18 from make pg-versions); 0: the test environment's default")
+	fs.DurationVar(&cfg.PGClockOffset, "pg-clock-offset", 0, "run PostgreSQL on a wall clock this far ahead of this host's (behind when negative; whole seconds; libfaketime, make setup installs it) for the whole run: deadlines, leases and the relays' reads are then decided with the database and the broker 60 s apart, and "+chaos.FaultPGClockShifted+" applies (not applicable without it)")
 	fs.IntVar(&cfg.Cluster, "cluster", 0, "run against a JetStream cluster of this many nodes (3: the relay gets every node's URL and --stream-replicas 3; nats-kill then kills one node, and "+chaos.FaultNATSNodeKill+" joins the faults); 0: one nats-server")
 	fs.StringVar(&jsonPath, "json", "", "also write the report as JSON to this file")
 	fs.DurationVar(&cfg.MinGap, "min-gap", 500*time.Millisecond, "shortest pause between two faults")
