@@ -155,6 +155,18 @@ func (a *atomicState) hasRoom(l *loop, rows, bytes int) bool {
 // send publishes b as one atomic batch (a single row as a plain message:
 // it is stored whole anyway).
 func (a *atomicState) send(ctx context.Context, l *loop, b []*item) error {
+	// A row whose deadline came near while its batch waited is not
+	// published (G13): the rest of its transaction goes without it.
+	kept := b[:0]
+	for _, it := range b {
+		if !l.expiring(it) {
+			kept = append(kept, it)
+		}
+	}
+	b = kept
+	if len(b) == 0 {
+		return nil
+	}
 	if len(b) == 1 {
 		return l.publish(ctx, b[0])
 	}

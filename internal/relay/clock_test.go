@@ -23,6 +23,8 @@ import (
 // second later. PostgreSQL runs on a clock shifted by libfaketime; the
 // relay and nats-server share this host's.
 func TestDeadlinesOnTheDatabaseClock(t *testing.T) {
+	// Its own PostgreSQL (and slot): it may run beside the others.
+	t.Parallel()
 	start := func(t *testing.T, offset time.Duration) *harness {
 		t.Helper()
 		pg, err := testenv.StartPostgres(testenv.PostgresOptions{ClockOffset: offset})
@@ -156,5 +158,33 @@ func TestUnrecognisedFailureOfOneRowEndsAsItsRefusal(t *testing.T) {
 		if counts[id] != 1 {
 			t.Errorf("%s stored %d times, want 1", id, counts[id])
 		}
+	}
+}
+
+// A row's deadline is asked again when it is published, not only when it
+// is read (G13): a row waiting for room in flight (behind a broker that
+// answers late) was published past its deadline (the chaos run's
+// broker-slow: 28 rows stored 74 to 83 ms past it). Here the in-flight
+// window is full of acks held back while the row's deadline comes within
+// --deadline-margin: it is never published, and ends expired.
+func TestDeadlineAskedAgainAtPublish(t *testing.T) {
+	h := newHarness(t, sharedSetup(t))
+	open := make(chan struct{})
+	h.opts.CDCSink = func(s *natssink.Sink) sinks.Sink { return &gatedAcks{Sink: s, open: open} }
+	h.opts.MaxInFlight = 2
+	h.start()
+	front := h.insertRows("front", 2, 2)
+	h.exec(`INSERT INTO outbox (work_id, kind, payload, expires_at) VALUES ('late', 'k', '{}', clock_timestamp() + interval '2500 milliseconds')`)
+	testenv.WaitFor(t, 10*time.Second, "the front rows stored", func() (bool, error) {
+		return h.streamCount() == 2, nil
+	})
+	time.Sleep(2 * time.Second) // late's deadline comes within the 1 s margin
+	close(open)
+	testenv.WaitFor(t, 30*time.Second, "late expired and the front rows published", func() (bool, error) {
+		return h.row("late").state == "expired" && h.countState("published") == len(front), nil
+	})
+	h.stop()
+	if byID, _ := h.streamMsgs(); byID["late"] != nil {
+		t.Fatal("late was published after it waited past --deadline-margin of its deadline")
 	}
 }

@@ -686,6 +686,9 @@ func (l *loop) publish(ctx context.Context, it *item) error {
 	if ack, ok := l.found(it); ok {
 		return l.foundStored(ctx, it, ack)
 	}
+	if l.expiring(it) {
+		return nil
+	}
 	if err := l.fence(ctx); err != nil {
 		return err
 	}
@@ -699,6 +702,22 @@ func (l *loop) publish(ctx context.Context, it *item) error {
 		return fmt.Errorf("%w: %w", errOutage, err)
 	}
 	return l.published(it, fut)
+}
+
+// expiring hands a row to the poller (which ends it expired, G13) when its
+// deadline is now within --deadline-margin on the database's clock. It is
+// asked when the row is read and again when it is published: a row can
+// wait between the two (for room in flight behind a broker that answers
+// late, for its aggregate's turn), and it was published past its deadline
+// (the chaos run's broker-slow: 28 rows stored 74 to 83 ms past it).
+func (l *loop) expiring(it *item) bool {
+	if it.msg == nil || it.msg.ExpiresAt.IsZero() || it.msg.ExpiresAt.After(l.r.deadlineNow().Add(l.r.cfg.DeadlineMargin)) {
+		return false
+	}
+	it.settle.Outcome = store.Delayed
+	l.r.metrics.Handoffs.WithLabelValues("deadline").Inc()
+	l.handOff(it)
+	return true
 }
 
 // fence checks, before a publish, that this session's walsender may still

@@ -137,6 +137,8 @@ func TestReadBackAnsweredLateFindsEveryReplayedRow(t *testing.T) {
 // twice (376 of 400 in the run). A read that starts at a recorded
 // stream position reads no clock.
 func TestReadBackIgnoresTheClocks(t *testing.T) {
+	// Its own PostgreSQL (and slot): it may run beside the others.
+	t.Parallel()
 	pg, err := testenv.StartPostgres(testenv.PostgresOptions{ClockOffset: 60 * time.Second})
 	if err != nil {
 		t.Fatal(err)
@@ -267,6 +269,8 @@ func TestAtomicReplayFoundStaysWithinTheBound(t *testing.T) {
 // rows, seed 1796645214785017829). Measured, the offset moves the start
 // onto the broker's clock. Here the slot is put back by hand.
 func TestReadBackByTimeMeasuresTheClocks(t *testing.T) {
+	// Its own PostgreSQL (and slot): it may run beside the others.
+	t.Parallel()
 	pg, err := testenv.StartPostgres(testenv.PostgresOptions{ClockOffset: 60 * time.Second})
 	if err != nil {
 		t.Fatal(err)

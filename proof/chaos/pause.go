@@ -23,8 +23,8 @@ const relayPausedQuiet = 300 * time.Millisecond
 // duplicate window. What it then reads from its socket (WAL the walsender
 // sent before it gave up) or still held must not be published: the
 // standby stored it already, and past the window a second copy is stored
-// (docs/guarantees-broker.md, "a session the server dropped publishes
-// nothing it reads late"; the partitions of takeover-partition close their
+// (docs/guarantees-broker.md, "G7, G13, G21 and the fence under time
+// faults (issue 42)", the fence at publish; the partitions of takeover-partition close their
 // connections at the heal and never reach this). It bites when the standby
 // took over while the relay was stopped and the relay was continued after
 // more than wal_sender_timeout; the checker counts what was stored twice,
