@@ -119,7 +119,7 @@ func TestLostCheckUnderLoadReportsNoLoss(t *testing.T) {
 			h.logs = logs
 			h.start()
 			p := startProducer(t, h.dbURL, "load", 1<<30)
-			time.Sleep(4 * time.Second)
+			time.Sleep(3 * time.Second)
 			ids := p.finish()
 			h.waitPublished(len(ids), 30*time.Second)
 			h.stop()
@@ -162,7 +162,9 @@ func TestResumesWhenTheBrokerReturns(t *testing.T) {
 	if err == nil {
 		t.Fatalf("stream info while the broker is down: %+v", info.State)
 	}
-	time.Sleep(5 * time.Second)
+	time.Sleep(2 * time.Second)
+	ids := p.finish() // rows committed during the stop wait for its end
+	time.Sleep(3 * time.Second)
 	if err := n.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -185,7 +187,6 @@ func TestResumesWhenTheBrokerReturns(t *testing.T) {
 	if took > 5*time.Second {
 		t.Errorf("publishing resumed %s after the broker's return, want well before the 15 s wait ends", took)
 	}
-	ids := p.finish()
 	h.waitPublished(len(ids), 60*time.Second)
 	h.stop()
 	h.assertExactlyOnce(ids)
