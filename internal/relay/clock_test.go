@@ -83,6 +83,7 @@ func TestDeadlinesOnTheDatabaseClock(t *testing.T) {
 // the ordinary rows behind it go at once.
 func TestFarDeadlinesNeverStopTheStream(t *testing.T) {
 	h := newHarness(t, sharedSetup(t))
+	parallel(t, h)
 	h.opts.DeadlineTTL = true
 	h.start()
 	far := []string{"2200-01-01", "2400-01-01", "9999-12-31"}
@@ -139,6 +140,7 @@ func (s *failingRow) Publish(ctx context.Context, m *wire.Message) (sinks.Future
 // the poller with its reason, and the rows behind it are published.
 func TestUnrecognisedFailureOfOneRowEndsAsItsRefusal(t *testing.T) {
 	h := newHarness(t, sharedSetup(t))
+	parallel(t, h)
 	var tries atomic.Int32
 	h.opts.CDCSink = func(s *natssink.Sink) sinks.Sink { return &failingRow{Sink: s, id: "odd", tries: &tries} }
 	h.opts.MaxAttempts = 1
@@ -169,6 +171,7 @@ func TestUnrecognisedFailureOfOneRowEndsAsItsRefusal(t *testing.T) {
 // --deadline-margin: it is never published, and ends expired.
 func TestDeadlineAskedAgainAtPublish(t *testing.T) {
 	h := newHarness(t, sharedSetup(t))
+	parallel(t, h)
 	open := make(chan struct{})
 	h.opts.CDCSink = func(s *natssink.Sink) sinks.Sink { return &gatedAcks{Sink: s, open: open} }
 	h.opts.MaxInFlight = 2

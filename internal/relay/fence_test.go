@@ -229,6 +229,7 @@ func (f gatedFuture) Wait(ctx context.Context) (sinks.Ack, error) {
 // must end its session instead of publishing what it held.
 func TestPausedSessionDoesNotPublishWhatItHeld(t *testing.T) {
 	a, b, proxy := fencePair(t)
+	parallel(t, a, b)
 	b.opts.MaxInFlight = 4
 	b.opts.AckTimeout = time.Minute
 	b.opts.Lease = 2 * time.Minute

@@ -2,6 +2,8 @@ package relay_test
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -325,4 +327,17 @@ func (h *harness) assertExactlyOnce(ids []string) {
 	if lost != 0 || dups != 0 || extra != 0 {
 		h.t.Fatalf("lost=%d duplicates=%d unexpected=%d, want all 0", lost, dups, extra)
 	}
+}
+
+// parallel lets a test run beside the package's other parallel tests: a
+// slot of its own (slots are the cluster's, and the harness's default name
+// is shared) for every harness given, then t.Parallel.
+func parallel(t *testing.T, hs ...*harness) {
+	t.Helper()
+	sum := sha256.Sum256([]byte(t.Name()))
+	slot := "outbox_relay_" + hex.EncodeToString(sum[:6])
+	for _, h := range hs {
+		h.opts.Slot = slot
+	}
+	t.Parallel()
 }

@@ -110,9 +110,11 @@ func TestBrokerLostTailReportedUnderNone(t *testing.T) {
 // loss (31 false reports in 30 s under mark, each followed by an UPDATE
 // over the table; 10 false errors in 20 s under none).
 func TestLostCheckUnderLoadReportsNoLoss(t *testing.T) {
+	t.Parallel()
 	for _, policy := range []store.Policy{store.PolicyMark, store.PolicyNone} {
 		t.Run(string(policy), func(t *testing.T) {
 			h := newHarness(t, sharedSetup(t))
+			parallel(t, h)
 			h.opts.Policy = policy
 			h.opts.LostCheckInterval = 10 * time.Millisecond
 			logs := &testenv.LogBuffer{}
@@ -146,6 +148,7 @@ func TestResumesWhenTheBrokerReturns(t *testing.T) {
 	}
 	t.Cleanup(n.Close)
 	h := newHarness(t, setup{dbURL: env.PG.CreateDatabase(t), natsURL: n.URL(), stream: "BACK", subjectPrefix: "back."})
+	parallel(t, h)
 	h.opts.SessionBackoff = 15 * time.Second
 	h.start()
 	p := startProducer(t, h.dbURL, "load", 1<<30)

@@ -95,6 +95,7 @@ func TestReadBackAnsweredLateFindsEveryReplayedRow(t *testing.T) {
 	}
 	proxy := testenv.NewDelayProxy(t, u.Host)
 	h := newHarness(t, s)
+	parallel(t, h)
 	// The relay goes through the proxy; the test's own reads do not.
 	h.opts.NATSURL = "nats://" + proxy.Addr()
 	h.opts.DuplicateWindow = time.Second
@@ -181,6 +182,7 @@ func TestReadBackIgnoresTheClocks(t *testing.T) {
 // time.
 func TestCleanRestartReadsNothingOfItsOwn(t *testing.T) {
 	h := newHarness(t, sharedSetup(t))
+	parallel(t, h)
 	logs := &testenv.LogBuffer{}
 	h.logs = logs
 	h.start() // creates the slot, streams nothing
@@ -221,6 +223,7 @@ func readBackLines(logs string) string {
 // --max-in-flight 8: drained, each row stored once, and the stop works.
 func TestAtomicReplayFoundStaysWithinTheBound(t *testing.T) {
 	h := newHarness(t, sharedSetup(t))
+	parallel(t, h)
 	h.opts.DuplicateWindow = time.Second
 	h.opts.AtomicTransactions = true
 	h.opts.MaxInFlight = 8
