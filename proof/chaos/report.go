@@ -192,6 +192,7 @@ func (r *Report) Table() string {
 	row("phantoms", fmt.Sprint(r.Phantoms), must(r.Phantoms))
 	row("stored duplicates", fmt.Sprint(r.StoredDuplicates), must(r.StoredDuplicates))
 	row("published past the deadline", fmt.Sprint(r.PastDeadline), must(r.PastDeadline)+"; "+r.deadlineNote())
+	row("  of them written before a SIGSTOP", fmt.Sprint(r.PastDeadlineAfterPause), "not counted above: sent before the relay was stopped, stored after it was continued")
 	row("unknown messages", fmt.Sprint(r.UnknownMsgs), must(r.UnknownMsgs))
 	row("witness gaps", fmt.Sprint(r.WitnessGaps), must(r.WitnessGaps))
 	row("rows not published after drain", fmt.Sprint(r.NotPublished), must(r.NotPublished))
