@@ -27,17 +27,7 @@ func TestDeadlinesOnTheDatabaseClock(t *testing.T) {
 	t.Parallel()
 	start := func(t *testing.T, offset time.Duration) *harness {
 		t.Helper()
-		pg, err := testenv.StartPostgres(testenv.PostgresOptions{ClockOffset: offset})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(pg.Close)
-		env := testenv.Shared(t)
-		stream, prefix := env.StreamName(t)
-		h := newHarness(t, setup{dbURL: pg.CreateDatabase(t), natsURL: env.NATS.URL(), stream: stream, subjectPrefix: prefix})
-		if skew := h.dbNow().Sub(time.Now()); (skew - offset).Abs() > 10*time.Second {
-			t.Fatalf("PostgreSQL's clock is %s from the host's, want about %s", skew, offset)
-		}
+		h := shiftedHarness(t, offset)
 		h.opts.DeadlineTTL = true
 		h.start()
 		return h

@@ -341,3 +341,22 @@ func parallel(t *testing.T, hs ...*harness) {
 	}
 	t.Parallel()
 }
+
+// shiftedHarness is a harness on a PostgreSQL of its own whose clock runs
+// offset from this host's (libfaketime), checked before it is returned;
+// the shared nats-server, a stream of its own.
+func shiftedHarness(t *testing.T, offset time.Duration) *harness {
+	t.Helper()
+	pg, err := testenv.StartPostgres(testenv.PostgresOptions{ClockOffset: offset})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pg.Close)
+	env := testenv.Shared(t)
+	stream, prefix := env.StreamName(t)
+	h := newHarness(t, setup{dbURL: pg.CreateDatabase(t), natsURL: env.NATS.URL(), stream: stream, subjectPrefix: prefix})
+	if skew := h.dbNow().Sub(time.Now()); (skew - offset).Abs() > 10*time.Second {
+		t.Fatalf("PostgreSQL's clock is %s from the host's, want about %s", skew, offset)
+	}
+	return h
+}

@@ -140,17 +140,7 @@ func TestReadBackAnsweredLateFindsEveryReplayedRow(t *testing.T) {
 func TestReadBackIgnoresTheClocks(t *testing.T) {
 	// Its own PostgreSQL (and slot): it may run beside the others.
 	t.Parallel()
-	pg, err := testenv.StartPostgres(testenv.PostgresOptions{ClockOffset: 60 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pg.Close)
-	env := testenv.Shared(t)
-	stream, prefix := env.StreamName(t)
-	h := newHarness(t, setup{dbURL: pg.CreateDatabase(t), natsURL: env.NATS.URL(), stream: stream, subjectPrefix: prefix})
-	if skew := h.dbNow().Sub(time.Now()); skew < 50*time.Second {
-		t.Fatalf("PostgreSQL's clock is %s ahead, want about 60 s", skew)
-	}
+	h := shiftedHarness(t, 60*time.Second)
 	h.opts.DuplicateWindow = time.Second
 	h.opts.DrainTimeout = 2 * time.Second
 	logs := &testenv.LogBuffer{}
@@ -274,14 +264,7 @@ func TestAtomicReplayFoundStaysWithinTheBound(t *testing.T) {
 func TestReadBackByTimeMeasuresTheClocks(t *testing.T) {
 	// Its own PostgreSQL (and slot): it may run beside the others.
 	t.Parallel()
-	pg, err := testenv.StartPostgres(testenv.PostgresOptions{ClockOffset: 60 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pg.Close)
-	env := testenv.Shared(t)
-	stream, prefix := env.StreamName(t)
-	h := newHarness(t, setup{dbURL: pg.CreateDatabase(t), natsURL: env.NATS.URL(), stream: stream, subjectPrefix: prefix})
+	h := shiftedHarness(t, 60*time.Second)
 	h.opts.DuplicateWindow = time.Second
 	logs := &testenv.LogBuffer{}
 	h.logs = logs
