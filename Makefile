@@ -187,7 +187,7 @@ CHAOS_FLAGS ?= -duration 30m
 chaos: setup
 	cd proof && $(GO) run ./cmd/outbox-chaos $(CHAOS_FLAGS)
 
-## chaos-short: about two minutes of the same (one round of the schedule: every fault kind once; a kind that was not injected or never bit fails the run, except one the configuration cannot run, skipped with its reason: nats-lose-tail under --on-publish none); PostgreSQL's clock 60 s ahead of the host's for the whole run (libfaketime: deadlines, leases and the relays' reads decided with the database and the broker a minute apart, and pg-clock-shifted applies); part of `make test`.
+## chaos-short: about two minutes of the same (one round of the schedule: every fault kind once, the round run to its end however long a loaded machine makes it, -duration only adding rounds; a kind that was not injected or never bit fails the run, except one the configuration cannot run, skipped with its reason: nats-lose-tail under --on-publish none); PostgreSQL's clock 60 s ahead of the host's for the whole run (libfaketime: deadlines, leases and the relays' reads decided with the database and the broker a minute apart, and pg-clock-shifted applies); part of `make test`.
 chaos-short: setup
 	@start=$$(date +%s); \
 	if cd proof && $(GO) run ./cmd/outbox-chaos -duration 75s -max-gap 2s -pg-clock-offset 60s $(CHAOS_SHORT_FLAGS); then \

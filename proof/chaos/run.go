@@ -293,6 +293,15 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		FaultsEnabled: slices.Clone(cfg.Faults), FaultsBit: map[string]int{},
 		FailoverEnabled: slices.Contains(cfg.Faults, FaultPGFailover)}
 	r.logf("seed %d; faults %s", cfg.Seed, strings.Join(cfg.Faults, ","))
+	// A kind this configuration cannot run is known before the load
+	// starts: it takes no turn of the schedule, which a short run needs
+	// for the kinds it can run.
+	for _, k := range cfg.Faults {
+		if why := cfg.notApplicable(k); why != "" {
+			r.report.FaultsNotApplicable[k] = why
+			r.logf("fault %s not applicable: %s", k, why)
+		}
+	}
 	if cfg.Replay != "" {
 		r.logf("replay: %s", cfg.Replay)
 	}
@@ -899,12 +908,24 @@ func (r *runner) run(ctx context.Context) error {
 	}
 	loadStart := time.Now()
 
-	schedule := Schedule(r.cfg.Seed, r.cfg.Faults, 100000)
+	var applicable []string
+	for _, k := range r.cfg.Faults {
+		if _, na := r.report.FaultsNotApplicable[k]; !na {
+			applicable = append(applicable, k)
+		}
+	}
+	schedule := Schedule(r.cfg.Seed, applicable, 100000)
+	// The first round (every applicable kind once) always runs to its end,
+	// however long it takes on a loaded machine: -duration only adds rounds.
+	// A duration-bound first round left kinds uninjected on a slow CI run.
+	more := func(n int) bool {
+		return (n < len(applicable) || time.Since(loadStart) < r.cfg.Duration) && ctx.Err() == nil && !load.exhausted()
+	}
 	var faultErr error
 	n := 0
-	for ; time.Since(loadStart) < r.cfg.Duration && ctx.Err() == nil && !load.exhausted(); n++ {
+	for ; more(n); n++ {
 		r.pause(ctx, r.between(r.cfg.MinGap, r.cfg.MaxGap))
-		if time.Since(loadStart) >= r.cfg.Duration || ctx.Err() != nil {
+		if !more(n) {
 			break
 		}
 		kind := schedule[n]
@@ -939,12 +960,17 @@ func (r *runner) catchUpFaults(ctx context.Context, load *load, n int) error {
 	start := time.Now()
 	tries := map[string]int{}
 	for ctx.Err() == nil && !load.exhausted() && time.Since(start) < limit {
+		// The kind with the fewest catch-up turns goes next (one never
+		// injected before one that missed), so a kind that keeps missing
+		// does not spend the others' time.
 		kind := ""
 		r.mu.Lock()
 		for _, k := range r.cfg.Faults {
-			if _, na := r.report.FaultsNotApplicable[k]; !na && r.report.FaultsBit[k] == 0 && tries[k] < 3 {
+			if _, na := r.report.FaultsNotApplicable[k]; na || r.report.FaultsBit[k] > 0 || tries[k] >= 3 {
+				continue
+			}
+			if kind == "" || tries[k] < tries[kind] || tries[k] == tries[kind] && r.report.Faults[k] < r.report.Faults[kind] {
 				kind = k
-				break
 			}
 		}
 		r.mu.Unlock()
