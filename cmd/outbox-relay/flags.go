@@ -6,6 +6,8 @@ import (
 	"os"
 	"slices"
 
+	"github.com/nats-io/nats.go"
+
 	"github.com/outbox-relay/outbox-relay/internal/app"
 	"github.com/outbox-relay/outbox-relay/internal/config"
 	"github.com/outbox-relay/outbox-relay/internal/relay"
@@ -27,16 +29,38 @@ const (
 	flagOnPublish     = "on-publish"
 	flagLogLevel      = "log-level"
 	flagLogFormat     = "log-format"
+
+	flagNATSName     = "nats-name"
+	flagNATSUser     = "nats-user"
+	flagNATSPassword = "nats-password"
+	flagNATSToken    = "nats-token"
+	flagNATSCreds    = "nats-creds"
+	flagNATSNKey     = "nats-nkey"
+	flagNATSTLSCA    = "nats-tls-ca"
+	flagNATSTLSCert  = "nats-tls-cert"
+	flagNATSTLSKey   = "nats-tls-key"
 )
 
+// natsFlags are the common flags that say how to reach and log in to the
+// broker: a command that talks to NATS uses all of them, so the environment
+// that lets run log in lets every command log in (OUTBOX_RELAY_NATS_USER,
+// OUTBOX_RELAY_NATS_PASSWORD, ...).
+var natsFlags = []string{flagNATSURL, flagNATSName, flagNATSUser, flagNATSPassword, flagNATSToken,
+	flagNATSCreds, flagNATSNKey, flagNATSTLSCA, flagNATSTLSCert, flagNATSTLSKey}
+
+// withNATS is uses plus natsFlags, for register.
+func withNATS(uses ...string) []string { return append(slices.Clone(natsFlags), uses...) }
+
 // commonFlags lists the common flags, the logging ones last.
-var commonFlags = []string{flagDatabaseURL, flagNATSURL, flagTable, flagSlot, flagPublication,
-	flagStream, flagSubjectPrefix, flagOnPublish, flagLogLevel, flagLogFormat}
+var commonFlags = []string{flagDatabaseURL, flagNATSURL, flagNATSName, flagNATSUser, flagNATSPassword,
+	flagNATSToken, flagNATSCreds, flagNATSNKey, flagNATSTLSCA, flagNATSTLSCert, flagNATSTLSKey,
+	flagTable, flagSlot, flagPublication, flagStream, flagSubjectPrefix, flagOnPublish, flagLogLevel, flagLogFormat}
 
 // common holds the common flags' values.
 type common struct {
 	databaseURL   string
 	natsURL       string
+	nats          app.NATSAuth
 	table         string
 	slot          string
 	publication   string
@@ -52,6 +76,15 @@ type common struct {
 func (c *common) register(fs *flag.FlagSet, uses ...string) {
 	fs.StringVar(&c.databaseURL, flagDatabaseURL, "", "PostgreSQL URL or key=value string; empty uses the libpq variables (PGHOST, PGUSER, PGPASSWORD, ...)")
 	fs.StringVar(&c.natsURL, flagNATSURL, "nats://127.0.0.1:4222", "NATS server URL(s), comma-separated")
+	fs.StringVar(&c.nats.Name, flagNATSName, "", "NATS connection name (empty: outbox-relay, or outbox-relay <command> for the others)")
+	fs.StringVar(&c.nats.User, flagNATSUser, "", "NATS user")
+	fs.StringVar(&c.nats.Password, flagNATSPassword, "", "NATS password (prefer the variable OUTBOX_RELAY_NATS_PASSWORD: a flag shows in ps)")
+	fs.StringVar(&c.nats.Token, flagNATSToken, "", "NATS token")
+	fs.StringVar(&c.nats.CredsFile, flagNATSCreds, "", "NATS credentials file (JWT + NKey)")
+	fs.StringVar(&c.nats.NKeyFile, flagNATSNKey, "", "NATS NKey seed file")
+	fs.StringVar(&c.nats.CAFile, flagNATSTLSCA, "", "CA certificate for the broker's TLS")
+	fs.StringVar(&c.nats.CertFile, flagNATSTLSCert, "", "client certificate for TLS")
+	fs.StringVar(&c.nats.KeyFile, flagNATSTLSKey, "", "client key for TLS")
 	fs.StringVar(&c.table, flagTable, "outbox", "outbox table: name or schema.name")
 	fs.StringVar(&c.slot, flagSlot, "outbox_relay", "logical replication slot")
 	fs.StringVar(&c.publication, flagPublication, "outbox_relay", "publication of the outbox table's inserts")
@@ -94,6 +127,7 @@ func (c *common) options() (app.Options, error) {
 	o := app.Options{
 		DatabaseURL:      c.databaseURL,
 		NATSURL:          c.natsURL,
+		NATS:             c.nats,
 		Table:            t,
 		Slot:             c.slot,
 		Publication:      c.publication,
@@ -121,6 +155,12 @@ func (c *common) options() (app.Options, error) {
 // rarely runs. An empty --nats-url says "skip" explicitly.
 func (c *common) natsGiven(fs *flag.FlagSet) bool {
 	return c.natsURL != "" && flagGiven(fs, flagNATSURL)
+}
+
+// connectNATS opens a short-lived connection with the common NATS flags,
+// named "outbox-relay <command>" unless --nats-name says otherwise.
+func (c *common) connectNATS(command string) (*nats.Conn, error) {
+	return app.ConnectOnce(c.natsURL, c.nats, "outbox-relay "+command)
 }
 
 func flagGiven(fs *flag.FlagSet, name string) bool {

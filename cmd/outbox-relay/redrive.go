@@ -188,7 +188,7 @@ A row whose deadline passed needs a new one (--expires-at) or none (--no-deadlin
 
   outbox-relay redrive --reason "INC-42: limit raised" --work-id w1 --work-id w2
   outbox-relay redrive --reason "INC-42" --state failed --kind order.created --since 24h`, stderr)
-	o.register(fs, store.ActionRedrive, flagDatabaseURL, flagNATSURL, flagTable, flagStream, flagSubjectPrefix)
+	o.register(fs, store.ActionRedrive, withNATS(flagDatabaseURL, flagTable, flagStream, flagSubjectPrefix)...)
 	stagger := fs.Duration("stagger", store.DefaultStagger, "row i (oldest first) becomes due at now + i*stagger, so a bulk redrive does not hit the broker at once")
 	lookupLimit := fs.Int("lookup-limit", poller.DefaultLookupLimit, "with --nats-url: messages the stream lookup of the uncertain rows reads at most, on their subjects from their last attempt on (G18); rows not found when it stops there are inconclusive and sent again")
 	dupWindow := fs.Duration("duplicate-window", natssink.DefaultDuplicateWindow, "the stream's duplicate window, for the uncertain-outcome warning (read from the stream instead when --nats-url is given)")
@@ -230,7 +230,7 @@ A row whose deadline passed needs a new one (--expires-at) or none (--no-deadlin
 	window, windowFrom := *dupWindow, "--duplicate-window"
 	streamOK := false
 	if o.natsGiven(fs) {
-		if si := readStream(ctx, o.natsURL, o.stream); si.Error != "" {
+		if si := readStream(ctx, &o.common, "redrive"); si.Error != "" {
 			fmt.Fprintf(stderr, "stream %s: %s; using --duplicate-window %s\n", o.stream, termsafe.String(si.Error), window)
 		} else {
 			window, windowFrom = time.Duration(si.DuplicateWindowSeconds*float64(time.Second)), "stream "+o.stream

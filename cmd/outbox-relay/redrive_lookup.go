@@ -6,7 +6,6 @@ import (
 	"io"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/internal/app"
@@ -43,11 +42,10 @@ func lookupUncertain(ctx context.Context, o *opFlags, st *store.Store, req store
 	if len(rows) == 0 {
 		return res
 	}
-	scrub := app.NewNATSScrubber(o.natsURL, app.NATSAuth{})
-	nc, err := nats.Connect(o.natsURL, nats.Name("outbox-relay redrive"), nats.Timeout(3*time.Second), nats.MaxReconnects(0),
-		nats.ErrorHandler(func(*nats.Conn, *nats.Subscription, error) {}))
+	scrub := app.NewNATSScrubber(o.natsURL, o.nats)
+	nc, err := o.connectNATS("redrive")
 	if err != nil {
-		fmt.Fprintf(stderr, "could not look the %d uncertain rows up in the stream: connect to NATS at %s: %s\n", len(rows), app.RedactNATSURLs(o.natsURL), termsafe.String(scrub.Err(err).Error()))
+		fmt.Fprintf(stderr, "could not look the %d uncertain rows up in the stream: %s\n", len(rows), termsafe.String(scrub.Err(err).Error()))
 		return res
 	}
 	defer nc.Close()

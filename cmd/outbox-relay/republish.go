@@ -8,7 +8,6 @@ import (
 	"slices"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/internal/app"
@@ -52,7 +51,7 @@ rows are gone from the table and nothing can be republished from it.
 
   outbox-relay republish --on-publish none --since 30m --dry-run
   outbox-relay republish --on-publish none --since 2026-12-02T17:00:00Z`, stderr)
-	c.register(fs, flagDatabaseURL, flagNATSURL, flagTable, flagStream, flagSubjectPrefix, flagOnPublish)
+	c.register(fs, withNATS(flagDatabaseURL, flagTable, flagStream, flagSubjectPrefix, flagOnPublish)...)
 	since := fs.String("since", "", "rows created at or after this time (required): RFC3339 (2026-12-02T17:00:00Z) or an age (30m, 2h, 1d); the relay's error log names one")
 	limit := fs.Int("limit", DefaultRepublishLimit, "read at most this many rows, oldest first, through the index on created_at; a run that stops there says the --since to go on with")
 	lookupLimit := fs.Int("lookup-limit", DefaultRepublishLookupLimit, "messages the stream lookup reads at most, on the rows' subjects from the oldest row's creation on; rows not found when it stops there are not checked (not republished without --force)")
@@ -161,11 +160,10 @@ rows are gone from the table and nothing can be republished from it.
 	// A message is stored after its row was created, by the broker's clock.
 	from = from.Add(-poller.LookupSkew)
 
-	scrub := app.NewNATSScrubber(c.natsURL, app.NATSAuth{})
-	nc, err := nats.Connect(c.natsURL, nats.Name("outbox-relay republish"), nats.Timeout(3*time.Second), nats.MaxReconnects(0),
-		nats.ErrorHandler(func(*nats.Conn, *nats.Subscription, error) {}))
+	scrub := app.NewNATSScrubber(c.natsURL, c.nats)
+	nc, err := c.connectNATS("republish")
 	if err != nil {
-		return fmt.Errorf("connect to NATS at %s (check --nats-url): %s", app.RedactNATSURLs(c.natsURL), termsafe.String(scrub.Err(err).Error()))
+		return fmt.Errorf("%s (check --nats-url and the --nats-* credentials)", termsafe.String(scrub.Err(err).Error()))
 	}
 	defer nc.Close()
 	js, err := jetstream.New(nc)

@@ -23,7 +23,6 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 		dupWindow, ackTimeout, statusInterval, drainTimeout, linger time.Duration
 		maxInFlight, maxInFlightBytes, maxBufferedBytes, replicas   int
 		httpAddr, appName                                           string
-		auth                                                        app.NATSAuth
 		workerID                                                    string
 		lease, backoffMin, backoffMax, pollInterval                 time.Duration
 		maxAttempts, pollBatch, pollPipeline                        int
@@ -67,15 +66,6 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs.StringVar(&consoleOpts.Token, "console-token", "", "the console's token (bearer, basic auth password or login), at least 16 bytes; required unless --http-addr is loopback, and without it the console is read-only and answers only requests addressed to localhost")
 	fs.BoolVar(&consoleOpts.ReadOnly, "console-read-only", false, "the console shows everything and changes nothing")
 	fs.StringVar(&appName, "application-name", "outbox-relay", "application_name of the relay's PostgreSQL sessions")
-	fs.StringVar(&auth.Name, "nats-name", "outbox-relay", "NATS connection name")
-	fs.StringVar(&auth.User, "nats-user", "", "NATS user")
-	fs.StringVar(&auth.Password, "nats-password", "", "NATS password")
-	fs.StringVar(&auth.Token, "nats-token", "", "NATS token")
-	fs.StringVar(&auth.CredsFile, "nats-creds", "", "NATS credentials file (JWT + NKey)")
-	fs.StringVar(&auth.NKeyFile, "nats-nkey", "", "NATS NKey seed file")
-	fs.StringVar(&auth.CAFile, "nats-tls-ca", "", "CA certificate for the broker's TLS")
-	fs.StringVar(&auth.CertFile, "nats-tls-cert", "", "client certificate for TLS")
-	fs.StringVar(&auth.KeyFile, "nats-tls-key", "", "client key for TLS")
 	fs.StringVar(&workerID, "worker-id", app.DefaultWorkerID(), "the poller's identity in claimed_by; unique per running relay")
 	fs.DurationVar(&lease, "lease", poller.DefaultLease, "how long a poller claim is held; must exceed --ack-timeout")
 	fs.IntVar(&maxAttempts, "max-attempts", poller.DefaultMaxAttempts, "publish attempts of a row before the poller fails it (dead letter)")
@@ -137,7 +127,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if linger < 0 {
 		return errors.New("--linger " + linger.String() + ": must be 0 or more")
 	}
-	o.HTTPAddr, o.AppName, o.NATS, o.StatsInterval = httpAddr, appName, auth, statsInterval
+	o.HTTPAddr, o.AppName, o.StatsInterval = httpAddr, appName, statsInterval
 	if consoleOpts.Enabled && httpAddr == "" {
 		return errors.New("--console needs --http-addr: the console is served on it under /ui/")
 	}

@@ -10,7 +10,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/internal/app"
@@ -73,20 +72,20 @@ type streamReport struct {
 // reported in Error, not returned: status and redrive are still useful with
 // the broker down. Error is printed, so it is scrubbed of the URL's
 // credentials (nats.go's and net/url's errors can quote the URL).
-func readStream(ctx context.Context, url, name string) streamReport {
+func readStream(ctx context.Context, c *common, command string) streamReport {
+	name := c.stream
 	r := streamReport{Name: name}
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	scrub := app.NewNATSScrubber(url, app.NATSAuth{})
+	scrub := app.NewNATSScrubber(c.natsURL, c.nats)
 	fail := func(what string, err error) streamReport {
 		r.Error = what + ": " + scrub.Err(err).Error()
 		return r
 	}
-	nc, err := nats.Connect(url, nats.Name("outbox-relay status"), nats.Timeout(3*time.Second), nats.MaxReconnects(0),
-		// Not the default handler: it prints to stderr unscrubbed.
-		nats.ErrorHandler(func(*nats.Conn, *nats.Subscription, error) {}))
+	nc, err := c.connectNATS(command)
 	if err != nil {
-		return fail("cannot connect to NATS at "+app.RedactNATSURLs(url), err)
+		r.Error = "cannot " + scrub.Err(err).Error()
+		return r
 	}
 	defer nc.Close()
 	js, err := jetstream.New(nc)
@@ -110,7 +109,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	fs := newFlagSet("status", "Prints the slot's lag (bytes, and seconds where PostgreSQL can tell), rows by state, the oldest eligible row's age,\n"+
 		"failures by reason, the watermark of --on-publish none (ready rows it covers count as published) and, when --nats-url\n"+
 		"is given, the stream; warns when a restart could replay past the duplicate window.", stderr)
-	c.register(fs, flagDatabaseURL, flagNATSURL, flagTable, flagSlot, flagStream)
+	c.register(fs, withNATS(flagDatabaseURL, flagTable, flagSlot, flagStream)...)
 	asJSON := fs.Bool("json", false, "print JSON for machines")
 	dupWindow := fs.Duration("duplicate-window", natssink.DefaultDuplicateWindow, "the stream's duplicate window, for the replay warning when the stream is not read")
 	var standbySlots config.List
@@ -171,7 +170,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	}
 	window := *dupWindow
 	if c.natsGiven(fs) {
-		si := readStream(ctx, c.natsURL, c.stream)
+		si := readStream(ctx, &c, "status")
 		rep.Stream = &si
 		if si.Error == "" {
 			window = time.Duration(si.DuplicateWindowSeconds * float64(time.Second))

@@ -149,16 +149,6 @@ type Options struct {
 	SessionBackoff time.Duration
 }
 
-// NATSAuth holds the broker's credentials and TLS files; empty fields are
-// unused.
-type NATSAuth struct {
-	User, Password, Token string
-	CredsFile, NKeyFile   string
-	CAFile                string
-	CertFile, KeyFile     string
-	Name                  string
-}
-
 func (o *Options) natsOptions(log zerolog.Logger) ([]nats.Option, error) {
 	name := o.NATS.Name
 	if name == "" {
@@ -206,29 +196,11 @@ func (o *Options) natsOptions(log zerolog.Logger) ([]nats.Option, error) {
 			ev.Msg("NATS error")
 		}),
 	}
-	a := o.NATS
-	if a.User != "" || a.Password != "" {
-		opts = append(opts, nats.UserInfo(a.User, a.Password))
+	auth, err := o.NATS.Options()
+	if err != nil {
+		return nil, err
 	}
-	if a.Token != "" {
-		opts = append(opts, nats.Token(a.Token))
-	}
-	if a.CredsFile != "" {
-		opts = append(opts, nats.UserCredentials(a.CredsFile))
-	}
-	if a.NKeyFile != "" {
-		opt, err := nats.NkeyOptionFromSeed(a.NKeyFile)
-		if err != nil {
-			return nil, fmt.Errorf("--nats-nkey %s: %w", a.NKeyFile, err)
-		}
-		opts = append(opts, opt)
-	}
-	if a.CAFile != "" {
-		opts = append(opts, nats.RootCAs(a.CAFile))
-	}
-	if a.CertFile != "" {
-		opts = append(opts, nats.ClientCert(a.CertFile, a.KeyFile))
-	}
+	opts = append(opts, auth...)
 	return opts, nil
 }
 
@@ -265,33 +237,8 @@ func (o *Options) Validate() error {
 	if !strings.HasSuffix(o.SubjectPrefix, ".") || natssink.ValidateSubject(strings.TrimSuffix(o.SubjectPrefix, ".")) != nil {
 		return fmt.Errorf("--subject-prefix %q: want dot-separated tokens ending in '.', e.g. outbox.", o.SubjectPrefix)
 	}
-	if (o.NATS.CertFile == "") != (o.NATS.KeyFile == "") {
-		return errors.New("--nats-tls-cert and --nats-tls-key go together: give both or neither")
-	}
-	if o.NATS.Token != "" && (o.NATS.User != "" || o.NATS.CredsFile != "" || o.NATS.NKeyFile != "") {
-		return errors.New("--nats-token cannot be combined with --nats-user, --nats-creds or --nats-nkey: choose one way to authenticate")
-	}
-	if o.NATS.Password != "" && o.NATS.User == "" {
-		return errors.New("--nats-password needs --nats-user")
-	}
-	if o.NATS.User != "" && (o.NATS.CredsFile != "" || o.NATS.NKeyFile != "") {
-		return errors.New("--nats-user cannot be combined with --nats-creds or --nats-nkey: choose one way to authenticate")
-	}
-	if o.NATS.CredsFile != "" && o.NATS.NKeyFile != "" {
-		return errors.New("--nats-creds already holds an NKey seed: drop --nats-nkey")
-	}
-	for _, f := range []struct{ flag, path string }{
-		{"--nats-creds", o.NATS.CredsFile}, {"--nats-nkey", o.NATS.NKeyFile}, {"--nats-tls-ca", o.NATS.CAFile},
-		{"--nats-tls-cert", o.NATS.CertFile}, {"--nats-tls-key", o.NATS.KeyFile},
-	} {
-		if f.path == "" {
-			continue
-		}
-		fh, err := os.Open(f.path)
-		if err != nil {
-			return fmt.Errorf("%s: %w", f.flag, err)
-		}
-		fh.Close()
+	if err := o.NATS.Validate(); err != nil {
+		return err
 	}
 	if o.Console.Enabled {
 		// Before anything connects: a console that may not serve must not

@@ -293,9 +293,13 @@ func (d *run) subscribe(ctx context.Context) (jetstream.JetStream, <-chan jetstr
 	scrub := app.NewNATSScrubber(d.o.NATSURL, d.o.NATS)
 	// nats.go reports asynchronous errors from its own goroutines; the
 	// logger is the one writer here that is safe to share with them.
-	nc, err := nats.Connect(d.o.NATSURL, nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
+	auth, err := d.o.NATS.Options()
+	if err != nil {
+		return nil, nil, noop, err
+	}
+	nc, err := nats.Connect(d.o.NATSURL, append(auth, nats.Name("outbox-relay demo"), nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
 		d.log.Warn().Err(scrub.Err(err)).Msg("demo subscriber: NATS error")
-	}))
+	}))...)
 	if err != nil {
 		return nil, nil, noop, fmt.Errorf("connect to NATS at %s: %w", app.RedactNATSURLs(d.o.NATSURL), scrub.Err(err))
 	}

@@ -38,6 +38,9 @@ type NATSOptions struct {
 	// check logs in as.
 	Conf                     string
 	ReadyUser, ReadyPassword string
+	// ReadyOptions are more options of the readiness check's connection:
+	// a client certificate when Conf requires TLS with one.
+	ReadyOptions []nats.Option
 
 	// NoAdvertise is for StartNATSCluster only: the servers do not tell
 	// clients the other nodes' client URLs (cluster no_advertise), so a
@@ -58,6 +61,7 @@ type NATS struct {
 	keep     bool
 	// readyUser, readyPassword: the user the readiness check logs in as.
 	readyUser, readyPassword string
+	readyOptions             []nats.Option
 	// monitorPort serves /varz when started with NATSOptions.Monitor.
 	monitorPort int
 
@@ -95,7 +99,7 @@ func StartNATS(opts NATSOptions) (*NATS, error) {
 		logPath:  filepath.Join(base, "nats.log"),
 		keep:     opts.KeepFiles,
 
-		readyUser: opts.ReadyUser, readyPassword: opts.ReadyPassword,
+		readyUser: opts.ReadyUser, readyPassword: opts.ReadyPassword, readyOptions: opts.ReadyOptions,
 	}
 	var confPath string
 	if opts.SyncAlways || opts.Conf != "" {
@@ -222,7 +226,7 @@ func (n *NATS) waitReady(proc *child) error {
 }
 
 func (n *NATS) ping(ctx context.Context) error {
-	nc, err := nats.Connect(n.URL(), nats.Timeout(2*time.Second), nats.NoReconnect(), nats.UserInfo(n.readyUser, n.readyPassword))
+	nc, err := nats.Connect(n.URL(), append([]nats.Option{nats.Timeout(2 * time.Second), nats.NoReconnect(), nats.UserInfo(n.readyUser, n.readyPassword)}, n.readyOptions...)...)
 	if err != nil {
 		return fmt.Errorf("connect: %w", err)
 	}
