@@ -90,7 +90,7 @@ func (c *common) register(fs *flag.FlagSet, uses ...string) {
 	fs.StringVar(&c.publication, flagPublication, "outbox_relay", "publication of the outbox table's inserts")
 	fs.StringVar(&c.stream, flagStream, "OUTBOX", "JetStream stream the relay publishes to; run creates it when missing, never changes it")
 	fs.StringVar(&c.subjectPrefix, flagSubjectPrefix, "outbox.", "default subject is <prefix><kind>; the stream binds <prefix>>")
-	fs.StringVar(&c.onPublish, flagOnPublish, "mark", "after the broker's ack: mark (state=published, keep evidence), delete, or none (G17: the CDC path writes nothing per row; a watermark in <table>_slots says what was published)")
+	fs.StringVar(&c.onPublish, flagOnPublish, "mark", "after the broker's ack: mark (state=published, keep evidence), delete, or none (the CDC path writes nothing per row; a watermark in <table>_slots says what was published)")
 	c.log.Register(fs)
 	used := map[string]bool{}
 	for _, name := range uses {
@@ -109,7 +109,21 @@ func (c *common) register(fs *flag.FlagSet, uses ...string) {
 func newFlagSet(name, summary string, stderr io.Writer) *flag.FlagSet {
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.Usage = config.Usage(fs, stderr, "usage: outbox-relay "+name+" [flags]\n\n"+summary)
+	fs.Usage = config.Usage(fs, stderr, "usage: outbox-relay "+name+" [flags]\n\n"+summary, config.Groups{
+		Order: append(slices.Clone(groupOrder), groupIgnored),
+		Of: func(flag string) string {
+			if f := fs.Lookup(flag); f != nil && config.Ignored(f) {
+				return groupIgnored
+			}
+			return groupOf(name, flag)
+		},
+		Rank: func(flag string) int {
+			if r, ok := rank[flag]; ok && (name == "run" || isCommon(flag)) {
+				return r
+			}
+			return len(rank)
+		},
+	})
 	return fs
 }
 

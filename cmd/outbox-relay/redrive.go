@@ -190,11 +190,11 @@ A row whose deadline passed needs a new one (--expires-at) or none (--no-deadlin
   outbox-relay redrive --reason "INC-42" --state failed --kind order.created --since 24h`, stderr)
 	o.register(fs, store.ActionRedrive, withNATS(flagDatabaseURL, flagTable, flagStream, flagSubjectPrefix)...)
 	stagger := fs.Duration("stagger", store.DefaultStagger, "row i (oldest first) becomes due at now + i*stagger, so a bulk redrive does not hit the broker at once")
-	lookupLimit := fs.Int("lookup-limit", poller.DefaultLookupLimit, "with --nats-url: messages the stream lookup of the uncertain rows reads at most, on their subjects from their last attempt on (G18); rows not found when it stops there are inconclusive and sent again")
+	lookupLimit := fs.Int("lookup-limit", poller.DefaultLookupLimit, "with --nats-url: messages the stream lookup of the uncertain rows reads at most, on their subjects from their last attempt on; rows not found when it stops there are inconclusive and sent again")
 	dupWindow := fs.Duration("duplicate-window", natssink.DefaultDuplicateWindow, "the stream's duplicate window, for the uncertain-outcome warning (read from the stream instead when --nats-url is given)")
 	expiresAt := fs.String("expires-at", "", "a new business deadline for the redriven rows: RFC3339 (2026-12-01T12:00:00Z) or a duration from now (2h); needed for rows whose deadline passed")
 	noDeadline := fs.Bool("no-deadline", false, "redriven rows have no deadline any more (rows whose deadline passed need this or --expires-at)")
-	outOfOrder := fs.Bool("out-of-order", false, "send rows of an aggregate whose later sequences are already published; receivers get them after those (G12). Without it such a redrive is refused")
+	outOfOrder := fs.Bool("out-of-order", false, "send rows of an aggregate whose later sequences are already published; receivers get them after those. Without it such a redrive is refused")
 	if err := parse(fs, args); err != nil {
 		return err
 	}

@@ -59,7 +59,7 @@ rows are gone from the table and nothing can be republished from it.
 	dryRun := fs.Bool("dry-run", false, "look the rows up and print what would be published; publish nothing")
 	var allowStreams config.List
 	fs.Var(&allowStreams, "allow-stream", "as run --allow-stream: a further stream a row's subject column may name")
-	deadlineTTL := fs.Bool("deadline-ttl", true, "as run --deadline-ttl: a republished row with expires_at carries Nats-TTL where its stream allows it (G21)")
+	deadlineTTL := fs.Bool("deadline-ttl", true, "as run --deadline-ttl: a republished row with expires_at carries Nats-TTL where its stream allows it")
 	if err := parse(fs, args); err != nil {
 		return err
 	}

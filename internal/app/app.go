@@ -508,11 +508,6 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		}
 		return nil
 	}
-	// A stream set up wrong fails the start; a broker that is only
-	// unreachable is retried by every session.
-	if err := ensureStream(ctx); errors.Is(err, natssink.ErrStreamConfig) {
-		return err
-	}
 	// One store for both paths: they meet in the table and the sink only.
 	st := store.New(pool, o.Table, o.Policy)
 	gate := standby.New(pool, o.StandbySlots, log, m)
@@ -582,6 +577,13 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	// (Preflight checks them last, so a missing table or privilege is
 	// named as such; every session start checks them again).
 	if err := r.Preflight(ctx); err != nil {
+		return err
+	}
+	// A stream set up wrong fails the start; a broker that is only
+	// unreachable is retried by every session. After the database's
+	// checks: a refusal that does not need the broker (wal_level, the
+	// table, a privilege) leaves nothing behind on it, not a new stream.
+	if err := ensureStream(ctx); errors.Is(err, natssink.ErrStreamConfig) {
 		return err
 	}
 

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -52,24 +53,58 @@ func Parse(fs *flag.FlagSet, args []string, lookup func(string) (string, bool)) 
 	return errors.Join(errs...)
 }
 
+// Groups sorts a command's flags under headings in its --help: Of names a
+// flag's heading, Order lists the headings (one not listed comes last).
+type Groups struct {
+	Order []string
+	Of    func(flag string) string
+	// Rank orders a heading's flags (lower first; equal ranks stay in
+	// alphabetical order); nil: alphabetical.
+	Rank func(flag string) int
+}
+
 // Usage writes a subcommand's help: what it does, then every flag with its
-// default and its environment variable, and which flags the command ignores
-// (see Ignore).
-func Usage(fs *flag.FlagSet, w io.Writer, summary string) func() {
+// default and its environment variable, under the headings of groups (none:
+// one list), and which flags the command ignores (see Ignore).
+func Usage(fs *flag.FlagSet, w io.Writer, summary string, groups Groups) func() {
 	return func() {
 		fmt.Fprintf(w, "%s\n\nFlags (each also read from its environment variable):\n", summary)
-		anyIgnored := false
+		byGroup := map[string][]*flag.Flag{}
+		var order []string
 		fs.VisitAll(func(f *flag.Flag) {
-			def := ""
-			if f.DefValue != "" {
-				def = fmt.Sprintf(" (default %s)", f.DefValue)
+			g := ""
+			if groups.Of != nil {
+				g = groups.Of(f.Name)
 			}
-			mark := ""
-			if Ignored(f) {
-				mark, anyIgnored = "  (ignored by "+fs.Name()+")", true
+			if _, seen := byGroup[g]; !seen && !slices.Contains(groups.Order, g) {
+				order = append(order, g)
 			}
-			fmt.Fprintf(w, "  --%s%s  [%s]%s\n      %s\n", f.Name, def, EnvName(f.Name), mark, f.Usage)
+			byGroup[g] = append(byGroup[g], f)
 		})
+		anyIgnored := false
+		for _, g := range append(slices.Clone(groups.Order), order...) {
+			flags := byGroup[g]
+			if len(flags) == 0 {
+				continue
+			}
+			if groups.Rank != nil {
+				slices.SortStableFunc(flags, func(a, b *flag.Flag) int { return groups.Rank(a.Name) - groups.Rank(b.Name) })
+			}
+			if g != "" {
+				fmt.Fprintf(w, "\n%s:\n", g)
+			}
+			for _, f := range flags {
+				def := ""
+				if f.DefValue != "" {
+					def = fmt.Sprintf(" (default %s)", f.DefValue)
+				}
+				mark := ""
+				if Ignored(f) {
+					mark, anyIgnored = "  (ignored by "+fs.Name()+")", true
+				}
+				fmt.Fprintf(w, "  --%s%s  [%s]%s\n      %s\n", f.Name, def, EnvName(f.Name), mark, f.Usage)
+			}
+		}
 		if anyIgnored {
 			fmt.Fprintf(w, "\nThe flags marked ignored are accepted, and their values not checked, so that one set of\nflags or one environment file serves every command.\n")
 		}

@@ -118,7 +118,7 @@ func TestIgnoredFlagsAreAcceptedAndMarked(t *testing.T) {
 		t.Errorf("nats-url %q, verbose %v: an ignored flag still takes its value", *natsURL, *verbose)
 	}
 	var help bytes.Buffer
-	Usage(fs, &help, "usage: x")()
+	Usage(fs, &help, "usage: x", Groups{})()
 	for _, line := range strings.Split(help.String(), "\n") {
 		if !strings.HasPrefix(line, "  --") {
 			continue

@@ -88,9 +88,14 @@ type Config struct {
 
 // Defaults of the poller, used by `run`'s flags and by WithDefaults.
 const (
-	DefaultLease        = 30 * time.Second
-	DefaultBackoffMin   = time.Second
-	DefaultBackoffMax   = 5 * time.Minute
+	DefaultLease      = 30 * time.Second
+	DefaultBackoffMin = time.Second
+	// DefaultBackoffMax is the default stream's duplicate window
+	// (jetstream.DefaultDuplicateWindow, 2m), no longer: a retry after an
+	// attempt whose ack was lost then lands inside the window, and the
+	// stream a default run creates passes its own contract check (5m did
+	// not: every default start warned about the window).
+	DefaultBackoffMax   = 2 * time.Minute
 	DefaultPollInterval = time.Second
 	DefaultMaxAttempts  = 10
 	DefaultBatch        = 500

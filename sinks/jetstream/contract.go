@@ -143,17 +143,23 @@ func CheckContract(info *jetstream.StreamInfo, serverVersion string, sync *Serve
 			fmt.Sprintf("stream %s uses %s retention: a message leaves the stream once consumed, so the relay cannot tell a consumed message from one the broker lost", name, cfg.Retention),
 			"use limits retention for the outbox stream and let consumers track their own progress")
 	}
+	version, knownVersion := parseVersion(serverVersion)
 	if c.DeadlineTTL && !cfg.AllowMsgTTL {
+		// The advice is what this server can do: before 2.11 the stream
+		// has no such setting to edit.
+		fix := fmt.Sprintf("allow it (nats stream edit %s --allow-msg-ttl; it cannot be turned off again), or run with --deadline-ttl=false to silence this", name)
+		if knownVersion && less(version, versionMsgTTL) {
+			fix = fmt.Sprintf("upgrade nats-server (%s has no per-message TTL; 2.11 or newer does), then allow it (nats stream edit %s --allow-msg-ttl); or run with --deadline-ttl=false to silence this", serverVersion, name)
+		}
 		add(CheckMsgTTL, LevelWarn,
-			fmt.Sprintf("stream %s does not allow per-message TTL: rows with a deadline are published without Nats-TTL, so only receivers enforce the deadline (Outbox-Expires-At)", name),
-			fmt.Sprintf("allow it (nats stream edit %s --allow-msg-ttl; it cannot be turned off again), or run with --deadline-ttl=false to silence this", name))
+			fmt.Sprintf("stream %s does not allow per-message TTL: rows with a deadline are published without Nats-TTL, so only receivers enforce the deadline (Outbox-Expires-At)", name), fix)
 	}
 	if c.AtomicBatches && !cfg.AllowAtomicPublish {
 		add(CheckAtomicPublish, LevelRefuse,
 			fmt.Sprintf("stream %s does not allow atomic batch publish, which --atomic-transactions needs to store each transaction whole (G20)", name),
 			fmt.Sprintf("allow it (nats stream edit %s --allow-batch, or \"allow_atomic\": true in its configuration; the relay never changes an existing stream), or run without --atomic-transactions", name))
 	}
-	if v, ok := parseVersion(serverVersion); ok {
+	if v, ok := version, knownVersion; ok {
 		if c.AtomicBatches && less(v, versionAtomic) {
 			add(CheckServerVersion, LevelRefuse,
 				fmt.Sprintf("nats-server %s cannot store a batch atomically (2.12 or newer can), which --atomic-transactions needs", serverVersion),

@@ -79,6 +79,15 @@ func TestContractChecks(t *testing.T) {
 			}
 		})
 	}
+	// A server before 2.11 cannot allow TTL on a stream: the advice is to
+	// upgrade it, not an edit it would refuse.
+	old := natssink.CheckContract(&jetstream.StreamInfo{Config: jetstream.StreamConfig{Name: "OUTBOX", Replicas: 3, Duplicates: 5 * time.Minute}}, "2.9.25", nil, want)
+	if len(old) != 1 || old[0].Check != natssink.CheckMsgTTL || !strings.HasPrefix(old[0].Fix, "upgrade nats-server (2.9.25 has no per-message TTL") {
+		t.Errorf("on nats-server 2.9 the TTL finding does not advise an upgrade first: %v", old)
+	}
+	if cur := natssink.CheckContract(&jetstream.StreamInfo{Config: jetstream.StreamConfig{Name: "OUTBOX", Replicas: 3, Duplicates: 5 * time.Minute}}, "2.11.0", nil, want); len(cur) != 1 || !strings.HasPrefix(cur[0].Fix, "allow it") {
+		t.Errorf("on nats-server 2.11 the TTL finding should advise the edit: %v", cur)
+	}
 	short := natssink.CheckContract(&jetstream.StreamInfo{Config: jetstream.StreamConfig{Name: "OUTBOX", Replicas: 3, Duplicates: time.Second, AllowMsgTTL: true}}, "2.15.2", nil, want)
 	if len(short) != 1 || !strings.Contains(short[0].Msg, "1s") || !strings.Contains(short[0].Msg, "--backoff-max 5m0s") || !strings.Contains(short[0].Fix, "--dupe-window 5m0s") {
 		t.Errorf("the duplicate window finding names neither the window nor the flag: %v", short)

@@ -1,0 +1,87 @@
+package main
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
+)
+
+// A run with the defaults, on a new broker, creates a stream that passes
+// its own contract check: no broker_contract warning at start (the default
+// --backoff-max once outlasted the default stream's duplicate window). The
+// server is fsynced and its monitor given, so the only check that depends
+// on the server and not on what the relay created has its answer. And a
+// start refused for a reason in the database (no outbox table) creates
+// nothing on the broker: the database is checked before the stream.
+func TestDefaultRunAgreesWithItsOwnStream(t *testing.T) {
+	srv, err := testenv.StartNATS(testenv.NATSOptions{SyncAlways: true, Monitor: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Close)
+	nc, err := nats.Connect(srv.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	streams := func() []string {
+		t.Helper()
+		var names []string
+		l := js.StreamNames(context.Background())
+		for n := range l.Name() {
+			names = append(names, n)
+		}
+		if l.Err() != nil {
+			t.Fatal(l.Err())
+		}
+		return names
+	}
+	env := testenv.Shared(t)
+
+	// Refused in the database: nothing on the broker.
+	bare := env.PG.CreateDatabase(t)
+	code, _, errOut := run(t, "run", "--database-url", bare, "--nats-url", srv.URL(), "--slot", "defaults_refused")
+	if code == 0 || !strings.Contains(errOut, "outbox") {
+		t.Fatalf("run on a database without the table exited %d, stderr %q; want a refusal naming the table", code, errOut)
+	}
+	if s := streams(); len(s) != 0 {
+		t.Fatalf("a start refused by the database left streams %v on the broker", s)
+	}
+
+	// The defaults: no contract finding about the stream it creates.
+	url := env.PG.CreateDatabase(t)
+	if code, _, _ := run(t, "migrate", "--database-url", url); code != 0 {
+		t.Fatalf("migrate exited %d", code)
+	}
+	pool, err := pgxpool.New(context.Background(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	logs := runOne(t, []string{"run", "--database-url", url, "--nats-url", srv.URL(), "--nats-monitor-url", srv.MonitorURL(), "--slot", "defaults_run"}, func() {
+		mustExec(t, pool, `INSERT INTO outbox (work_id, kind, payload) VALUES ('w-1', 'k', '{}')`)
+		testenv.WaitFor(t, 30*time.Second, "run to publish w-1", func() (bool, error) {
+			state, _, _ := stateOf(t, pool, "w-1")
+			return state == "published", nil
+		})
+	})
+	if !strings.Contains(logs, `"created stream"`) {
+		t.Fatalf("run did not create the stream:\n%s", logs)
+	}
+	for _, line := range strings.Split(logs, "\n") {
+		if strings.Contains(line, `"broker_contract"`) {
+			t.Errorf("a default run warns about the stream it created: %s", line)
+		}
+	}
+}
