@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -83,5 +84,48 @@ func TestDefaultRunAgreesWithItsOwnStream(t *testing.T) {
 		if strings.Contains(line, `"broker_contract"`) {
 			t.Errorf("a default run warns about the stream it created: %s", line)
 		}
+	}
+}
+
+// On Debian 12's nats-server (2.9, no per-message TTL) the stream the relay
+// creates cannot allow TTL: the warning's fix says to upgrade the server,
+// not to edit the stream, which 2.9 cannot do. Skipped where that package
+// is not installed.
+func TestOldBrokerIsAdvisedToUpgrade(t *testing.T) {
+	const old = "/usr/sbin/nats-server"
+	if _, err := os.Stat(old); err != nil {
+		t.Skipf("no Debian nats-server at %s", old)
+	}
+	srv, err := testenv.StartNATS(testenv.NATSOptions{Bin: old})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Close)
+	env := testenv.Shared(t)
+	url := env.PG.CreateDatabase(t)
+	if code, _, _ := run(t, "migrate", "--database-url", url); code != 0 {
+		t.Fatalf("migrate exited %d", code)
+	}
+	pool, err := pgxpool.New(context.Background(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	logs := runOne(t, []string{"run", "--database-url", url, "--nats-url", srv.URL(), "--slot", "defaults_old_broker"}, func() {
+		// The stream is checked before the session streams the slot.
+		testenv.WaitFor(t, 30*time.Second, "run to stream its slot", func() (bool, error) {
+			var n int
+			err := pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'defaults_old_broker' AND active`).Scan(&n)
+			return n == 1, err
+		})
+	})
+	var ttl string
+	for _, line := range strings.Split(logs, "\n") {
+		if strings.Contains(line, `"check":"msg_ttl"`) {
+			ttl = line
+		}
+	}
+	if !strings.Contains(ttl, `"fix":"upgrade nats-server (2.9`) {
+		t.Fatalf("on nats-server 2.9 the msg_ttl finding does not advise an upgrade first: %q\n%s", ttl, logs)
 	}
 }

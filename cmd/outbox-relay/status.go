@@ -84,7 +84,8 @@ func readStream(ctx context.Context, c *common, command string) streamReport {
 	}
 	nc, err := c.connectNATS(command)
 	if err != nil {
-		r.Error = "cannot " + scrub.Err(err).Error()
+		// "cannot connect to NATS at ...", or a refused flag as it is.
+		r.Error = strings.Replace(scrub.Err(err).Error(), "connect to NATS", "cannot connect to NATS", 1)
 		return r
 	}
 	defer nc.Close()
