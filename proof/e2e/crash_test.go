@@ -834,10 +834,13 @@ func TestBadInputFailsClearly(t *testing.T) {
 			contains: []string{"--database-url", "invalid port"},
 		},
 		{
+			// The stream cases run on a migrated database: the database's
+			// checks come first, so a start refused for the table leaves
+			// nothing on the broker.
 			name: "no stream and --create-stream=false",
 			args: func(t *testing.T) []string {
 				stream, prefix := env.StreamName(t)
-				return append([]string{"run"}, runArgs(okDB, natsURL, stream, prefix, uniqueName("e2e_bad"), "outbox_relay", "--create-stream=false")...)
+				return append([]string{"run"}, runArgs(env.PG.CreateOutboxDatabase(t), natsURL, stream, prefix, uniqueName("e2e_bad"), "outbox_relay", "--create-stream=false")...)
 			},
 			contains: []string{"does not exist and --create-stream=false"},
 		},
@@ -849,7 +852,7 @@ func TestBadInputFailsClearly(t *testing.T) {
 				if _, err := js.CreateStream(context.Background(), jetstream.StreamConfig{Name: stream, Subjects: []string{"elsewhere." + stream + ".>"}}); err != nil {
 					t.Fatal(err)
 				}
-				return append([]string{"run"}, runArgs(okDB, natsURL, stream, prefix, uniqueName("e2e_bad"), "outbox_relay")...)
+				return append([]string{"run"}, runArgs(env.PG.CreateOutboxDatabase(t), natsURL, stream, prefix, uniqueName("e2e_bad"), "outbox_relay")...)
 			},
 			contains: []string{"does not bind", "--subject-prefix"},
 		},
@@ -862,7 +865,7 @@ func TestBadInputFailsClearly(t *testing.T) {
 					t.Fatal(err)
 				}
 				t.Cleanup(func() { _ = js.DeleteStream(context.Background(), stream+"_OTHER") })
-				return append([]string{"run"}, runArgs(okDB, natsURL, stream, prefix, uniqueName("e2e_bad"), "outbox_relay")...)
+				return append([]string{"run"}, runArgs(env.PG.CreateOutboxDatabase(t), natsURL, stream, prefix, uniqueName("e2e_bad"), "outbox_relay")...)
 			},
 			contains: []string{"another stream already binds", "--stream"},
 		},
