@@ -76,9 +76,17 @@ test: setup pg-versions
 	@$(MAKE) --no-print-directory test-steps
 
 ## test-go, test-go-proof: one module's vet and go test -race, with its time.
+## internal/relay's tests run in RELAY_SPLIT go test processes at once
+## beside the other packages (scripts/go-test-split.sh: each process
+## has servers of its own, and the package's tests, one after another, mostly
+## wait on them).
+RELAY_SPLIT ?= 2
 test-go:
 	@start=$$(date +%s); \
-	if $(GO) vet ./... && $(GO) test -race -count=1 -timeout 15m ./...; then \
+	if $(GO) vet ./... && { \
+		$(GO) test -race -count=1 -timeout 15m $$($(GO) list ./... | grep -v '/internal/relay$$') & rest=$$!; \
+		GO=$(GO) bash scripts/go-test-split.sh $(RELAY_SPLIT) ./internal/relay/ -race -count=1 -timeout 15m; relay=$$?; \
+		wait $$rest && [ $$relay -eq 0 ]; }; then \
 		echo "--- test-go: ok in $$(($$(date +%s) - start))s"; \
 	else \
 		echo "--- test-go: FAILED after $$(($$(date +%s) - start))s"; exit 1; \
@@ -153,7 +161,9 @@ test-pg-version-%: setup pg-versions
 	echo "=== PostgreSQL $$v: $(PG_VERSION_PKGS) and testenv's standby tests"; \
 	start=$$(date +%s); \
 	if env -u OUTBOX_RELAY_TEST_PG_BIN OUTBOX_RELAY_TEST_PG_VERSION=$$v \
-			$(GO) test -race -count=1 -timeout 15m -skip '$(PG_VERSION_SKIP)' $(PG_VERSION_PKGS) && \
+			$(GO) test -race -count=1 -timeout 15m -skip '$(PG_VERSION_SKIP)' ./replication/ && \
+		env -u OUTBOX_RELAY_TEST_PG_BIN OUTBOX_RELAY_TEST_PG_VERSION=$$v GO=$(GO) \
+			bash scripts/go-test-split.sh $(RELAY_SPLIT) ./internal/relay/ -race -count=1 -timeout 15m -skip '$(PG_VERSION_SKIP)' && \
 		env -u OUTBOX_RELAY_TEST_PG_BIN OUTBOX_RELAY_TEST_PG_VERSION=$$v \
 			$(GO) test -race -count=1 -timeout 5m -run '^(TestStandby|TestSharedPostgresVersion)/^(pg'$$v')?$$' ./internal/testenv/; then \
 		echo "--- PostgreSQL $$v: ok in $$(($$(date +%s) - start))s"; \
