@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"regexp"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pglogrepl"
@@ -296,17 +297,43 @@ type SlotInfo struct {
 	ConfirmedFlush pglogrepl.LSN
 	RestartLSN     pglogrepl.LSN
 	WALStatus      string // reserved, extended, unreserved, lost
+	// InvalidationReason is why PostgreSQL invalidated the slot (empty: it
+	// did not): wal_removed, rows_removed, wal_level_insufficient, and on
+	// 18 idle_timeout (idle_replication_slot_timeout). 17 and 18 name it
+	// invalidation_reason, 16 conflict_reason (logical slots on a standby
+	// only); 15 says only wal_status lost.
+	InvalidationReason string
+}
+
+// IdleSlotTimeout is the server's idle_replication_slot_timeout (18+): a
+// slot no one streamed for longer is invalidated at a checkpoint. 0: off,
+// or a server before 18.
+func IdleSlotTimeout(ctx context.Context, q Querier) (time.Duration, error) {
+	var secs int64
+	err := q.QueryRow(ctx, `SELECT coalesce((SELECT setting::bigint FROM pg_catalog.pg_settings WHERE name = 'idle_replication_slot_timeout'), 0)`).Scan(&secs)
+	if err != nil {
+		return 0, fmt.Errorf("read idle_replication_slot_timeout: %w", err)
+	}
+	return time.Duration(secs) * time.Second, nil
+}
+
+// Invalidated reports whether the slot can never stream again.
+func (si SlotInfo) Invalidated() bool {
+	return si.Exists && (si.WALStatus == "lost" || si.InvalidationReason != "")
 }
 
 // LookupSlot reads a slot's state.
 func LookupSlot(ctx context.Context, q Querier, name string) (SlotInfo, error) {
 	var si SlotInfo
-	var plugin, db, walStatus *string
+	var plugin, db, walStatus, reason *string
 	var pid *int32
 	var confirmed, restart *string
-	err := q.QueryRow(ctx, `SELECT plugin, database, active, active_pid, confirmed_flush_lsn::text, restart_lsn::text, wal_status
-		FROM pg_catalog.pg_replication_slots WHERE slot_name = $1`, name).
-		Scan(&plugin, &db, &si.Active, &pid, &confirmed, &restart, &walStatus)
+	// The reason's column differs by version; read through to_jsonb so one
+	// statement serves every version.
+	err := q.QueryRow(ctx, `SELECT plugin, database, active, active_pid, confirmed_flush_lsn::text, restart_lsn::text, wal_status,
+			coalesce(to_jsonb(s)->>'invalidation_reason', to_jsonb(s)->>'conflict_reason')
+		FROM pg_catalog.pg_replication_slots s WHERE slot_name = $1`, name).
+		Scan(&plugin, &db, &si.Active, &pid, &confirmed, &restart, &walStatus, &reason)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return SlotInfo{}, nil
 	}
@@ -314,7 +341,7 @@ func LookupSlot(ctx context.Context, q Querier, name string) (SlotInfo, error) {
 		return SlotInfo{}, fmt.Errorf("look up slot %s: %w", name, err)
 	}
 	si.Exists = true
-	si.Plugin, si.Database, si.WALStatus = deref(plugin), deref(db), deref(walStatus)
+	si.Plugin, si.Database, si.WALStatus, si.InvalidationReason = deref(plugin), deref(db), deref(walStatus), deref(reason)
 	if pid != nil {
 		si.ActivePID = *pid
 	}

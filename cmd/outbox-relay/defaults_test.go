@@ -129,3 +129,39 @@ func TestOldBrokerIsAdvisedToUpgrade(t *testing.T) {
 		t.Fatalf("on nats-server 2.9 the msg_ttl finding does not advise an upgrade first: %q\n%s", ttl, logs)
 	}
 }
+
+// status warns while the relay's slot is inactive on a server that
+// invalidates idle slots (PostgreSQL 18's idle_replication_slot_timeout),
+// and says what an invalidated slot means for the next run.
+func TestStatusWarnsOfIdleSlotTimeout(t *testing.T) {
+	pg, err := testenv.StartPostgres(testenv.PostgresOptions{Version: 18, Conf: map[string]string{"idle_replication_slot_timeout": "1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pg.Close)
+	url := pg.URL("postgres")
+	if code, _, _ := run(t, "migrate", "--database-url", url); code != 0 {
+		t.Fatalf("migrate exited %d", code)
+	}
+	pool, err := pgxpool.New(context.Background(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	mustExec(t, pool, `SELECT pg_create_logical_replication_slot('outbox_relay', 'pgoutput')`)
+	code, out, _ := run(t, "status", "--database-url", url)
+	if code != 0 || !strings.Contains(out, "slot outbox_relay is inactive and PostgreSQL invalidates a slot no one streams for 1s (idle_replication_slot_timeout)") {
+		t.Fatalf("status exited %d without the idle slot warning:\n%s", code, out)
+	}
+	// Invalidated at a checkpoint, which nothing but this one starts here.
+	testenv.WaitFor(t, 30*time.Second, "the slot invalidated for idleness", func() (bool, error) {
+		mustExec(t, pool, `CHECKPOINT`)
+		var reason *string
+		err := pool.QueryRow(context.Background(), `SELECT invalidation_reason FROM pg_replication_slots WHERE slot_name = 'outbox_relay'`).Scan(&reason)
+		return reason != nil && *reason == "idle_timeout", err
+	})
+	code, out, _ = run(t, "status", "--database-url", url)
+	if code != 0 || !strings.Contains(out, `slot outbox_relay was invalidated by PostgreSQL (wal_status lost, reason "idle_timeout")`) {
+		t.Fatalf("status exited %d without the invalidation warning:\n%s", code, out)
+	}
+}

@@ -36,6 +36,9 @@ type statusReport struct {
 		LagSeconds float64 `json:"lag_seconds"`
 		LagSource  string  `json:"lag_seconds_source,omitempty"`
 		WALStatus  string  `json:"wal_status,omitempty"`
+		// InvalidationReason is PostgreSQL's reason when it invalidated
+		// the slot (idle_timeout, wal_removed, ...).
+		InvalidationReason string `json:"invalidation_reason,omitempty"`
 		// Failover: a failover slot (PostgreSQL 17+) that standbys with
 		// sync_replication_slots keep; Synced: this copy came from a former
 		// primary.
@@ -139,8 +142,19 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	rep.Slot.Name = c.slot
 	rep.Slot.Exists, rep.Slot.Active, rep.Slot.ActivePID, rep.Slot.WALStatus = slot.Exists, slot.Active, slot.ActivePID, slot.WALStatus
 	rep.Slot.LagBytes = ev.LagBytes
+	rep.Slot.InvalidationReason = slot.InvalidationReason
 	if slot.Exists {
 		rep.Slot.ConfirmedLSN = slot.ConfirmedFlush.String()
+	}
+	idle, err := replication.IdleSlotTimeout(ctx, pool)
+	if err != nil {
+		return err
+	}
+	switch {
+	case slot.Invalidated():
+		rep.Warnings = append(rep.Warnings, fmt.Sprintf("WARNING: slot %s was invalidated by PostgreSQL (wal_status %s, reason %q): the next `outbox-relay run` re-creates it and hands every row still ready to the poller (delivered, not in commit order)", c.slot, slot.WALStatus, slot.InvalidationReason))
+	case slot.Exists && !slot.Active && idle > 0:
+		rep.Warnings = append(rep.Warnings, fmt.Sprintf("WARNING: slot %s is inactive and PostgreSQL invalidates a slot no one streams for %s (idle_replication_slot_timeout) at its next checkpoint; start a relay, or set the timeout to 0 or longer than a relay may be away (after an invalidation the relay re-creates the slot and hands the rows to the poller, not in commit order)", c.slot, idle))
 	}
 	if rep.Counts, err = st.Counts(ctx); err != nil {
 		return err

@@ -2,6 +2,7 @@ package relay_test
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -224,5 +225,54 @@ func TestInvalidatedSlotIsRecreated(t *testing.T) {
 	if pending || mode != "snapshot" || rows != int64(len(lost)) || polled != len(lost) || invalidated != 1 {
 		t.Errorf("slot record: pending %v mode %q rows %d invalidated %d, poller delivered %d; want false, snapshot, %d, 1, %d",
 			pending, mode, rows, invalidated, polled, len(lost), len(lost))
+	}
+}
+
+// PostgreSQL 18 invalidates a slot no one streamed for longer than
+// idle_replication_slot_timeout, at a checkpoint (wal_status then says
+// lost, as for WAL removed). The relay reads the reason
+// (invalidation_reason idle_timeout), says it at warn with the fix,
+// re-creates the slot and hands the rows committed while it was away to
+// the poller (G9): every row delivered once. Before, it blamed
+// max_slot_wal_keep_size at error, a wrong cause and a wrong fix; and a
+// slot invalidated for another reason without wal_status lost (16's
+// logical slots on a standby) would have been streamed from.
+func TestSlotInvalidatedForIdlenessIsRecreated(t *testing.T) {
+	env := testenv.Shared(t)
+	pg, err := testenv.StartPostgres(testenv.PostgresOptions{Version: 18, Conf: map[string]string{"idle_replication_slot_timeout": "1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pg.Close)
+	stream, prefix := env.StreamName(t)
+	h := newHarness(t, setup{dbURL: pg.URL("postgres"), natsURL: env.NATS.URL(), stream: stream, subjectPrefix: prefix})
+	logs := &testenv.LogBuffer{}
+	h.logs = logs
+	h.start()
+	first := h.insertRows("first", 10, 5)
+	h.waitPublished(len(first), 20*time.Second)
+	h.stop()
+
+	away := h.insertRows("away", 25, 5)
+	testenv.WaitFor(t, 30*time.Second, "slot invalidated for idleness", func() (bool, error) {
+		h.exec(`CHECKPOINT`)
+		var reason *string
+		err := h.pool.QueryRow(context.Background(), `SELECT invalidation_reason FROM pg_replication_slots WHERE slot_name = $1`, h.opts.Slot).Scan(&reason)
+		return reason != nil && *reason == "idle_timeout", err
+	})
+	h.start()
+	later := h.insertRows("later", 5, 5)
+	all := append(append(append([]string{}, first...), away...), later...)
+	h.waitPublished(len(all), 60*time.Second)
+	h.assertExactlyOnce(all)
+	_, polled := h.paths(set(away), set(first, later))
+	pending, mode, rows, invalidated := h.slotState()
+	if pending || mode != "snapshot" || rows != int64(len(away)) || polled != len(away) || invalidated != 1 {
+		t.Errorf("slot record: pending %v mode %q rows %d invalidated %d, poller delivered %d; want false, snapshot, %d, 1, %d",
+			pending, mode, rows, invalidated, polled, len(away), len(away))
+	}
+	if !strings.Contains(logs.String(), `"level":"warn"`) || !strings.Contains(logs.String(), `"reason":"idle_timeout"`) ||
+		!strings.Contains(logs.String(), "idle_replication_slot_timeout") {
+		t.Errorf("the relay did not say at warn that the slot was invalidated for idleness and how to avoid it")
 	}
 }

@@ -768,13 +768,24 @@ func (r *Relay) ensureSlot(ctx context.Context, conn replication.PgConn) (replic
 	if slot.Exists && slot.Plugin != "pgoutput" {
 		return slot, none, fmt.Errorf("slot %s uses plugin %q, not pgoutput: drop it (SELECT pg_drop_replication_slot('%s')) or choose another --slot", r.cfg.Slot, slot.Plugin, r.cfg.Slot)
 	}
-	if slot.Exists && slot.WALStatus == "lost" {
-		// The WAL after its last confirmation is gone: the slot can never
-		// stream again. Rows committed since are still 'ready' in the
-		// table, so a new slot plus a backfill recovers every one of them.
-		r.log.Error().Str("confirmed_lsn", slot.ConfirmedFlush.String()).
-			Msg("replication slot was invalidated by PostgreSQL (wal_status lost: it held more WAL than max_slot_wal_keep_size); " +
-				"re-creating it and handing every row still ready to the poller. Raise max_slot_wal_keep_size or alert on slot lag to avoid this")
+	if slot.Invalidated() {
+		// The slot can never stream again. Rows committed since its last
+		// confirmation are still 'ready' in the table, so a new slot plus a
+		// backfill recovers every one of them.
+		ev := r.log.Error()
+		why := "it held more WAL than max_slot_wal_keep_size; raise max_slot_wal_keep_size or alert on slot lag to avoid this"
+		switch slot.InvalidationReason {
+		case "", "wal_removed":
+		case "idle_timeout":
+			// Expected after the relay was away longer than the server
+			// allows: nothing is lost, the backfill hands the rows over.
+			ev = r.log.Warn()
+			why = "no relay streamed it for longer than idle_replication_slot_timeout; set it to 0, or longer than the relay may be away (a deploy, an outage), to keep the slot and the commit order of its rows"
+		default:
+			why = "PostgreSQL gives the reason " + slot.InvalidationReason
+		}
+		ev.Str("confirmed_lsn", slot.ConfirmedFlush.String()).Str("wal_status", slot.WALStatus).Str("reason", slot.InvalidationReason).
+			Msg("replication slot was invalidated by PostgreSQL (" + why + "); re-creating it and handing every row still ready to the poller")
 		r.metrics.SlotInvalidations.Inc()
 		if err := r.store.RecordInvalidation(ctx, r.cfg.Slot); err != nil {
 			return slot, none, err
