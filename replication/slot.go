@@ -41,9 +41,22 @@ func ValidateName(flag, name string) error {
 // parses them, and it uses deadlines (not cancel requests) for context
 // expiry, so a receive timeout leaves the stream intact.
 func Connect(ctx context.Context, connString, appName string) (*pgconn.PgConn, error) {
+	return ConnectWith(ctx, connString, appName, nil)
+}
+
+// ConnectWith is Connect with the password asked for as the connection
+// opens (nil: the connection string's, or libpq's PGPASSWORD and .pgpass):
+// a password that rotates while the relay runs is read again at every
+// reconnect.
+func ConnectWith(ctx context.Context, connString, appName string, password func(context.Context) (string, error)) (*pgconn.PgConn, error) {
 	cfg, err := pgconn.ParseConfig(connString)
 	if err != nil {
 		return nil, fmt.Errorf("parse --database-url: %w", err)
+	}
+	if password != nil {
+		if cfg.Password, err = password(ctx); err != nil {
+			return nil, fmt.Errorf("open replication connection: %w", err)
+		}
 	}
 	cfg.RuntimeParams["replication"] = "database"
 	cfg.RuntimeParams["DateStyle"] = "ISO, MDY"

@@ -30,6 +30,9 @@ const (
 	flagLogLevel      = "log-level"
 	flagLogFormat     = "log-format"
 
+	flagDBPasswordFile    = "database-password-file"
+	flagDBPasswordCommand = "database-password-command"
+
 	flagNATSName     = "nats-name"
 	flagNATSUser     = "nats-user"
 	flagNATSPassword = "nats-password"
@@ -52,13 +55,14 @@ var natsFlags = []string{flagNATSURL, flagNATSName, flagNATSUser, flagNATSPasswo
 func withNATS(uses ...string) []string { return append(slices.Clone(natsFlags), uses...) }
 
 // commonFlags lists the common flags, the logging ones last.
-var commonFlags = []string{flagDatabaseURL, flagNATSURL, flagNATSName, flagNATSUser, flagNATSPassword,
+var commonFlags = []string{flagDatabaseURL, flagDBPasswordFile, flagDBPasswordCommand, flagNATSURL, flagNATSName, flagNATSUser, flagNATSPassword,
 	flagNATSToken, flagNATSCreds, flagNATSNKey, flagNATSTLSCA, flagNATSTLSCert, flagNATSTLSKey,
 	flagTable, flagSlot, flagPublication, flagStream, flagSubjectPrefix, flagOnPublish, flagLogLevel, flagLogFormat}
 
 // common holds the common flags' values.
 type common struct {
 	databaseURL   string
+	dbPassword    app.DBPassword
 	natsURL       string
 	nats          app.NATSAuth
 	table         string
@@ -75,6 +79,8 @@ type common struct {
 // command (migrate --on-publish delete, version --table x.y.z) is no error.
 func (c *common) register(fs *flag.FlagSet, uses ...string) {
 	fs.StringVar(&c.databaseURL, flagDatabaseURL, "", "PostgreSQL URL or key=value string; empty uses the libpq variables (PGHOST, PGUSER, PGPASSWORD, ...)")
+	fs.StringVar(&c.dbPassword.File, flagDBPasswordFile, "", "a file holding the database password, read again for every new connection (a Kubernetes Secret or Vault agent file that is rewritten when the password rotates); overrides the URL's password")
+	fs.StringVar(&c.dbPassword.Command, flagDBPasswordCommand, "", "a command (run with /bin/sh -c for every new connection, at most 30s) whose first line of output is the database password: a short-lived token, e.g. aws rds generate-db-auth-token ...; overrides the URL's password")
 	fs.StringVar(&c.natsURL, flagNATSURL, "nats://127.0.0.1:4222", "NATS server URL(s), comma-separated")
 	fs.StringVar(&c.nats.Name, flagNATSName, "", "NATS connection name (empty: outbox-relay, or outbox-relay <command> for the others)")
 	fs.StringVar(&c.nats.User, flagNATSUser, "", "NATS user")
@@ -93,6 +99,10 @@ func (c *common) register(fs *flag.FlagSet, uses ...string) {
 	fs.StringVar(&c.onPublish, flagOnPublish, "mark", "after the broker's ack: mark (state=published, keep evidence), delete, or none (the CDC path writes nothing per row; a watermark in <table>_slots says what was published)")
 	c.log.Register(fs)
 	used := map[string]bool{}
+	if slices.Contains(uses, flagDatabaseURL) {
+		// The database's password goes with its URL.
+		uses = append(slices.Clone(uses), flagDBPasswordFile, flagDBPasswordCommand)
+	}
 	for _, name := range uses {
 		if !slices.Contains(commonFlags, name) {
 			panic("register: --" + name + " is not a common flag")
@@ -140,6 +150,7 @@ func (c *common) options() (app.Options, error) {
 	}
 	o := app.Options{
 		DatabaseURL:      c.databaseURL,
+		DBPassword:       c.dbPassword,
 		NATSURL:          c.natsURL,
 		NATS:             c.nats,
 		Table:            t,

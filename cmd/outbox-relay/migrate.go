@@ -59,7 +59,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return err
 	}
 	if inboxTable != "" {
-		return migrateInbox(ctx, c.databaseURL, inboxTable, stdout)
+		return migrateInbox(ctx, c.databaseURL, c.dbPassword, inboxTable, stdout)
 	}
 	t, err := store.ParseTable(c.table)
 	if err != nil {
@@ -74,9 +74,9 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if err := replication.ValidateName("publication", c.publication); err != nil {
 		return err
 	}
-	conn, err := pgx.Connect(ctx, c.databaseURL)
+	conn, err := app.ConnectDB(ctx, c.databaseURL, c.dbPassword)
 	if err != nil {
-		return fmt.Errorf("connect to PostgreSQL: %w", err)
+		return err
 	}
 	defer conn.Close(context.Background())
 	applied, err := store.MigrateWith(ctx, conn, t, store.MigrateOptions{
@@ -165,10 +165,10 @@ func recordTableSettings(ctx context.Context, conn *pgx.Conn, t store.Table, ord
 // migrateInbox creates a consumer's inbox tables. It touches neither the
 // outbox table nor the publication: the inbox lives where the consumer's
 // effects live, normally another database.
-func migrateInbox(ctx context.Context, databaseURL, table string, stdout io.Writer) error {
-	conn, err := pgx.Connect(ctx, databaseURL)
+func migrateInbox(ctx context.Context, databaseURL string, pw app.DBPassword, table string, stdout io.Writer) error {
+	conn, err := app.ConnectDB(ctx, databaseURL, pw)
 	if err != nil {
-		return fmt.Errorf("connect to PostgreSQL: %w", err)
+		return err
 	}
 	defer conn.Close(context.Background())
 	if err := inbox.Migrate(ctx, conn, table); err != nil {

@@ -140,11 +140,7 @@ func defaultBy() string {
 // first.
 func openStore(ctx context.Context, c *common) (*store.Store, func(), error) {
 	return openStoreOn(ctx, c, func(ctx context.Context) (*pgxpool.Pool, error) {
-		pool, err := pgxpool.New(ctx, c.databaseURL)
-		if err != nil {
-			return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
-		}
-		return pool, nil
+		return app.OpenPool(ctx, c.databaseURL, c.dbPassword, "outbox-relay")
 	})
 }
 
@@ -152,7 +148,7 @@ func openStore(ctx context.Context, c *common) (*store.Store, func(), error) {
 // (app.OpenObserverPool), for the commands that only look.
 func openObserverStore(ctx context.Context, c *common, appName string) (*store.Store, func(), error) {
 	return openStoreOn(ctx, c, func(ctx context.Context) (*pgxpool.Pool, error) {
-		return app.OpenObserverPool(ctx, c.databaseURL, appName)
+		return app.OpenObserverPool(ctx, c.databaseURL, c.dbPassword, appName)
 	})
 }
 

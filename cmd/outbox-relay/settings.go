@@ -38,6 +38,8 @@ type setting struct {
 // --reason, prune --older-than, ...) are listed under groupCommand.
 var settingList = []namedSetting{
 	{flagDatabaseURL, setting{group: groupConnection}},
+	{flagDBPasswordFile, setting{group: groupConnection, limits: "a readable file; not with --database-password-command", refused: "/nonexistent/password"}},
+	{flagDBPasswordCommand, setting{group: groupConnection}},
 	{flagNATSURL, setting{group: groupConnection}},
 	{flagNATSName, setting{group: groupConnection}},
 	{flagNATSUser, setting{group: groupConnection}},

@@ -46,7 +46,10 @@ const DefaultStatsInterval = 30 * time.Second
 
 // Options is everything `outbox-relay run` can be told.
 type Options struct {
-	DatabaseURL   string
+	DatabaseURL string
+	// DBPassword, when set, gives every new connection its password
+	// (--database-password-file, --database-password-command).
+	DBPassword    DBPassword
 	NATSURL       string // comma-separated server URLs
 	Table         store.Table
 	Slot          string
@@ -237,6 +240,9 @@ func (o *Options) Validate() error {
 	if !strings.HasSuffix(o.SubjectPrefix, ".") || natssink.ValidateSubject(strings.TrimSuffix(o.SubjectPrefix, ".")) != nil {
 		return fmt.Errorf("--subject-prefix %q: want dot-separated tokens ending in '.', e.g. outbox.", o.SubjectPrefix)
 	}
+	if err := o.DBPassword.Validate(); err != nil {
+		return err
+	}
 	if err := o.NATS.Validate(); err != nil {
 		return err
 	}
@@ -394,6 +400,7 @@ func poolConfig(o *Options) (*pgxpool.Config, error) {
 	pcfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
 		return replication.PinClientEncoding(ctx, c.PgConn())
 	}
+	o.DBPassword.Apply(pcfg)
 	return pcfg, nil
 }
 
@@ -401,8 +408,41 @@ func poolConfig(o *Options) (*pgxpool.Config, error) {
 // that only look (status, console): they run on a server the relay uses too,
 // and nothing they ask may run longer than ObserverStatementTimeout or on
 // more than ObserverMaxConns connections.
-func OpenObserverPool(ctx context.Context, databaseURL, appName string) (*pgxpool.Pool, error) {
-	return observerPool(ctx, &Options{DatabaseURL: databaseURL, AppName: appName})
+func OpenObserverPool(ctx context.Context, databaseURL string, pw DBPassword, appName string) (*pgxpool.Pool, error) {
+	return observerPool(ctx, &Options{DatabaseURL: databaseURL, DBPassword: pw, AppName: appName})
+}
+
+// OpenPool opens a pool for an operator command: --database-url, its
+// password as DBPassword says, named appName in pg_stat_activity.
+func OpenPool(ctx context.Context, databaseURL string, pw DBPassword, appName string) (*pgxpool.Pool, error) {
+	pcfg, err := poolConfig(&Options{DatabaseURL: databaseURL, DBPassword: pw, AppName: appName})
+	if err != nil {
+		return nil, err
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect to PostgreSQL: %w", redactErr(err, databaseURL))
+	}
+	return pool, nil
+}
+
+// ConnectDB opens one connection for a command that runs statements in
+// order on it (migrate), with the password as DBPassword says.
+func ConnectDB(ctx context.Context, databaseURL string, pw DBPassword) (*pgx.Conn, error) {
+	cfg, err := pgx.ParseConfig(databaseURL)
+	if err != nil {
+		return nil, fmt.Errorf("parse --database-url: %w", redactErr(err, databaseURL))
+	}
+	if pw.Set() {
+		if cfg.Password, err = pw.Get(ctx); err != nil {
+			return nil, err
+		}
+	}
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
+	}
+	return conn, nil
 }
 
 // observerPool opens the console's and the table metrics' pool.
@@ -528,6 +568,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	settings := store.Settings{Ordering: o.Ordering, OnPublish: o.Policy}
 	r = relay.New(relay.Config{
 		DatabaseURL:       o.DatabaseURL,
+		Password:          o.DBPassword.Func(),
 		Table:             o.Table,
 		Slot:              o.Slot,
 		Publication:       o.Publication,

@@ -93,9 +93,9 @@ func Run(ctx context.Context, o Options, stdout io.Writer, log zerolog.Logger) e
 		return err
 	}
 
-	conn, err := pgx.Connect(ctx, d.o.DatabaseURL)
+	conn, err := app.ConnectDB(ctx, d.o.DatabaseURL, d.o.DBPassword)
 	if err != nil {
-		return fmt.Errorf("connect to PostgreSQL: %w", err)
+		return err
 	}
 	defer conn.Close(context.Background())
 	if _, err := store.Migrate(ctx, conn, d.o.Table); err != nil {
@@ -115,9 +115,9 @@ func Run(ctx context.Context, o Options, stdout io.Writer, log zerolog.Logger) e
 		d.printf("%s records --ordering %s (by %s): the demo runs so too and leaves out the orders section; give it another --table to see it\n",
 			d.o.Table.Qualified(), rec.Ordering, rec.RecordedBy)
 	}
-	pool, err := pgxpool.New(ctx, d.o.DatabaseURL)
+	pool, err := app.OpenPool(ctx, d.o.DatabaseURL, d.o.DBPassword, "outbox-relay demo")
 	if err != nil {
-		return fmt.Errorf("connect to PostgreSQL: %w", err)
+		return err
 	}
 	defer pool.Close()
 

@@ -28,7 +28,10 @@ import (
 
 // Config is the CDC path's configuration.
 type Config struct {
-	DatabaseURL   string // for the replication connection; the pool is passed in
+	DatabaseURL string // for the replication connection; the pool is passed in
+	// Password, when set, gives each replication connection its password
+	// as it opens (a rotated secret: app.DBPassword).
+	Password      func(context.Context) (string, error)
 	Table         store.Table
 	Slot          string
 	Publication   string
@@ -632,7 +635,7 @@ func (r *Relay) session(ctx context.Context) error {
 			return err
 		}
 	}
-	conn, err := replication.Connect(ctx, r.cfg.DatabaseURL, r.cfg.AppName)
+	conn, err := replication.ConnectWith(ctx, r.cfg.DatabaseURL, r.cfg.AppName, r.cfg.Password)
 	if err != nil {
 		return err
 	}
