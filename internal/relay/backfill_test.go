@@ -246,6 +246,7 @@ func TestSlotInvalidatedForIdlenessIsRecreated(t *testing.T) {
 	t.Cleanup(pg.Close)
 	stream, prefix := env.StreamName(t)
 	h := newHarness(t, setup{dbURL: pg.URL("postgres"), natsURL: env.NATS.URL(), stream: stream, subjectPrefix: prefix})
+	parallel(t, h) // a server of its own
 	logs := &testenv.LogBuffer{}
 	h.logs = logs
 	h.start()
