@@ -134,3 +134,58 @@ func TestRotatedDatabasePassword(t *testing.T) {
 		})
 	}
 }
+
+// --replication-database-url: the slot's session connects there, the
+// statements through --database-url (a pooler in production; here another
+// role, so the two can be told apart in pg_stat_activity). A replication
+// URL that reaches another database is refused by each session, saying so.
+func TestSeparateReplicationURL(t *testing.T) {
+	env := testenv.Shared(t)
+	ctx := context.Background()
+	url := env.PG.CreateDatabase(t)
+	if code, _, _ := run(t, "migrate", "--database-url", url); code != 0 {
+		t.Fatalf("migrate exited %d", code)
+	}
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	mustExec(t, pool, `DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'direct_repl') THEN CREATE ROLE direct_repl LOGIN REPLICATION; END IF; END $$`)
+	var db string
+	if err := pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db); err != nil {
+		t.Fatal(err)
+	}
+	direct := fmt.Sprintf("postgres://direct_repl@127.0.0.1:%d/%s?sslmode=disable", env.PG.Port(), db)
+	stream, prefix := env.StreamName(t)
+	args := []string{"run", "--database-url", url, "--replication-database-url", direct, "--nats-url", env.NATS.URL(),
+		"--stream", stream, "--subject-prefix", prefix, "--slot", "separate_replication"}
+	logs := runOne(t, args, func() {
+		mustExec(t, pool, `INSERT INTO outbox (work_id, kind, payload) SELECT 'sep-' || i, 'k', '{}' FROM generate_series(1, 10) i`)
+		testenv.WaitFor(t, 30*time.Second, "10 rows published", func() (bool, error) {
+			var n int
+			err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE state = 'published'`).Scan(&n)
+			return n == 10, err
+		})
+		var walsender, statements string
+		err := pool.QueryRow(ctx, `SELECT (SELECT usename FROM pg_stat_replication WHERE application_name = 'outbox-relay' AND pid = (SELECT active_pid FROM pg_replication_slots WHERE slot_name = 'separate_replication')),
+			(SELECT string_agg(DISTINCT usename, ',') FROM pg_stat_activity WHERE application_name = 'outbox-relay' AND backend_type = 'client backend' AND datname = current_database())`).Scan(&walsender, &statements)
+		if err != nil || walsender != "direct_repl" || statements != "postgres" {
+			t.Errorf("the walsender's role %q, the statements' %q (%v): want direct_repl and postgres", walsender, statements, err)
+		}
+	})
+	if !strings.Contains(logs, `"replication":"127.0.0.1:`) {
+		t.Errorf("run did not say at start where each part connects:\n%s", logs)
+	}
+
+	// Another database: every session refuses.
+	other := strings.Replace(direct, "/"+db+"?", "/postgres?", 1)
+	args[4] = other
+	args[len(args)-1] = "separate_replication_other"
+	logs = runOne(t, args, func() {
+		time.Sleep(2 * time.Second)
+	})
+	if !strings.Contains(logs, `--replication-database-url reaches database \"postgres\"`) {
+		t.Errorf("a replication URL on another database was not refused:\n%s", logs)
+	}
+}

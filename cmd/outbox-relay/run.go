@@ -22,7 +22,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	var (
 		dupWindow, ackTimeout, statusInterval, drainTimeout, linger time.Duration
 		maxInFlight, maxInFlightBytes, maxBufferedBytes, replicas   int
-		httpAddr, appName                                           string
+		httpAddr, appName, replicationURL                           string
 		workerID                                                    string
 		lease, backoffMin, backoffMax, pollInterval                 time.Duration
 		maxAttempts, pollBatch, pollPipeline                        int
@@ -65,6 +65,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs.BoolVar(&consoleOpts.Enabled, "console", false, "serve the operator console under /ui/ on --http-addr (off by default: it reads every payload and can redrive and cancel)")
 	fs.StringVar(&consoleOpts.Token, "console-token", "", "the console's token (bearer, basic auth password or login), at least 16 bytes; required unless --http-addr is loopback, and without it the console is read-only and answers only requests addressed to localhost")
 	fs.BoolVar(&consoleOpts.ReadOnly, "console-read-only", false, "the console shows everything and changes nothing")
+	fs.StringVar(&replicationURL, "replication-database-url", "", "the database for the replication session (the slot), when --database-url is a pooler such as PgBouncer or a managed service's pooled endpoint, which cannot carry one: the same database, directly (empty: --database-url). Its password comes from the URL, libpq's variables or --database-password-file/--database-password-command as --database-url's")
 	fs.StringVar(&appName, "application-name", "outbox-relay", "application_name of the relay's PostgreSQL sessions")
 	fs.StringVar(&workerID, "worker-id", app.DefaultWorkerID(), "the poller's identity in claimed_by; unique per running relay")
 	fs.DurationVar(&lease, "lease", poller.DefaultLease, "how long a poller claim is held; must exceed --ack-timeout")
@@ -127,7 +128,7 @@ func runRun(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if linger < 0 {
 		return errors.New("--linger " + linger.String() + ": must be 0 or more")
 	}
-	o.HTTPAddr, o.AppName, o.StatsInterval = httpAddr, appName, statsInterval
+	o.HTTPAddr, o.AppName, o.StatsInterval, o.ReplicationURL = httpAddr, appName, statsInterval, replicationURL
 	if consoleOpts.Enabled && httpAddr == "" {
 		return errors.New("--console needs --http-addr: the console is served on it under /ui/")
 	}

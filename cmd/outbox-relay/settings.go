@@ -50,6 +50,7 @@ var settingList = []namedSetting{
 	{flagNATSTLSCA, setting{group: groupConnection}},
 	{flagNATSTLSCert, setting{group: groupConnection}},
 	{flagNATSTLSKey, setting{group: groupConnection}},
+	{"replication-database-url", setting{group: groupConnection, limits: "the same database as --database-url", refused: "postgres://[::1"}},
 	{"nats-monitor-url", setting{group: groupConnection}},
 	{"application-name", setting{group: groupConnection}},
 

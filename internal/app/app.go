@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -47,6 +48,10 @@ const DefaultStatsInterval = 30 * time.Second
 // Options is everything `outbox-relay run` can be told.
 type Options struct {
 	DatabaseURL string
+	// ReplicationURL, when set, is where the replication session
+	// connects: the same database as DatabaseURL, directly, where
+	// DatabaseURL is a pooler that cannot carry a replication connection.
+	ReplicationURL string
 	// DBPassword, when set, gives every new connection its password
 	// (--database-password-file, --database-password-command).
 	DBPassword    DBPassword
@@ -243,6 +248,11 @@ func (o *Options) Validate() error {
 	if err := o.DBPassword.Validate(); err != nil {
 		return err
 	}
+	if o.ReplicationURL != "" {
+		if _, err := pgconn.ParseConfig(o.ReplicationURL); err != nil {
+			return fmt.Errorf("parse --replication-database-url: %w", redactErr(err, o.ReplicationURL))
+		}
+	}
 	if err := o.NATS.Validate(); err != nil {
 		return err
 	}
@@ -384,6 +394,24 @@ const (
 	ObserverStatementTimeout = 10 * time.Second
 )
 
+// dbTarget names a connection string's server and database, without
+// credentials, for the log.
+func dbTarget(url string) string {
+	cfg, err := pgconn.ParseConfig(url)
+	if err != nil {
+		return "(unparsable)"
+	}
+	return fmt.Sprintf("%s:%d/%s as %s", cfg.Host, cfg.Port, cfg.Database, cfg.User)
+}
+
+// replicationURL is where the replication session connects.
+func (o *Options) replicationURL() string {
+	if o.ReplicationURL != "" {
+		return o.ReplicationURL
+	}
+	return o.DatabaseURL
+}
+
 // poolConfig is --database-url as a pool's configuration, named for
 // pg_stat_activity.
 func poolConfig(o *Options) (*pgxpool.Config, error) {
@@ -497,6 +525,10 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	if err != nil {
 		return err
 	}
+	if o.ReplicationURL != "" {
+		log.Info().Str("statements", dbTarget(o.DatabaseURL)).Str("replication", dbTarget(o.ReplicationURL)).
+			Msg("PostgreSQL: statements through --database-url, the slot's replication session through --replication-database-url")
+	}
 	defer pool.Close()
 	defer drainNATS(nc, 5*time.Second)
 	obs, err := observerPool(ctx, &o)
@@ -567,32 +599,33 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 
 	settings := store.Settings{Ordering: o.Ordering, OnPublish: o.Policy}
 	r = relay.New(relay.Config{
-		DatabaseURL:       o.DatabaseURL,
-		Password:          o.DBPassword.Func(),
-		Table:             o.Table,
-		Slot:              o.Slot,
-		Publication:       o.Publication,
-		SubjectPrefix:     o.SubjectPrefix,
-		AppName:           o.AppName,
-		DuplicateWindow:   o.DuplicateWindow,
-		MaxInFlight:       o.MaxInFlight,
-		Linger:            o.Linger,
-		MaxInFlightBytes:  o.MaxInFlightBytes,
-		MaxBufferedBytes:  o.MaxBufferedBytes,
-		StatusInterval:    o.StatusInterval,
-		DrainTimeout:      o.DrainTimeout,
-		BeforeSession:     ensureStream,
-		Ordered:           o.Ordering == OrderingAggregate,
-		DeadlineMargin:    o.DeadlineMargin,
-		RejectRetry:       o.RejectRetry,
-		RestartCheck:      o.RestartCheck,
-		Standby:           gate,
-		FailoverSlot:      o.FailoverSlot,
-		HandedOver:        p.Wake,
-		Settings:          &settings,
-		SettingsBy:        "run --worker-id " + pc.WorkerID,
-		ReadBackLimit:     o.ReadBackLimit,
-		LostCheckInterval: o.LostCheckInterval,
+		DatabaseURL:         o.replicationURL(),
+		SeparateReplication: o.ReplicationURL != "",
+		Password:            o.DBPassword.Func(),
+		Table:               o.Table,
+		Slot:                o.Slot,
+		Publication:         o.Publication,
+		SubjectPrefix:       o.SubjectPrefix,
+		AppName:             o.AppName,
+		DuplicateWindow:     o.DuplicateWindow,
+		MaxInFlight:         o.MaxInFlight,
+		Linger:              o.Linger,
+		MaxInFlightBytes:    o.MaxInFlightBytes,
+		MaxBufferedBytes:    o.MaxBufferedBytes,
+		StatusInterval:      o.StatusInterval,
+		DrainTimeout:        o.DrainTimeout,
+		BeforeSession:       ensureStream,
+		Ordered:             o.Ordering == OrderingAggregate,
+		DeadlineMargin:      o.DeadlineMargin,
+		RejectRetry:         o.RejectRetry,
+		RestartCheck:        o.RestartCheck,
+		Standby:             gate,
+		FailoverSlot:        o.FailoverSlot,
+		HandedOver:          p.Wake,
+		Settings:            &settings,
+		SettingsBy:          "run --worker-id " + pc.WorkerID,
+		ReadBackLimit:       o.ReadBackLimit,
+		LostCheckInterval:   o.LostCheckInterval,
 
 		AtomicTransactions: o.AtomicTransactions,
 		AtomicBatchMax:     o.AtomicBatchMax,

@@ -14,6 +14,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/rs/zerolog"
 
@@ -29,6 +30,10 @@ import (
 // Config is the CDC path's configuration.
 type Config struct {
 	DatabaseURL string // for the replication connection; the pool is passed in
+	// SeparateReplication: DatabaseURL came from --replication-database-url,
+	// not the pool's URL; each session checks it reaches the pool's
+	// database.
+	SeparateReplication bool
 	// Password, when set, gives each replication connection its password
 	// as it opens (a rotated secret: app.DBPassword).
 	Password      func(context.Context) (string, error)
@@ -645,6 +650,11 @@ func (r *Relay) session(ctx context.Context) error {
 		_ = conn.Close(cctx)
 	}()
 
+	if r.cfg.SeparateReplication {
+		if err := r.checkSameDatabase(ctx, conn); err != nil {
+			return err
+		}
+	}
 	slot, ident, err := r.ensureSlot(ctx, conn)
 	if err != nil {
 		return err
@@ -970,3 +980,20 @@ func (r *Relay) finishBackfill(ctx context.Context, slot replication.SlotInfo) (
 }
 
 var errOutage = errors.New("broker outage")
+
+// checkSameDatabase refuses a replication session on another database than
+// the pool's: the slot would decode another table's WAL, or none.
+func (r *Relay) checkSameDatabase(ctx context.Context, conn replication.PgConn) error {
+	ident, err := pglogrepl.IdentifySystem(ctx, conn)
+	if err != nil {
+		return fmt.Errorf("identify the replication session's server: %w", err)
+	}
+	var db string
+	if err := r.pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db); err != nil {
+		return fmt.Errorf("read the statements' database: %w", err)
+	}
+	if ident.DBName != db {
+		return fmt.Errorf("--replication-database-url reaches database %q and --database-url %q: both must name the same database (the replication URL directly, the other through its pooler)", ident.DBName, db)
+	}
+	return nil
+}
