@@ -10,11 +10,19 @@
 -- The relay: streams the slot (REPLICATION), marks or deletes rows, records
 -- its slot and the backfill marker. It needs no ownership: migrate (run as
 -- the owner) creates the table and the publication beforehand.
+-- On Amazon RDS and Aurora no login may give the REPLICATION attribute: the
+-- rds_replication role stands for it there (docs/managed-postgresql.md).
 DO $do$ BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = {{.RelayLit}}) THEN
-        CREATE ROLE {{.Relay}} LOGIN REPLICATION;
+        CREATE ROLE {{.Relay}} LOGIN;
     ELSE
-        ALTER ROLE {{.Relay}} LOGIN REPLICATION;
+        ALTER ROLE {{.Relay}} LOGIN;
+    END IF;
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'rds_replication') THEN
+        GRANT rds_replication TO {{.Relay}};
+        RAISE NOTICE 'Amazon RDS or Aurora: % is given rds_replication, which stands for REPLICATION there', {{.RelayLit}};
+    ELSE
+        ALTER ROLE {{.Relay}} REPLICATION;
     END IF;
 END $do$;
 GRANT USAGE ON SCHEMA {{.Schema}} TO {{.Relay}};
