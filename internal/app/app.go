@@ -591,6 +591,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	// set before the poller runs).
 	var r *relay.Relay
 	pc := o.pollerConfig(func() bool { return nc.IsConnected() && r.SettingsRefused() == nil })
+	pc.DeadlineNow = func() time.Time { return clock.Now().Add(clock.Uncertainty()) }
 	if gate != nil {
 		pc.Standby = gate
 		pc.WALPosition = func(ctx context.Context) (replication.LSN, error) { return replication.CurrentFlushLSN(ctx, pool) }

@@ -65,6 +65,12 @@ type Config struct {
 	// claimed (G13); SweepInterval paces the sweep that expires them.
 	DeadlineMargin time.Duration
 	SweepInterval  time.Duration
+	// DeadlineNow is the database's time as the relay measures it, read
+	// late (by its uncertainty), for the deadline asked again just before
+	// a claimed row is published: between the claim and the publish a batch
+	// may wait for a standby, an uncertain row's lookup or a slow broker.
+	// nil: this host's clock.
+	DeadlineNow func() time.Time
 	// Standby, with WALPosition, holds a claimed batch until the named
 	// standbys have flushed past the claim (run --standby-slot, G14): the
 	// rows' inserts committed before it. nil: no standbys.
@@ -446,9 +452,14 @@ func (p *Poller) process(ctx context.Context, claimed []store.Claimed) error {
 
 	batch := make([]inflight, 0, len(singles))
 	extra := make(map[string]string, 2)
+	var expiring []store.Claimed
 	for _, c := range singles {
 		if c.Reclaimed && c.Attempts > p.cfg.MaxAttempts {
 			p.failReclaimed(wctx, c)
+			continue
+		}
+		if p.expiring(c) {
+			expiring = append(expiring, c)
 			continue
 		}
 		msg, err := p.message(c, extra)
@@ -460,6 +471,7 @@ func (p *Poller) process(ctx context.Context, claimed []store.Claimed) error {
 		batch = append(batch, inflight{c: c, f: f, err: err})
 	}
 
+	p.releaseExpiring(wctx, expiring)
 	acked := make([]store.Completion, 0, len(claimed)+len(found))
 	acked = append(acked, found...)
 	for i := range batch {
@@ -547,6 +559,50 @@ func (p *Poller) failReclaimed(ctx context.Context, c store.Claimed) {
 	p.fail(ctx, c, fmt.Sprintf("uncertain: lease expired after %d attempts (max attempts reached)", c.Attempts-1))
 }
 
+// expiring asks a claimed row's deadline again just before its publish
+// (G13): the claim left it at least DeadlineMargin, but a batch can wait
+// after its claim (a standby, the lookup of uncertain rows, a slow broker,
+// a paused process), and a publish after the deadline is what the margin
+// exists to prevent. The chaos run's pg-latency and takeover windows found
+// rows of the poller's stored 0.4 s past their deadline.
+func (p *Poller) expiring(c store.Claimed) bool {
+	if c.ExpiresAt.IsZero() {
+		return false
+	}
+	now := time.Now()
+	if p.cfg.DeadlineNow != nil {
+		now = p.cfg.DeadlineNow()
+	}
+	return !c.ExpiresAt.After(now.Add(p.cfg.DeadlineMargin))
+}
+
+// releaseExpiring gives rows too close to their deadline back unpublished:
+// the claim leaves them alone (they are within the margin) and the sweep
+// expires them at their deadline.
+func (p *Poller) releaseExpiring(ctx context.Context, rows []store.Claimed) {
+	if len(rows) == 0 {
+		return
+	}
+	items := unclaimed(rows)
+	released, err := p.st.Release(ctx, items, p.cfg.WorkerID, "held: within --deadline-margin of its deadline at publish; expired by the sweep at its deadline")
+	if err != nil {
+		p.log.Warn().Err(err).Int("claims", len(items)).
+			Msg("could not give back rows too close to their deadline to publish; their leases expire and the claim leaves them to the sweep")
+		return
+	}
+	if len(released) < len(items) {
+		ok := make(map[string]struct{}, len(released))
+		for _, id := range released {
+			ok[id] = struct{}{}
+		}
+		for _, it := range items {
+			if _, found := ok[it.WorkID]; !found {
+				p.stale("release", it.WorkID, it.Generation)
+			}
+		}
+	}
+}
+
 // split sorts a claimed batch into rows published together (singles) and,
 // with ordering on, runs: two or more rows of one aggregate, in sequence
 // order. The ordered claim gives an aggregate's rows to one claim only, so
@@ -591,6 +647,10 @@ func (p *Poller) publishRun(ctx context.Context, run []store.Claimed) []store.Co
 		var err error
 		if c.Reclaimed && c.Attempts > p.cfg.MaxAttempts {
 			p.failReclaimed(ctx, c)
+		} else if p.expiring(c) {
+			// The run stops here: its later rows wait behind this one,
+			// which the sweep expires at its deadline.
+			p.releaseExpiring(ctx, []store.Claimed{c})
 		} else {
 			var msg *wire.Message
 			var f sinks.Future
