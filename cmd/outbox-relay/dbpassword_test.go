@@ -25,8 +25,10 @@ import (
 // no output or log holds either password. With the password read once, as
 // before, the relay could not reconnect until a restart.
 func TestRotatedDatabasePassword(t *testing.T) {
+	t.Parallel() // servers of its own
 	for _, mode := range []string{"file", "command"} {
 		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
 			pg, err := testenv.StartPostgres(testenv.PostgresOptions{})
 			if err != nil {
 				t.Fatal(err)

@@ -92,6 +92,7 @@ func TestDefaultRunAgreesWithItsOwnStream(t *testing.T) {
 // not to edit the stream, which 2.9 cannot do. Skipped where that package
 // is not installed.
 func TestOldBrokerIsAdvisedToUpgrade(t *testing.T) {
+	t.Parallel() // a broker of its own, a slot of its own
 	const old = "/usr/sbin/nats-server"
 	if _, err := os.Stat(old); err != nil {
 		t.Skipf("no Debian nats-server at %s", old)
@@ -134,6 +135,7 @@ func TestOldBrokerIsAdvisedToUpgrade(t *testing.T) {
 // invalidates idle slots (PostgreSQL 18's idle_replication_slot_timeout),
 // and says what an invalidated slot means for the next run.
 func TestStatusWarnsOfIdleSlotTimeout(t *testing.T) {
+	t.Parallel() // a server of its own
 	pg, err := testenv.StartPostgres(testenv.PostgresOptions{Version: 18, Conf: map[string]string{"idle_replication_slot_timeout": "1"}})
 	if err != nil {
 		t.Fatal(err)

@@ -22,6 +22,7 @@ import (
 // status reads. Against a CA that did not sign the server's certificate
 // the connection is refused, and the error says why.
 func TestPostgresVerifyFull(t *testing.T) {
+	t.Parallel() // a server of its own
 	// PostgreSQL runs as its own user: the files' directory (and the one
 	// t.TempDir makes above it) must let it in.
 	dir := t.TempDir()
