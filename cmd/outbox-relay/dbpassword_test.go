@@ -144,15 +144,7 @@ func TestRotatedDatabasePassword(t *testing.T) {
 func TestSeparateReplicationURL(t *testing.T) {
 	env := testenv.Shared(t)
 	ctx := context.Background()
-	url := env.PG.CreateDatabase(t)
-	if code, _, _ := run(t, "migrate", "--database-url", url); code != 0 {
-		t.Fatalf("migrate exited %d", code)
-	}
-	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	url, pool := migrated(t)
 	mustExec(t, pool, `DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'direct_repl') THEN CREATE ROLE direct_repl LOGIN REPLICATION; END IF; END $$`)
 	var db string
 	if err := pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db); err != nil {

@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
@@ -61,15 +60,7 @@ func TestDefaultRunAgreesWithItsOwnStream(t *testing.T) {
 	}
 
 	// The defaults: no contract finding about the stream it creates.
-	url := env.PG.CreateDatabase(t)
-	if code, _, _ := run(t, "migrate", "--database-url", url); code != 0 {
-		t.Fatalf("migrate exited %d", code)
-	}
-	pool, err := pgxpool.New(context.Background(), url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	url, pool := migrated(t)
 	logs := runOne(t, []string{"run", "--database-url", url, "--nats-url", srv.URL(), "--nats-monitor-url", srv.MonitorURL(), "--slot", "defaults_run"}, func() {
 		mustExec(t, pool, `INSERT INTO outbox (work_id, kind, payload) VALUES ('w-1', 'k', '{}')`)
 		testenv.WaitFor(t, 30*time.Second, "run to publish w-1", func() (bool, error) {
@@ -102,16 +93,7 @@ func TestOldBrokerIsAdvisedToUpgrade(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(srv.Close)
-	env := testenv.Shared(t)
-	url := env.PG.CreateDatabase(t)
-	if code, _, _ := run(t, "migrate", "--database-url", url); code != 0 {
-		t.Fatalf("migrate exited %d", code)
-	}
-	pool, err := pgxpool.New(context.Background(), url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	url, pool := migrated(t)
 	logs := runOne(t, []string{"run", "--database-url", url, "--nats-url", srv.URL(), "--slot", "defaults_old_broker"}, func() {
 		// The stream is checked before the session streams the slot.
 		testenv.WaitFor(t, 30*time.Second, "run to stream its slot", func() (bool, error) {
@@ -142,14 +124,7 @@ func TestStatusWarnsOfIdleSlotTimeout(t *testing.T) {
 	}
 	t.Cleanup(pg.Close)
 	url := pg.URL("postgres")
-	if code, _, _ := run(t, "migrate", "--database-url", url); code != 0 {
-		t.Fatalf("migrate exited %d", code)
-	}
-	pool, err := pgxpool.New(context.Background(), url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	pool := migratedAt(t, url)
 	mustExec(t, pool, `SELECT pg_create_logical_replication_slot('outbox_relay', 'pgoutput')`)
 	code, out, _ := run(t, "status", "--database-url", url)
 	if code != 0 || !strings.Contains(out, "slot outbox_relay is inactive and PostgreSQL invalidates a slot no one streams for 1s (idle_replication_slot_timeout)") {

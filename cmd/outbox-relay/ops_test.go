@@ -36,6 +36,13 @@ func run(t *testing.T, args ...string) (code int, stdout, stderr string) {
 func migrated(t *testing.T) (string, *pgxpool.Pool) {
 	t.Helper()
 	url := testenv.Shared(t).PG.CreateDatabase(t)
+	return url, migratedAt(t, url)
+}
+
+// migratedAt runs the migrate command on the database at url (a server of
+// the test's own) and returns a pool on it.
+func migratedAt(t *testing.T, url string) *pgxpool.Pool {
+	t.Helper()
 	if code, _, _ := run(t, "migrate", "--database-url", url); code != 0 {
 		t.Fatalf("migrate exited %d", code)
 	}
@@ -44,7 +51,7 @@ func migrated(t *testing.T) (string, *pgxpool.Pool) {
 		t.Fatal(err)
 	}
 	t.Cleanup(pool.Close)
-	return url, pool
+	return pool
 }
 
 func mustExec(t *testing.T, pool *pgxpool.Pool, sql string) {

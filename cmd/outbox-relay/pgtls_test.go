@@ -11,8 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
 
@@ -68,14 +66,7 @@ func TestPostgresVerifyFull(t *testing.T) {
 		t.Fatalf("status with another CA exited %d, stderr %q: want a refusal about the certificate", code, errOut)
 	}
 
-	if code, _, _ := run(t, "migrate", "--database-url", url); code != 0 {
-		t.Fatalf("migrate over verify-full exited %d", code)
-	}
-	pool, err := pgxpool.New(context.Background(), url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	pool := migratedAt(t, url) // over verify-full
 	env := testenv.Shared(t)
 	stream, prefix := env.StreamName(t)
 	runOne(t, []string{"run", "--database-url", url, "--nats-url", env.NATS.URL(), "--stream", stream, "--subject-prefix", prefix}, func() {

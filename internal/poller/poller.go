@@ -583,12 +583,19 @@ func (p *Poller) releaseExpiring(ctx context.Context, rows []store.Claimed) {
 	if len(rows) == 0 {
 		return
 	}
-	items := unclaimed(rows)
-	released, err := p.st.Release(ctx, items, p.cfg.WorkerID, "held: within --deadline-margin of its deadline at publish; expired by the sweep at its deadline")
-	if err != nil {
-		p.log.Warn().Err(err).Int("claims", len(items)).
+	if err := p.release(ctx, rows, "held: within --deadline-margin of its deadline at publish; expired by the sweep at its deadline"); err != nil {
+		p.log.Warn().Err(err).Int("claims", len(rows)).
 			Msg("could not give back rows too close to their deadline to publish; their leases expire and the claim leaves them to the sweep")
-		return
+	}
+}
+
+// release gives claimed rows back (store.Release, guarded by their claim
+// generation), a row another claim has taken meanwhile counted stale.
+func (p *Poller) release(ctx context.Context, rows []store.Claimed, why string) error {
+	items := unclaimed(rows)
+	released, err := p.st.Release(ctx, items, p.cfg.WorkerID, why)
+	if err != nil {
+		return err
 	}
 	if len(released) < len(items) {
 		ok := make(map[string]struct{}, len(released))
@@ -601,6 +608,7 @@ func (p *Poller) releaseExpiring(ctx context.Context, rows []store.Claimed) {
 			}
 		}
 	}
+	return nil
 }
 
 // split sorts a claimed batch into rows published together (singles) and,
@@ -680,24 +688,10 @@ func (p *Poller) giveBack(ctx context.Context, blocker store.Claimed, rest []sto
 	if len(rest) == 0 {
 		return
 	}
-	items := unclaimed(rest)
 	why := "held: waiting for " + blocker.WorkID + " (an earlier row of aggregate " + store.AggregateKey{Type: blocker.AggregateType, ID: blocker.AggregateID}.String() + ")"
-	released, err := p.st.Release(ctx, items, p.cfg.WorkerID, why)
-	if err != nil {
-		p.log.Warn().Err(err).Int("claims", len(items)).Str("behind", blocker.WorkID).
+	if err := p.release(ctx, rest, why); err != nil {
+		p.log.Warn().Err(err).Int("claims", len(rest)).Str("behind", blocker.WorkID).
 			Msg("could not give back the rest of an aggregate's run; their leases will expire and the rows be reclaimed in order")
-		return
-	}
-	if len(released) < len(items) {
-		ok := make(map[string]struct{}, len(released))
-		for _, id := range released {
-			ok[id] = struct{}{}
-		}
-		for _, it := range items {
-			if _, found := ok[it.WorkID]; !found {
-				p.stale("release", it.WorkID, it.Generation)
-			}
-		}
 	}
 }
 
