@@ -11,7 +11,8 @@ BIN     := bin/outbox-relay
 ## PostgreSQL server binaries in /usr/lib/postgresql/<v>/bin
 ## (skipped when OUTBOX_RELAY_TEST_PG_BIN names others), a C compiler for
 ## go test -race (cgo), libfaketime (faketime) for the tests that run
-## PostgreSQL on a shifted clock, and, when running as root, the postgres user to run
+## PostgreSQL on a shifted clock, PgBouncer (pgbouncer, Debian's 1.18) for
+## the test of every command through a transaction pooler, and, when running as root, the postgres user to run
 ## PostgreSQL as. Does nothing when everything is there. nats-server needs no
 ## setup: the tests build the version pinned in go.mod (go tool nats-server).
 setup:
@@ -29,6 +30,7 @@ setup:
 	have_faketime=no; \
 	for f in /usr/lib/*/faketime/libfaketime.so.1; do [ -e "$$f" ] && have_faketime=yes; done; \
 	[ "$$have_faketime" = yes ] || pkgs="$$pkgs faketime"; \
+	[ -x /usr/sbin/pgbouncer ] || pkgs="$$pkgs pgbouncer"; \
 	if [ "$$(uname -s)" = Linux ] && { ! command -v gcc >/dev/null 2>&1 || [ ! -e /usr/include/stdlib.h ]; }; then \
 		pkgs="$$pkgs gcc libc6-dev"; \
 	fi; \

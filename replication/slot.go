@@ -44,17 +44,21 @@ func Connect(ctx context.Context, connString, appName string) (*pgconn.PgConn, e
 	return ConnectWith(ctx, connString, appName, nil)
 }
 
+// PasswordFunc gives the password of one new connection to host:port as
+// user: a rotated secret read again, or a token signed for that endpoint.
+type PasswordFunc func(ctx context.Context, host string, port uint16, user string) (string, error)
+
 // ConnectWith is Connect with the password asked for as the connection
 // opens (nil: the connection string's, or libpq's PGPASSWORD and .pgpass):
 // a password that rotates while the relay runs is read again at every
 // reconnect.
-func ConnectWith(ctx context.Context, connString, appName string, password func(context.Context) (string, error)) (*pgconn.PgConn, error) {
+func ConnectWith(ctx context.Context, connString, appName string, password PasswordFunc) (*pgconn.PgConn, error) {
 	cfg, err := pgconn.ParseConfig(connString)
 	if err != nil {
 		return nil, fmt.Errorf("parse --database-url: %w", err)
 	}
 	if password != nil {
-		if cfg.Password, err = password(ctx); err != nil {
+		if cfg.Password, err = password(ctx, cfg.Host, cfg.Port, cfg.User); err != nil {
 			return nil, fmt.Errorf("open replication connection: %w", err)
 		}
 	}

@@ -27,7 +27,7 @@ var ignoredBy = map[string][]string{
 	"republish": {"slot", "publication", "log-level", "log-format"},
 	"cancel":    append(slices.Clone(natsAuthFlags), "nats-url", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"),
 	"prune":     append(slices.Clone(natsAuthFlags), "nats-url", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"),
-	"version":   append(slices.Clone(natsAuthFlags), "database-url", "database-password-file", "database-password-command", "nats-url", "table", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"),
+	"version":   append(slices.Clone(natsAuthFlags), "database-url", "database-password-file", "database-password-command", "database-iam", "database-iam-region", "database-pooler", "nats-url", "table", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"),
 	"demo":      nil,
 	"console":   append(slices.Clone(natsAuthFlags), "nats-url", "publication", "stream", "subject-prefix", "on-publish"),
 }
@@ -36,7 +36,7 @@ var ignoredBy = map[string][]string{
 // every command that talks to it (TestEveryCommandLogsInToAnAuthenticatedBroker).
 var natsAuthFlags = []string{"nats-name", "nats-user", "nats-password", "nats-token", "nats-creds", "nats-nkey", "nats-tls-ca", "nats-tls-cert", "nats-tls-key"}
 
-var allCommonFlags = append([]string{"database-url", "database-password-file", "database-password-command", "nats-url", "table", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"}, natsAuthFlags...)
+var allCommonFlags = append([]string{"database-url", "database-password-file", "database-password-command", "database-iam", "database-iam-region", "database-pooler", "nats-url", "table", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"}, natsAuthFlags...)
 
 // Every command's --help lists every common flag and marks exactly the ones
 // it ignores.

@@ -32,6 +32,9 @@ const (
 
 	flagDBPasswordFile    = "database-password-file"
 	flagDBPasswordCommand = "database-password-command"
+	flagDBPooler          = "database-pooler"
+	flagDBIAM             = "database-iam"
+	flagDBIAMRegion       = "database-iam-region"
 
 	flagNATSName     = "nats-name"
 	flagNATSUser     = "nats-user"
@@ -55,7 +58,7 @@ var natsFlags = []string{flagNATSURL, flagNATSName, flagNATSUser, flagNATSPasswo
 func withNATS(uses ...string) []string { return append(slices.Clone(natsFlags), uses...) }
 
 // commonFlags lists the common flags, the logging ones last.
-var commonFlags = []string{flagDatabaseURL, flagDBPasswordFile, flagDBPasswordCommand, flagNATSURL, flagNATSName, flagNATSUser, flagNATSPassword,
+var commonFlags = []string{flagDatabaseURL, flagDBPasswordFile, flagDBPasswordCommand, flagDBIAM, flagDBIAMRegion, flagDBPooler, flagNATSURL, flagNATSName, flagNATSUser, flagNATSPassword,
 	flagNATSToken, flagNATSCreds, flagNATSNKey, flagNATSTLSCA, flagNATSTLSCert, flagNATSTLSKey,
 	flagTable, flagSlot, flagPublication, flagStream, flagSubjectPrefix, flagOnPublish, flagLogLevel, flagLogFormat}
 
@@ -63,6 +66,7 @@ var commonFlags = []string{flagDatabaseURL, flagDBPasswordFile, flagDBPasswordCo
 type common struct {
 	databaseURL   string
 	dbPassword    app.DBPassword
+	dbPooler      string
 	natsURL       string
 	nats          app.NATSAuth
 	table         string
@@ -81,6 +85,9 @@ func (c *common) register(fs *flag.FlagSet, uses ...string) {
 	fs.StringVar(&c.databaseURL, flagDatabaseURL, "", "PostgreSQL URL or key=value string; empty uses the libpq variables (PGHOST, PGUSER, PGPASSWORD, ...)")
 	fs.StringVar(&c.dbPassword.File, flagDBPasswordFile, "", "a file holding the database password, read again for every new connection (a Kubernetes Secret or Vault agent file that is rewritten when the password rotates); overrides the URL's password")
 	fs.StringVar(&c.dbPassword.Command, flagDBPasswordCommand, "", "a command (run with /bin/sh -c for every new connection, at most 30s) whose first line of output is the database password: a short-lived token, e.g. aws rds generate-db-auth-token ...; overrides the URL's password")
+	fs.StringVar(&c.dbPassword.IAM, flagDBIAM, "", "aws: sign an RDS/Aurora IAM authentication token as the password of every new connection (credentials from the standard AWS chain: environment, shared files, IRSA web identity, ECS and EC2 roles); the URL names the instance's endpoint and the database user")
+	fs.StringVar(&c.dbPassword.IAMRegion, flagDBIAMRegion, "", "the AWS region of --database-iam aws's tokens (empty: AWS_REGION or the AWS profile's)")
+	fs.StringVar(&c.dbPooler, flagDBPooler, app.PoolerNone, "what --database-url reaches: none (PostgreSQL, or a pooler in session mode) or transaction (PgBouncer's pool_mode = transaction, a managed service's pooled endpoint: statements unprepared, no session state; run then needs --replication-database-url for the slot)")
 	fs.StringVar(&c.natsURL, flagNATSURL, "nats://127.0.0.1:4222", "NATS server URL(s), comma-separated")
 	fs.StringVar(&c.nats.Name, flagNATSName, "", "NATS connection name (empty: outbox-relay, or outbox-relay <command> for the others)")
 	fs.StringVar(&c.nats.User, flagNATSUser, "", "NATS user")
@@ -100,8 +107,8 @@ func (c *common) register(fs *flag.FlagSet, uses ...string) {
 	c.log.Register(fs)
 	used := map[string]bool{}
 	if slices.Contains(uses, flagDatabaseURL) {
-		// The database's password goes with its URL.
-		uses = append(slices.Clone(uses), flagDBPasswordFile, flagDBPasswordCommand)
+		// The database's password and pooler go with its URL.
+		uses = append(slices.Clone(uses), flagDBPasswordFile, flagDBPasswordCommand, flagDBIAM, flagDBIAMRegion, flagDBPooler)
 	}
 	for _, name := range uses {
 		if !slices.Contains(commonFlags, name) {
@@ -151,6 +158,7 @@ func (c *common) options() (app.Options, error) {
 	o := app.Options{
 		DatabaseURL:      c.databaseURL,
 		DBPassword:       c.dbPassword,
+		Pooler:           c.dbPooler,
 		NATSURL:          c.natsURL,
 		NATS:             c.nats,
 		Table:            t,
@@ -172,6 +180,11 @@ func (c *common) options() (app.Options, error) {
 		}
 	}
 	return o, nil
+}
+
+// db is the database the command's statements go to.
+func (c *common) db() app.DB {
+	return app.DB{URL: c.databaseURL, Password: c.dbPassword, Pooler: c.dbPooler}
 }
 
 // natsGiven reports whether the command was told where the broker is. status

@@ -59,7 +59,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return err
 	}
 	if inboxTable != "" {
-		return migrateInbox(ctx, c.databaseURL, c.dbPassword, inboxTable, stdout)
+		return migrateInbox(ctx, c.db(), inboxTable, stdout)
 	}
 	t, err := store.ParseTable(c.table)
 	if err != nil {
@@ -74,7 +74,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if err := replication.ValidateName("publication", c.publication); err != nil {
 		return err
 	}
-	conn, err := app.ConnectDB(ctx, c.databaseURL, c.dbPassword)
+	conn, err := c.db().Conn(ctx)
 	if err != nil {
 		return err
 	}
@@ -83,6 +83,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		LockTimeout:       lockTimeout,
 		Progress:          func(msg string) { fmt.Fprintf(stdout, "%s: %s\n", t.Qualified(), msg) },
 		PartitionInterval: interval,
+		Pooled:            c.db().Pooled(),
 	})
 	// Each migration is committed on its own: say which ones are in even
 	// when a later one failed, so that the rerun's output makes sense.
@@ -165,8 +166,8 @@ func recordTableSettings(ctx context.Context, conn *pgx.Conn, t store.Table, ord
 // migrateInbox creates a consumer's inbox tables. It touches neither the
 // outbox table nor the publication: the inbox lives where the consumer's
 // effects live, normally another database.
-func migrateInbox(ctx context.Context, databaseURL string, pw app.DBPassword, table string, stdout io.Writer) error {
-	conn, err := app.ConnectDB(ctx, databaseURL, pw)
+func migrateInbox(ctx context.Context, db app.DB, table string, stdout io.Writer) error {
+	conn, err := db.Conn(ctx)
 	if err != nil {
 		return err
 	}

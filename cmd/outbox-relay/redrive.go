@@ -140,15 +140,15 @@ func defaultBy() string {
 // first.
 func openStore(ctx context.Context, c *common) (*store.Store, func(), error) {
 	return openStoreOn(ctx, c, func(ctx context.Context) (*pgxpool.Pool, error) {
-		return app.OpenPool(ctx, c.databaseURL, c.dbPassword, "outbox-relay")
+		return c.db().Pool(ctx, "outbox-relay")
 	})
 }
 
 // openObserverStore is openStore on a pool with the observer bounds
-// (app.OpenObserverPool), for the commands that only look.
+// (app.DB.ObserverPool), for the commands that only look.
 func openObserverStore(ctx context.Context, c *common, appName string) (*store.Store, func(), error) {
 	return openStoreOn(ctx, c, func(ctx context.Context) (*pgxpool.Pool, error) {
-		return app.OpenObserverPool(ctx, c.databaseURL, c.dbPassword, appName)
+		return c.db().ObserverPool(ctx, appName)
 	})
 }
 

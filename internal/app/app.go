@@ -11,11 +11,9 @@ import (
 	"net/http"
 	"os"
 	"runtime"
-	"strconv"
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
@@ -54,7 +52,10 @@ type Options struct {
 	ReplicationURL string
 	// DBPassword, when set, gives every new connection its password
 	// (--database-password-file, --database-password-command).
-	DBPassword    DBPassword
+	DBPassword DBPassword
+	// Pooler says what --database-url reaches: PostgreSQL, or a pooler in
+	// transaction mode (DB.Pooler).
+	Pooler        string
 	NATSURL       string // comma-separated server URLs
 	Table         store.Table
 	Slot          string
@@ -245,8 +246,11 @@ func (o *Options) Validate() error {
 	if !strings.HasSuffix(o.SubjectPrefix, ".") || natssink.ValidateSubject(strings.TrimSuffix(o.SubjectPrefix, ".")) != nil {
 		return fmt.Errorf("--subject-prefix %q: want dot-separated tokens ending in '.', e.g. outbox.", o.SubjectPrefix)
 	}
-	if err := o.DBPassword.Validate(); err != nil {
+	if err := o.DB().Validate(); err != nil {
 		return err
+	}
+	if o.DB().Pooled() && o.ReplicationURL == "" {
+		return errors.New("--database-pooler transaction: a replication session cannot go through a transaction pooler (nor through PgBouncer before 1.23 at all): give --replication-database-url, the same database directly, for the slot")
 	}
 	if o.ReplicationURL != "" {
 		if _, err := pgconn.ParseConfig(o.ReplicationURL); err != nil {
@@ -355,7 +359,7 @@ func DefaultWorkerID() string {
 // Connect opens the PostgreSQL pool and the NATS connection, failing fast
 // with messages that name the server (never the password).
 func Connect(ctx context.Context, o *Options, log zerolog.Logger) (*pgxpool.Pool, *nats.Conn, error) {
-	pcfg, err := poolConfig(o)
+	pcfg, err := o.DB().poolConfig(o.AppName)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -384,108 +388,12 @@ func Connect(ctx context.Context, o *Options, log zerolog.Logger) (*pgxpool.Pool
 	return pool, nc, nil
 }
 
-// Observer pool bounds: the console and the table metrics run on their own
-// few connections, each statement cut off after ObserverStatementTimeout, so
-// nothing a dashboard or an operator's preview does (a whole-table count, a
-// wait on a locked row, ten browser tabs) can take a connection the marks,
-// settles and claims need, or hold one for long (G16).
-const (
-	ObserverMaxConns         = 3
-	ObserverStatementTimeout = 10 * time.Second
-)
-
-// dbTarget names a connection string's server and database, without
-// credentials, for the log.
-func dbTarget(url string) string {
-	cfg, err := pgconn.ParseConfig(url)
-	if err != nil {
-		return "(unparsable)"
-	}
-	return fmt.Sprintf("%s:%d/%s as %s", cfg.Host, cfg.Port, cfg.Database, cfg.User)
-}
-
 // replicationURL is where the replication session connects.
 func (o *Options) replicationURL() string {
 	if o.ReplicationURL != "" {
 		return o.ReplicationURL
 	}
 	return o.DatabaseURL
-}
-
-// poolConfig is --database-url as a pool's configuration, named for
-// pg_stat_activity.
-func poolConfig(o *Options) (*pgxpool.Config, error) {
-	pcfg, err := pgxpool.ParseConfig(o.DatabaseURL)
-	if err != nil {
-		return nil, fmt.Errorf("parse --database-url: %w", redactErr(err, o.DatabaseURL))
-	}
-	app := o.AppName
-	if app == "" {
-		app = "outbox-relay"
-	}
-	pcfg.ConnConfig.RuntimeParams["application_name"] = app
-	// Text in UTF-8, what messages carry (replication.PinClientEncoding).
-	pcfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
-		return replication.PinClientEncoding(ctx, c.PgConn())
-	}
-	o.DBPassword.Apply(pcfg)
-	return pcfg, nil
-}
-
-// OpenObserverPool opens a pool with the observer bounds for the commands
-// that only look (status, console): they run on a server the relay uses too,
-// and nothing they ask may run longer than ObserverStatementTimeout or on
-// more than ObserverMaxConns connections.
-func OpenObserverPool(ctx context.Context, databaseURL string, pw DBPassword, appName string) (*pgxpool.Pool, error) {
-	return observerPool(ctx, &Options{DatabaseURL: databaseURL, DBPassword: pw, AppName: appName})
-}
-
-// OpenPool opens a pool for an operator command: --database-url, its
-// password as DBPassword says, named appName in pg_stat_activity.
-func OpenPool(ctx context.Context, databaseURL string, pw DBPassword, appName string) (*pgxpool.Pool, error) {
-	pcfg, err := poolConfig(&Options{DatabaseURL: databaseURL, DBPassword: pw, AppName: appName})
-	if err != nil {
-		return nil, err
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
-	if err != nil {
-		return nil, fmt.Errorf("connect to PostgreSQL: %w", redactErr(err, databaseURL))
-	}
-	return pool, nil
-}
-
-// ConnectDB opens one connection for a command that runs statements in
-// order on it (migrate), with the password as DBPassword says.
-func ConnectDB(ctx context.Context, databaseURL string, pw DBPassword) (*pgx.Conn, error) {
-	cfg, err := pgx.ParseConfig(databaseURL)
-	if err != nil {
-		return nil, fmt.Errorf("parse --database-url: %w", redactErr(err, databaseURL))
-	}
-	if pw.Set() {
-		if cfg.Password, err = pw.Get(ctx); err != nil {
-			return nil, err
-		}
-	}
-	conn, err := pgx.ConnectConfig(ctx, cfg)
-	if err != nil {
-		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
-	}
-	return conn, nil
-}
-
-// observerPool opens the console's and the table metrics' pool.
-func observerPool(ctx context.Context, o *Options) (*pgxpool.Pool, error) {
-	pcfg, err := poolConfig(o)
-	if err != nil {
-		return nil, err
-	}
-	pcfg.ConnConfig.RuntimeParams["statement_timeout"] = strconv.FormatInt(ObserverStatementTimeout.Milliseconds(), 10)
-	pcfg.MaxConns = ObserverMaxConns
-	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
-	if err != nil {
-		return nil, fmt.Errorf("open the console's and metrics' pool: %w", redactErr(err, o.DatabaseURL))
-	}
-	return pool, nil
 }
 
 // dbClockInterval is how often the database's clock is measured again.
@@ -531,7 +439,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 	}
 	defer pool.Close()
 	defer drainNATS(nc, 5*time.Second)
-	obs, err := observerPool(ctx, &o)
+	obs, err := o.DB().ObserverPool(ctx, o.AppName)
 	if err != nil {
 		return err
 	}

@@ -25,7 +25,7 @@ import (
 func TestTableMetricsWithManyBlockedAggregates(t *testing.T) {
 	ctx := context.Background()
 	url := testenv.Shared(t).PG.CreateOutboxDatabase(t)
-	obs, err := app.OpenObserverPool(ctx, url, app.DBPassword{}, "outbox-relay test")
+	obs, err := app.DB{URL: url}.ObserverPool(ctx, "outbox-relay test")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -49,3 +49,51 @@ func TestDBPassword(t *testing.T) {
 		t.Errorf("silent command: %v", err)
 	}
 }
+
+// --database-iam aws: each connection's password is a token signed for its
+// own endpoint and user, with the AWS chain's credentials (here the
+// environment's) in the region given, and reused while it is fresh
+// (internal/rdsiam has the known answer and the refresh).
+func TestDBPasswordIAM(t *testing.T) {
+	t.Setenv("AWS_ACCESS_KEY_ID", "AKIAIOSFODNN7EXAMPLE")
+	t.Setenv("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY")
+	t.Setenv("AWS_SESSION_TOKEN", "")
+	t.Setenv("AWS_CONFIG_FILE", os.DevNull)
+	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
+	t.Setenv("AWS_EC2_METADATA_DISABLED", "true")
+	ctx := context.Background()
+	p := app.DBPassword{IAM: "aws", IAMRegion: "eu-west-1"}
+	if err := p.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	tok, err := p.For(ctx, "db.example.eu-west-1.rds.amazonaws.com", 5433, "relay")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"db.example.eu-west-1.rds.amazonaws.com:5433/?Action=connect", "DBUser=relay", "%2Feu-west-1%2Frds-db%2Faws4_request", "X-Amz-Expires=900", "X-Amz-Signature="} {
+		if !strings.Contains(tok, want) {
+			t.Errorf("token %q lacks %q", tok, want)
+		}
+	}
+	if strings.Contains(tok, "wJalrXUtnFEMI") {
+		t.Error("the token holds the secret key")
+	}
+	if again, _ := p.For(ctx, "db.example.eu-west-1.rds.amazonaws.com", 5433, "relay"); again != tok {
+		t.Error("a second connection within the token's life got a new token")
+	}
+	if other, _ := p.For(ctx, "db.example.eu-west-1.rds.amazonaws.com", 5433, "observer"); other == tok || !strings.Contains(other, "DBUser=observer") {
+		t.Errorf("another user got %q", other)
+	}
+	for _, c := range []struct {
+		p    app.DBPassword
+		want string
+	}{
+		{app.DBPassword{IAM: "aws", Command: "true"}, "give one of them"},
+		{app.DBPassword{IAM: "gcp"}, "want aws"},
+		{app.DBPassword{IAMRegion: "eu-west-1"}, "is for --database-iam aws"},
+	} {
+		if err := c.p.Validate(); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%+v: %v, want %q", c.p, err, c.want)
+		}
+	}
+}

@@ -93,7 +93,7 @@ func Run(ctx context.Context, o Options, stdout io.Writer, log zerolog.Logger) e
 		return err
 	}
 
-	conn, err := app.ConnectDB(ctx, d.o.DatabaseURL, d.o.DBPassword)
+	conn, err := d.o.DB().Conn(ctx)
 	if err != nil {
 		return err
 	}
@@ -115,7 +115,7 @@ func Run(ctx context.Context, o Options, stdout io.Writer, log zerolog.Logger) e
 		d.printf("%s records --ordering %s (by %s): the demo runs so too and leaves out the orders section; give it another --table to see it\n",
 			d.o.Table.Qualified(), rec.Ordering, rec.RecordedBy)
 	}
-	pool, err := app.OpenPool(ctx, d.o.DatabaseURL, d.o.DBPassword, "outbox-relay demo")
+	pool, err := d.o.DB().Pool(ctx, "outbox-relay demo")
 	if err != nil {
 		return err
 	}

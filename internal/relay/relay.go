@@ -36,7 +36,7 @@ type Config struct {
 	SeparateReplication bool
 	// Password, when set, gives each replication connection its password
 	// as it opens (a rotated secret: app.DBPassword).
-	Password      func(context.Context) (string, error)
+	Password      replication.PasswordFunc
 	Table         store.Table
 	Slot          string
 	Publication   string

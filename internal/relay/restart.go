@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/outbox-relay/outbox-relay/replication"
 )
 
@@ -86,11 +88,10 @@ func (r *Relay) newRestartKeeper(ctx context.Context) *restartKeeper {
 // is closed afterwards: a temporary slot lives as long as its session, and
 // one left behind on a pooled connection would hold WAL for hours.
 func (r *Relay) recordByTemporarySlot(ctx context.Context) (replication.LSN, error) {
-	c, err := r.pool.Acquire(ctx)
+	conn, err := r.temporarySlotConn(ctx)
 	if err != nil {
-		return 0, fmt.Errorf("acquire a connection for a temporary slot: %w", err)
+		return 0, err
 	}
-	conn := c.Hijack()
 	// Closed in the background: a creation cancelled by ctx leaves the
 	// connection busy, and a close that waits for it would hold the stop
 	// past --drain-timeout (seen once under load: a 10.6 s stop). The
@@ -112,6 +113,38 @@ func (r *Relay) recordByTemporarySlot(ctx context.Context) (replication.LSN, err
 		wait = min(wait, time.Until(d))
 	}
 	return replication.LogSnapshotByTemporarySlot(ctx, conn, name+tempSlotSuffix, wait)
+}
+
+// temporarySlotConn is a session of its own for a temporary slot: one
+// taken from the pool, or, when the statements go to another URL than the
+// slot (--replication-database-url: a pooler), one opened on the slot's:
+// closing a client's connection to a pooler does not end the server's
+// session, so the temporary slot would outlive it there.
+func (r *Relay) temporarySlotConn(ctx context.Context) (*pgx.Conn, error) {
+	if !r.cfg.SeparateReplication {
+		c, err := r.pool.Acquire(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("acquire a connection for a temporary slot: %w", err)
+		}
+		return c.Hijack(), nil
+	}
+	cfg, err := pgx.ParseConfig(r.cfg.DatabaseURL)
+	if err != nil {
+		return nil, fmt.Errorf("parse --replication-database-url: %w", err)
+	}
+	if r.cfg.Password != nil {
+		if cfg.Password, err = r.cfg.Password(ctx, cfg.Host, cfg.Port, cfg.User); err != nil {
+			return nil, fmt.Errorf("connect for a temporary slot: %w", err)
+		}
+	}
+	if r.cfg.AppName != "" {
+		cfg.RuntimeParams["application_name"] = r.cfg.AppName
+	}
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect to %s:%d for a temporary slot: %w", cfg.Host, cfg.Port, err)
+	}
+	return conn, nil
 }
 
 const (

@@ -273,6 +273,16 @@ type MigrateOptions struct {
 	// MinPartitionInterval, whole minutes). On a partitioned table it must
 	// be the recorded interval or 0; on a plain table it is refused.
 	PartitionInterval time.Duration
+	// Pooled says the connection goes through a pooler in transaction mode
+	// (app.DB.Pooler), where session state does not follow the client
+	// from one transaction to the next: a session lock would be left on a
+	// server connection that then serves someone else (and its unlock sent
+	// to another), and a session setting would change that someone's
+	// lock_timeout. Each migration then takes the lock as a transaction
+	// lock, inside its own transaction, and sets lock_timeout there
+	// (SET LOCAL), and a statement run on its own takes no setting but
+	// the server's; see MigrateWith for what that leaves.
+	Pooled bool
 }
 
 // ErrConvertPlain refuses --partition-interval on a table that exists as a
@@ -447,12 +457,20 @@ func applyMigrations(ctx context.Context, conn *pgx.Conn, t Table, opts MigrateO
 				return done, fmt.Errorf("migrate %s: record %04d_%s: %w", t.Qualified(), m.Version, m.Name, err)
 			}
 		} else if err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+			if r.opts.Pooled {
+				again, err := r.lockTx(ctx, tx, ver, m.Version)
+				if err != nil || again {
+					return err
+				}
+			}
 			if _, err := tx.Exec(ctx, m.SQL); err != nil {
 				return err
 			}
 			_, err := tx.Exec(ctx, record, t.Qualified(), m.Version, m.Name)
 			return err
-		}); err != nil {
+		}); errors.Is(err, errAppliedMeanwhile) {
+			continue
+		} else if err != nil {
 			// Explained after the rollback: the aborted transaction could
 			// not look up who holds the lock.
 			return done, r.explain(ctx, what+" (rolled back: nothing of it is applied)", err)
@@ -474,6 +492,9 @@ type migrator struct {
 // while this one waits for its lock (with pg_advisory_lock,
 // TestMigrateConcurrentAndQuoted fails on "deadlock detected").
 func (r *migrator) lock(ctx context.Context) error {
+	if r.opts.Pooled {
+		return nil
+	}
 	told := false
 	for {
 		var ok bool
@@ -498,6 +519,9 @@ func (r *migrator) lock(ctx context.Context) error {
 // unlock releases the advisory lock; a connection that broke has already
 // released it with its session.
 func (r *migrator) unlock() {
+	if r.opts.Pooled {
+		return
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	_, _ = r.conn.Exec(ctx, `SELECT pg_advisory_unlock(`+migrateLockKey+`)`)
@@ -512,6 +536,9 @@ func (r *migrator) timeoutSetting() string {
 }
 
 func (r *migrator) setLockTimeout(ctx context.Context, v string) error {
+	if r.opts.Pooled {
+		return nil
+	}
 	if _, err := r.conn.Exec(ctx, `SELECT set_config('lock_timeout', $1, false)`, v); err != nil {
 		return fmt.Errorf("migrate %s: set lock_timeout %s: %w", r.t.Qualified(), v, err)
 	}
@@ -534,8 +561,61 @@ var (
 	dropIndexConcurrently = regexp.MustCompile(`(?is)^DROP\s+INDEX\s+CONCURRENTLY\b`)
 )
 
+// pooledAttempts bounds how often a pooled migrate runs a statement of a
+// no-transaction migration again after a deadlock with another migrate.
+const pooledAttempts = 10
+
 // statement runs one statement of a no-transaction migration.
+//
+// Pooled, no lock keeps another migrate's statements away from this one's,
+// and two that take SHARE UPDATE EXCLUSIVE on one table (an index build
+// waiting for older snapshots, the other waiting for the lock with its
+// snapshot taken) can deadlock: PostgreSQL cancels one, which is run again.
+// An index is checked valid after its build: CREATE INDEX CONCURRENTLY IF
+// NOT EXISTS also returns at once when another migrate's build of it is
+// still going, and that build may yet fail.
 func (r *migrator) statement(ctx context.Context, s string) error {
+	if !r.opts.Pooled {
+		return r.statementOnce(ctx, s)
+	}
+	head := stripLeadingComments(s)
+	for attempt := 1; ; attempt++ {
+		err := r.statementOnce(ctx, s)
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "40P01" && attempt < pooledAttempts {
+			r.opts.Progress("deadlock with another migrate (no session lock behind a transaction pooler): running the statement again")
+			time.Sleep(time.Duration(attempt) * 100 * time.Millisecond)
+			continue
+		}
+		if err != nil || !indexBuild.MatchString(head) {
+			return err
+		}
+		sub := indexBuild.FindStringSubmatch(head)
+		valid, err := r.indexValid(ctx, sub[2], unquoteIdent(sub[1]))
+		if err != nil || valid {
+			return err
+		}
+		if attempt == pooledAttempts {
+			return fmt.Errorf("index %s is still not valid after %d builds: run migrate again", unquoteIdent(sub[1]), attempt)
+		}
+	}
+}
+
+// indexValid reports whether the index is there and valid.
+func (r *migrator) indexValid(ctx context.Context, table, name string) (bool, error) {
+	var valid bool
+	err := r.conn.QueryRow(ctx, `SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+		WHERE i.indrelid = to_regclass($1) AND c.relname = $2`, table, name).Scan(&valid)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("look at index %s: %w", name, err)
+	}
+	return valid, nil
+}
+
+func (r *migrator) statementOnce(ctx context.Context, s string) error {
 	head := stripLeadingComments(s)
 	switch {
 	case createIndex.MatchString(head) && !indexBuild.MatchString(head):
@@ -573,8 +653,63 @@ func (r *migrator) statement(ctx context.Context, s string) error {
 	case dropIndexConcurrently.MatchString(head):
 		return r.withoutLockTimeout(ctx, s)
 	}
+	if r.opts.Pooled {
+		// Its own transaction, so the lock and the bound hold for it and
+		// leave with it (it is none of the CONCURRENTLY kind, which cannot
+		// run in one).
+		return r.exclusive(ctx, func(q DBTX) error {
+			if _, err := q.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, r.timeoutSetting()); err != nil {
+				return fmt.Errorf("set lock_timeout: %w", err)
+			}
+			_, err := q.Exec(ctx, s)
+			return err
+		})
+	}
 	_, err := r.conn.Exec(ctx, s)
 	return err
+}
+
+// exclusive runs fn under the migrate lock: the session's, which this
+// migrate holds already, or, pooled, a transaction lock for fn's own
+// transaction (two migrates creating the same catalog objects at once fail
+// on a unique violation in the catalog).
+func (r *migrator) exclusive(ctx context.Context, fn func(q DBTX) error) error {
+	if !r.opts.Pooled {
+		return fn(r.conn)
+	}
+	return pgx.BeginFunc(ctx, r.conn, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(`+migrateLockKey+`)`); err != nil {
+			return fmt.Errorf("take advisory lock: %w", err)
+		}
+		return fn(tx)
+	})
+}
+
+// errAppliedMeanwhile ends the transaction of a migration that another
+// migrate applied while this one read the versions (pooled only: there the
+// lock is taken per migration).
+var errAppliedMeanwhile = errors.New("applied by another migrate meanwhile")
+
+// lockTx takes, inside a migration's own transaction, what a migrate on
+// its own session takes once for the whole run (pooled only): the lock,
+// as a transaction lock, and the lock_timeout, as a local setting. It
+// reports errAppliedMeanwhile when another migrate applied the migration
+// while this one waited for the lock.
+func (r *migrator) lockTx(ctx context.Context, tx pgx.Tx, ver string, version int) (bool, error) {
+	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(`+migrateLockKey+`)`); err != nil {
+		return false, fmt.Errorf("take advisory lock: %w", err)
+	}
+	if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, r.timeoutSetting()); err != nil {
+		return false, fmt.Errorf("set lock_timeout: %w", err)
+	}
+	var done bool
+	if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+ver+` WHERE target = $1 AND version = $2)`, r.t.Qualified(), version).Scan(&done); err != nil {
+		return false, fmt.Errorf("read applied versions: %w", err)
+	}
+	if done {
+		return true, errAppliedMeanwhile
+	}
+	return false, nil
 }
 
 // withoutLockTimeout runs a statement that takes only SHARE UPDATE
@@ -596,17 +731,32 @@ func (r *migrator) withoutLockTimeout(ctx context.Context, s string) error {
 // dropInvalidIndex drops the INVALID index a failed or cancelled CREATE
 // INDEX CONCURRENTLY left: IF NOT EXISTS would see it and build nothing.
 // The advisory lock means no other migrate is building it now.
+//
+// Pooled, no lock keeps another migrate away: an index it is building now
+// is invalid too until its build ends, so a build in progress is waited
+// for, and looked at again, rather than dropped.
 func (r *migrator) dropInvalidIndex(ctx context.Context, table, name string) error {
 	var schema string
-	var valid bool
-	err := r.conn.QueryRow(ctx, `SELECT n.nspname, i.indisvalid
-		FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_namespace n ON n.oid = c.relnamespace
-		WHERE i.indrelid = to_regclass($1) AND c.relname = $2`, table, name).Scan(&schema, &valid)
-	if errors.Is(err, pgx.ErrNoRows) || (err == nil && valid) {
-		return nil
-	}
-	if err != nil {
-		return fmt.Errorf("look for an invalid index %s: %w", name, err)
+	var valid, building bool
+	for {
+		err := r.conn.QueryRow(ctx, `SELECT n.nspname, i.indisvalid,
+				EXISTS (SELECT 1 FROM pg_stat_progress_create_index p WHERE p.index_relid = i.indexrelid)
+			FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+			WHERE i.indrelid = to_regclass($1) AND c.relname = $2`, table, name).Scan(&schema, &valid, &building)
+		if errors.Is(err, pgx.ErrNoRows) || (err == nil && valid) {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("look for an invalid index %s: %w", name, err)
+		}
+		if !r.opts.Pooled || !building {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("wait for another migrate's build of index %s: %w", name, ctx.Err())
+		case <-time.After(100 * time.Millisecond):
+		}
 	}
 	r.opts.Progress(fmt.Sprintf("dropping the invalid index %s that an interrupted build left, to build it again", name))
 	if err := r.withoutLockTimeout(ctx, `DROP INDEX CONCURRENTLY IF EXISTS `+pgx.Identifier{schema, name}.Sanitize()); err != nil {

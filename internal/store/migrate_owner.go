@@ -239,17 +239,23 @@ func (r *migrator) versionTable(ctx context.Context) (string, error) {
 	// create before it looks, and a table's owner may have none on the
 	// database or the schema.
 	if !schemaExists {
-		if _, err := r.conn.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+pgx.Identifier{r.t.Schema}.Sanitize()); err != nil {
+		if err := r.exclusive(ctx, func(q DBTX) error {
+			_, err := q.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+pgx.Identifier{r.t.Schema}.Sanitize())
+			return err
+		}); err != nil {
 			return "", r.explain(ctx, "create schema", err)
 		}
 	}
 	if !tableExists {
-		if _, err := r.conn.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+ver+` (
+		if err := r.exclusive(ctx, func(q DBTX) error {
+			_, err := q.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+ver+` (
 			target     text        NOT NULL,
 			version    integer     NOT NULL,
 			name       text        NOT NULL,
 			applied_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-			PRIMARY KEY (target, version))`); err != nil {
+			PRIMARY KEY (target, version))`)
+			return err
+		}); err != nil {
 			return "", r.explain(ctx, "create version table", err)
 		}
 	}
@@ -266,14 +272,17 @@ func (r *migrator) versionTable(ctx context.Context) (string, error) {
 	switch {
 	case opened:
 	case canAlter:
-		// One implicit transaction: never enabled without its policy.
-		if _, err := r.conn.Exec(ctx, `ALTER TABLE `+ver+` ENABLE ROW LEVEL SECURITY;
+		// One transaction: never enabled without its policy.
+		if err := r.exclusive(ctx, func(q DBTX) error {
+			_, err := q.Exec(ctx, `ALTER TABLE `+ver+` ENABLE ROW LEVEL SECURITY;
 			DROP POLICY IF EXISTS `+versionPolicy+` ON `+ver+`;
 			CREATE POLICY `+versionPolicy+` ON `+ver+` USING (EXISTS (
 				SELECT 1 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 				WHERE n.nspname = pg_catalog.split_part(target, '.', 1) AND c.relname = pg_catalog.split_part(target, '.', 2)
 				  AND c.relkind IN ('r', 'p') AND pg_catalog.pg_has_role(c.relowner, 'USAGE')));
-			GRANT SELECT, INSERT, DELETE ON `+ver+` TO PUBLIC`); err != nil {
+			GRANT SELECT, INSERT, DELETE ON `+ver+` TO PUBLIC`)
+			return err
+		}); err != nil {
 			return "", r.explain(ctx, "open the version table to each table's owner", err)
 		}
 	case !canUse:

@@ -56,6 +56,10 @@ type Store struct {
 	policy Policy
 
 	settleSQL string
+	// cached says the pool's connections may keep named statements: not
+	// behind a transaction pooler (app.DB.Pooler), where a statement
+	// prepared on one server connection is unknown on the next.
+	cached bool
 
 	// pruneHook, in tests, runs at the steps of a partition's prune
 	// (SetPruneHook).
@@ -79,6 +83,10 @@ func New(pool *pgxpool.Pool, t Table, policy Policy) *Store {
 		policy = PolicyMark
 	}
 	s := &Store{pool: pool, table: t, policy: policy}
+	if pool != nil {
+		cc := pool.Config().ConnConfig
+		s.cached = cc.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement && cc.StatementCacheCapacity > 0
+	}
 	s.settleSQL = buildSettleSQL(t, policy)
 	return s
 }
@@ -242,7 +250,7 @@ func (s *Store) SettleRows(ctx context.Context, items []Settle) (settled []bool,
 	}
 	var changed []string
 	var snapText string
-	mode := batchMode(len(items))
+	mode := s.batchMode(len(items))
 	args := []any{mode, pubIDs, pubSeqs, pubStreams, pubNotes, delayIDs, rejIDs, rejErrs, rejDelay, heldIDs, heldErrs}
 	if s.policy == PolicyDelete {
 		args = []any{mode, pubIDs, delayIDs, rejIDs, rejErrs, rejDelay, heldIDs, heldErrs}
@@ -426,8 +434,8 @@ const smallBatch = 64
 // batchMode is how a batched statement of n rows runs: with the statement
 // and plan cached on the connection for small batches, planned for its
 // parameters otherwise.
-func batchMode(n int) pgx.QueryExecMode {
-	if n <= smallBatch {
+func (s *Store) batchMode(n int) pgx.QueryExecMode {
+	if n <= smallBatch && s.cached {
 		return pgx.QueryExecModeCacheStatement
 	}
 	return unplanned
