@@ -130,6 +130,13 @@ func TestThroughPgBouncerTransactionMode(t *testing.T) {
 		})
 	})
 
+	// A clean stop on PostgreSQL 15 creates a temporary slot: made through
+	// the pooler, it would live on with the server connection, holding WAL.
+	var temporary int
+	if err := admin.QueryRow(ctx, `SELECT count(*) FROM pg_replication_slots WHERE temporary`).Scan(&temporary); err != nil || temporary != 0 {
+		t.Errorf("%d temporary slots left after the stop (%v), want none", temporary, err)
+	}
+
 	nc, err := nats.Connect(env.NATS.URL())
 	if err != nil {
 		t.Fatal(err)
