@@ -2,12 +2,18 @@ package app_test
 
 import (
 	"context"
+	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgproto3"
 
 	"github.com/outbox-relay/outbox-relay/internal/app"
+	"github.com/outbox-relay/outbox-relay/replication"
 )
 
 func TestDBPassword(t *testing.T) {
@@ -96,4 +102,91 @@ func TestDBPasswordIAM(t *testing.T) {
 			t.Errorf("%+v: %v, want %q", c.p, err, c.want)
 		}
 	}
+}
+
+// Every kind of connection sends --database-iam aws's token, signed for its
+// own endpoint and user: the pool's (run, the operator commands), the one
+// connection (migrate) and the replication session. A server on loopback
+// asks for the password in clear and records it.
+func TestDBPasswordIAMReachesTheServer(t *testing.T) {
+	t.Setenv("AWS_ACCESS_KEY_ID", "AKIAIOSFODNN7EXAMPLE")
+	t.Setenv("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY")
+	t.Setenv("AWS_SESSION_TOKEN", "")
+	t.Setenv("AWS_CONFIG_FILE", os.DevNull)
+	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
+	t.Setenv("AWS_EC2_METADATA_DISABLED", "true")
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = l.Close() })
+	passwords := make(chan string, 16)
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				be := pgproto3.NewBackend(c, c)
+				msg, err := be.ReceiveStartupMessage()
+				if _, ok := msg.(*pgproto3.SSLRequest); ok && err == nil {
+					if _, err := c.Write([]byte("N")); err != nil {
+						return
+					}
+					msg, err = be.ReceiveStartupMessage()
+				}
+				if _, ok := msg.(*pgproto3.StartupMessage); !ok || err != nil {
+					return
+				}
+				be.Send(&pgproto3.AuthenticationCleartextPassword{})
+				if err := be.Flush(); err != nil {
+					return
+				}
+				if err := be.SetAuthType(pgproto3.AuthTypeCleartextPassword); err != nil {
+					return
+				}
+				m, err := be.Receive()
+				if pw, ok := m.(*pgproto3.PasswordMessage); ok && err == nil {
+					passwords <- pw.Password
+				}
+				be.Send(&pgproto3.ErrorResponse{Severity: "FATAL", Code: "28P01", Message: "password authentication failed"})
+				_ = be.Flush()
+			}()
+		}
+	}()
+	port := l.Addr().(*net.TCPAddr).Port
+	db := app.DB{URL: fmt.Sprintf("postgres://relay@127.0.0.1:%d/app?sslmode=disable&connect_timeout=5", port),
+		Password: app.DBPassword{IAM: "aws", IAMRegion: "eu-west-1"}}
+	want := fmt.Sprintf("127.0.0.1:%d/?Action=connect&DBUser=relay&", port)
+	got := func(what string) {
+		t.Helper()
+		select {
+		case pw := <-passwords:
+			if !strings.HasPrefix(pw, want) || !strings.Contains(pw, "%2Feu-west-1%2Frds-db%2F") {
+				t.Errorf("%s sent %q, want a token for %s in eu-west-1", what, pw, want)
+			}
+		case <-time.After(10 * time.Second):
+			t.Errorf("%s sent no password", what)
+		}
+	}
+	ctx := context.Background()
+	pool, err := db.Pool(ctx, "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pool.Ping(ctx); err == nil || !strings.Contains(err.Error(), "password authentication failed") {
+		t.Errorf("pool: %v, want the server's refusal", err)
+	}
+	pool.Close()
+	got("the pool")
+	if _, err := db.Conn(ctx); err == nil {
+		t.Error("conn: logged in to a server that refuses everyone")
+	}
+	got("the one connection")
+	if _, err := replication.ConnectWith(ctx, db.URL, "test", db.Password.Func()); err == nil {
+		t.Error("replication: logged in to a server that refuses everyone")
+	}
+	got("the replication session")
 }
