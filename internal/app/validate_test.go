@@ -35,6 +35,10 @@ func TestValidateNamesTheFlag(t *testing.T) {
 		want   []string
 	}{
 		{"no nats url", func(o *app.Options) { o.NATSURL = "" }, []string{"--nats-url"}},
+		{"pooled without a direct slot", func(o *app.Options) { o.Pooler = app.PoolerTransaction }, []string{"--database-pooler transaction", "--replication-database-url"}},
+		{"unknown pooler", func(o *app.Options) { o.Pooler = "statement" }, []string{"--database-pooler", `"statement"`, "transaction"}},
+		{"two password sources", func(o *app.Options) { o.DBPassword = app.DBPassword{IAM: app.IAMAWS, Command: "true"} }, []string{"--database-iam", "--database-password-command", "give one"}},
+		{"iam region without iam", func(o *app.Options) { o.DBPassword = app.DBPassword{IAMRegion: "eu-west-1"} }, []string{"--database-iam-region", "--database-iam aws"}},
 		{"stream with dot", func(o *app.Options) { o.Stream = "A.B" }, []string{"--stream", "A.B"}},
 		{"empty stream", func(o *app.Options) { o.Stream = "" }, []string{"--stream", "empty"}},
 		{"stream with slash", func(o *app.Options) { o.Stream = "a/b" }, []string{"--stream", `"a/b"`, "path separator '/'"}},
