@@ -887,7 +887,7 @@ func (l *loop) handleResult(ctx context.Context, it *item) error {
 	it.settle.Outcome = store.Published
 	it.settle.Seq = it.ack.Sequence
 	it.settle.Stream = it.ack.Stream
-	l.r.acked.raise(it.ack.Stream, it.ack.Sequence)
+	l.r.acked.raise(it.ack.Stream, it.ack.Sequence, it.workID)
 	// Only what the mark needs stays: the message (payload and headers)
 	// and its future are garbage from here.
 	it.msg, it.fut = nil, nil

@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"fmt"
 	"maps"
 	"sync"
 	"time"
@@ -95,7 +96,8 @@ func (r *Relay) checkLost(ctx context.Context, full bool) {
 		r.log.Warn().Err(err).Msg("could not read the stream's state to check for messages the broker lost; checking again later")
 		return
 	}
-	seen := seenBefore[state.Stream]
+	seenAt := seenBefore[state.Stream]
+	seen := seenAt.Seq
 	if r.store.Policy() != store.PolicyMark {
 		if seen > state.LastSeq {
 			lost := seen - state.LastSeq
@@ -122,7 +124,18 @@ func (r *Relay) checkLost(ctx context.Context, full bool) {
 		return
 	}
 	shortfall := seen > state.LastSeq
-	if !full && !shortfall {
+	// The stream may have lost its tail and taken new messages since, at
+	// the sequences it lost (another instance publishing before this
+	// check): its end is then back past what it lost, and only the message
+	// at a recorded sequence tells. The one this process was last
+	// acknowledged is read back (seed 1796657719126888718: 31 rows lost so).
+	refilledAt := uint64(0)
+	if !shortfall && seenAt.ID != "" && seen >= state.FirstSeq {
+		if id, ok := r.messageAt(ctx, seen); ok && id != seenAt.ID {
+			refilledAt = seen
+		}
+	}
+	if !full && !shortfall && refilledAt == 0 {
 		return
 	}
 	// Both times are compared with the rows' times, which are
@@ -145,8 +158,25 @@ func (r *Relay) checkLost(ctx context.Context, full bool) {
 		r.log.Warn().Err(err).Msg("could not hand rows the broker lost back to the poller; checking again later")
 		return
 	}
-	if shortfall {
+	if shortfall || refilledAt > 0 {
 		r.acked.lower(state.Stream, seen, state.LastSeq)
+	}
+	// Past the end first, then at or below it: where the stream took new
+	// messages at sequences it lost, the rows recorded there are lost too.
+	// Any sign of a loss has every recorded sequence up to the end read.
+	if refilledAt > 0 || shortfall || lost.Rows > 0 || (full && r.refilledTop(ctx, state, created, since) > 0) {
+		reused, err := r.requeueReused(ctx, state, state.LastSeq, created, since)
+		if err != nil {
+			r.log.Warn().Err(err).Msg("could not check the rows recorded at sequences the broker may have reused; checking again later")
+		} else if reused.Rows > 0 {
+			r.metrics.BrokerLost.Add(float64(reused.Rows))
+			r.log.Error().Str("stream", state.Stream).Uint64("stream_last_seq", state.LastSeq).Uint64("from_seq", reused.From).Uint64("to_seq", reused.To).
+				Int("rows", reused.Rows).Msg("the broker lost messages it had acknowledged and has since stored other messages at their sequences: " +
+				"handed the rows back to the poller, which publishes them again")
+			if r.cfg.HandedOver != nil && lost.Rows == 0 {
+				r.cfg.HandedOver()
+			}
+		}
 	}
 	if lost.Rows == 0 {
 		return
@@ -158,6 +188,104 @@ func (r *Relay) checkLost(ctx context.Context, full bool) {
 	if r.cfg.HandedOver != nil {
 		r.cfg.HandedOver()
 	}
+}
+
+// reusedSpan bounds the sequences below a sign of reuse that are checked
+// message by message: the tail a broker loses is what it had not synced
+// (2 minutes of traffic by default); a loss deeper than this below the
+// sign is not found.
+const reusedSpan = 100_000
+
+// messageAt is the work ID of the message at seq in the own stream; ok is
+// false when it cannot be read or holds nothing there.
+func (r *Relay) messageAt(ctx context.Context, seq uint64) (string, bool) {
+	rd, ok := r.sink.(sinks.StoredReader)
+	if !ok || seq == 0 {
+		return "", false
+	}
+	var id string
+	found := false
+	_, err := rd.ReadStored(ctx, sinks.From{AfterSeq: seq - 1, BySeq: true}, 1, func(m sinks.Stored) bool {
+		id, found = m.ID, m.Seq == seq
+		return false
+	})
+	if err != nil {
+		r.log.Warn().Err(err).Uint64("seq", seq).Msg("could not read the message at a recorded sequence to check for messages the broker lost; checking again later")
+		return "", false
+	}
+	return id, found
+}
+
+// refilledTop is a session start's look for a stream that lost its tail
+// and took new messages at its sequences since (it has no acknowledgement
+// of its own to compare): two rows recorded at one sequence, or another
+// message at the highest sequence a row is recorded at. It returns the
+// highest such sequence, or 0.
+func (r *Relay) refilledTop(ctx context.Context, state sinks.StreamState, created, since time.Time) uint64 {
+	top, twice, err := r.store.TopRecorded(ctx, state.Stream, state.LastSeq, created, since)
+	if twice >= state.FirstSeq && twice > 0 {
+		return twice
+	}
+	if err != nil || len(top) == 0 || top[0].Seq < state.FirstSeq {
+		if err != nil {
+			r.log.Warn().Err(err).Msg("could not read the rows recorded last to check for messages the broker lost; checking again later")
+		}
+		return 0
+	}
+	id, ok := r.messageAt(ctx, top[0].Seq)
+	if !ok {
+		return 0
+	}
+	for _, row := range top {
+		if row.WorkID != id {
+			return top[0].Seq
+		}
+	}
+	return 0
+}
+
+// requeueReused reads the own stream's messages at the sequences from
+// reusedSpan below hi up to hi and hands back the rows recorded at one of
+// them that holds another message now. A sequence that holds none (a
+// message deleted on its own) is not a loss.
+func (r *Relay) requeueReused(ctx context.Context, state sinks.StreamState, hi uint64, created, since time.Time) (store.LostRange, error) {
+	rd, ok := r.sink.(sinks.StoredReader)
+	if !ok {
+		return store.LostRange{}, nil
+	}
+	lo := uint64(0)
+	if hi > reusedSpan {
+		lo = hi - reusedSpan
+	}
+	if state.FirstSeq > 0 && lo < state.FirstSeq-1 {
+		lo = state.FirstSeq - 1
+	}
+	rows, err := r.store.RecordedBetween(ctx, state.Stream, lo, hi, created, since, 4*reusedSpan)
+	if err != nil || len(rows) == 0 {
+		return store.LostRange{}, err
+	}
+	// A read that ends short judges what it read: a row is lost only where
+	// another message was read at its sequence.
+	at := make(map[uint64]string, len(rows))
+	if _, err := rd.ReadStored(ctx, sinks.From{AfterSeq: lo, BySeq: true}, reusedSpan+1, func(m sinks.Stored) bool {
+		if m.Seq > hi {
+			return false
+		}
+		at[m.Seq] = m.ID
+		return true
+	}); err != nil {
+		return store.LostRange{}, fmt.Errorf("read stream %s at seq %d to %d: %w", state.Stream, lo+1, hi, err)
+	}
+	var lost []store.Recorded
+	for _, row := range rows {
+		if id, ok := at[row.Seq]; ok && id != row.WorkID {
+			lost = append(lost, row)
+		}
+	}
+	if len(lost) == 0 {
+		return store.LostRange{}, nil
+	}
+	return r.store.RequeueLostRows(ctx, state.Stream, lost, lo)
 }
 
 // BrokerReconnected asks the running session for a check at once: the
@@ -196,31 +324,39 @@ func (r *Relay) keepCheckingLost(ctx context.Context) {
 	}
 }
 
-// ackedSeqs is the highest acknowledged sequence by stream.
+// ackedSeqs is the highest acknowledged sequence by stream, with the
+// work ID acknowledged there.
 type ackedSeqs struct {
 	mu  sync.Mutex
-	seq map[string]uint64
+	seq map[string]ackedAt
 }
 
-func (a *ackedSeqs) raise(stream string, seq uint64) {
+// ackedAt is a sequence and the message ID acknowledged at it ("" when
+// not known: set by lower).
+type ackedAt struct {
+	Seq uint64
+	ID  string
+}
+
+func (a *ackedSeqs) raise(stream string, seq uint64, id string) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.seq == nil {
-		a.seq = map[string]uint64{}
+		a.seq = map[string]ackedAt{}
 	}
-	if seq > a.seq[stream] {
-		a.seq[stream] = seq
+	if seq > a.seq[stream].Seq {
+		a.seq[stream] = ackedAt{Seq: seq, ID: id}
 	}
 }
 
 func (a *ackedSeqs) get(stream string) uint64 {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return a.seq[stream]
+	return a.seq[stream].Seq
 }
 
 // snapshot copies the highest acknowledged sequences.
-func (a *ackedSeqs) snapshot() map[string]uint64 {
+func (a *ackedSeqs) snapshot() map[string]ackedAt {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return maps.Clone(a.seq)
@@ -231,7 +367,7 @@ func (a *ackedSeqs) snapshot() map[string]uint64 {
 func (a *ackedSeqs) lower(stream string, seen, seq uint64) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.seq != nil && a.seq[stream] <= seen {
-		a.seq[stream] = seq
+	if a.seq != nil && a.seq[stream].Seq <= seen {
+		a.seq[stream] = ackedAt{Seq: seq}
 	}
 }

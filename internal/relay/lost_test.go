@@ -3,9 +3,13 @@ package relay_test
 import (
 	"context"
 	"fmt"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
@@ -55,6 +59,145 @@ func TestBrokerLostTailRepublished(t *testing.T) {
 	if !strings.Contains(logs.String(), want) {
 		t.Errorf("no error log with %s", want)
 	}
+}
+
+// A broker that lost its tail and, before this relay checks, stored new
+// messages at the sequences it lost: another instance's poller publishing
+// rows of its own (here: more of them than were lost, so the stream's end is
+// back past every sequence the table recorded, and nothing is recorded past
+// it). The relay, started after the broker's return, finds the rows whose
+// sequence now holds another message (two rows recorded at one sequence,
+// then every recorded sequence read back) and hands them to the poller:
+// 0 lost, 0 stored twice. Comparing sequences alone, as before, every lost
+// row stayed lost (seed 1796657719126888718 of the chaos run: 31 rows).
+func TestBrokerLostTailRefilledBeforeTheCheck(t *testing.T) {
+	env := testenv.Shared(t)
+	n, err := testenv.StartNATS(testenv.NATSOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(n.Close)
+	h := newHarness(t, setup{dbURL: env.PG.CreateDatabase(t), natsURL: n.URL(), stream: "REFILLED", subjectPrefix: "refilled."})
+	logs := &testenv.LogBuffer{}
+	h.logs = logs
+	h.start()
+	ids := h.insertRows("rf", 2000, 50)
+	h.waitPublished(len(ids), 30*time.Second)
+	// A clean stop: the slot is confirmed past every row, nothing replays,
+	// and only the check can bring the lost rows back.
+	h.stop()
+	if err := n.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	cutStreamTail(t, n, "REFILLED", 0.6)
+	if err := n.Start(); err != nil {
+		t.Fatal(err)
+	}
+	left := h.streamCount()
+	if left == 0 || left >= uint64(len(ids)) {
+		t.Fatalf("the cut left %d of %d messages: the test proves nothing", left, len(ids))
+	}
+	ctx := context.Background()
+	var others []string
+	for i := range int(uint64(len(ids))-left) + 100 {
+		id := fmt.Sprintf("other-%d", i)
+		ack, err := h.js.Publish(ctx, "refilled.thing_happened", []byte(`{}`), jetstream.WithMsgID(id))
+		if err != nil {
+			t.Fatal(err)
+		}
+		h.exec(`INSERT INTO outbox (work_id, kind, payload, state, attempts, published_at, stream_name, stream_seq)
+			VALUES ($1, 'thing_happened', '{}', 'published', 1, clock_timestamp(), $2, $3)`, id, ack.Stream, int64(ack.Sequence))
+		others = append(others, id)
+	}
+	if last := h.streamCount(); last <= uint64(len(ids)) {
+		t.Fatalf("the stream ends at %d, not past the %d sequences recorded: the test proves nothing", last, len(ids))
+	}
+	h.start()
+	testenv.WaitFor(t, 30*time.Second, "every row stored again", func() (bool, error) {
+		return h.countState("published") == len(ids)+len(others), nil
+	})
+	h.assertExactlyOnce(append(ids, others...))
+	if !strings.Contains(logs.String(), "has since stored other messages at their sequences") {
+		t.Error("no error log names the loss")
+	}
+}
+
+// The same loss met by a running relay: while its connection is slow to
+// come back (a delaying proxy holds the restarted broker's answers), another
+// instance stores more new messages than were lost at the lost sequences.
+// At its reconnect the stream's end is past everything it saw
+// acknowledged, so comparing sequences finds nothing; the message at the
+// last sequence it was acknowledged, read back, is another one, and the
+// rows recorded at reused sequences are handed to the poller: 0 lost.
+func TestRunningRelayFindsItsLostTailRefilled(t *testing.T) {
+	env := testenv.Shared(t)
+	n, err := testenv.StartNATS(testenv.NATSOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(n.Close)
+	u, err := url.Parse(n.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := testenv.NewDelayProxy(t, u.Host)
+	h := newHarness(t, setup{dbURL: env.PG.CreateDatabase(t), natsURL: n.URL(), stream: "REFILLRUN", subjectPrefix: "refillrun."})
+	h.opts.NATSURL = "nats://" + proxy.Addr()
+	logs := &testenv.LogBuffer{}
+	h.logs = logs
+	h.start()
+	ids := h.insertRows("rr", 2000, 50)
+	h.waitPublished(len(ids), 30*time.Second)
+
+	proxy.SetDelay(4 * time.Second)
+	if err := n.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	cutStreamTail(t, n, "REFILLRUN", 0.6)
+	if err := n.Start(); err != nil {
+		t.Fatal(err)
+	}
+	nc, err := nats.Connect(n.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	info, err := js.Stream(ctx, "REFILLRUN")
+	if err != nil {
+		t.Fatal(err)
+	}
+	left := info.CachedInfo().State.LastSeq
+	if left == 0 || left >= uint64(len(ids)) {
+		t.Fatalf("the cut left %d of %d messages: the test proves nothing", left, len(ids))
+	}
+	var others []string
+	for i := range int(uint64(len(ids))-left) + 100 {
+		id := fmt.Sprintf("other-%d", i)
+		ack, err := js.Publish(ctx, "refillrun.thing_happened", []byte(`{}`), jetstream.WithMsgID(id))
+		if err != nil {
+			t.Fatal(err)
+		}
+		h.exec(`INSERT INTO outbox (work_id, kind, payload, state, attempts, published_at, stream_name, stream_seq)
+			VALUES ($1, 'thing_happened', '{}', 'published', 1, clock_timestamp(), $2, $3)`, id, ack.Stream, int64(ack.Sequence))
+		others = append(others, id)
+	}
+	proxy.SetDelay(0)
+	if proxy.Delayed() == 0 {
+		t.Fatal("the proxy delayed nothing: the relay may have checked before the refill")
+	}
+	testenv.WaitFor(t, 30*time.Second, "the loss found", func() (bool, error) {
+		return strings.Contains(logs.String(), "has since stored other messages at their sequences"), nil
+	})
+	testenv.WaitFor(t, 30*time.Second, "every row stored again", func() (bool, error) {
+		return h.countState("published") == len(ids)+len(others), nil
+	})
+	h.stop()
+	h.assertExactlyOnce(append(ids, others...))
 }
 
 // cutStreamTail cuts the newest message block of the stopped server's

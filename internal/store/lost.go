@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // LostRange is what RequeueLost handed back to the poller: how many rows,
@@ -60,6 +62,125 @@ func (s *Store) RequeueLost(ctx context.Context, stream string, last uint64, cre
 	SELECT count(*), min(stream_seq), max(stream_seq) FROM lost`, args...).Scan(&r.Rows, &from, &to)
 	if err != nil {
 		return LostRange{}, fmt.Errorf("hand rows the broker lost back to the poller (stream %s past seq %d): %w", stream, last, err)
+	}
+	if from != nil {
+		r.From, r.To = uint64(*from), uint64(*to)
+	}
+	return r, nil
+}
+
+// Recorded is a row recorded as published into a stream at a sequence.
+type Recorded struct {
+	WorkID string
+	Seq    uint64
+}
+
+// recordedWhere is the rows recorded published into stream $1, published
+// since $2 (the stream's creation), and created since $3 unless
+// createdSince is zero (then $3 is not used): the index on created_at, a
+// session start's bound (G16). Two texts, not an OR, so that each has a
+// plan of its own.
+func recordedWhere(createdSince time.Time) string {
+	w := `state = 'published' AND stream_name = $1 AND published_at >= $2`
+	if !createdSince.IsZero() {
+		return w + ` AND created_at >= $3`
+	}
+	return w + ` AND $3::timestamptz IS NULL`
+}
+
+func sinceArg(createdSince time.Time) any {
+	if createdSince.IsZero() {
+		return nil
+	}
+	return createdSince
+}
+
+// TopRecorded is where a stream that lost its tail and took new messages
+// since (its sequences reused, so that nothing is recorded past its end)
+// shows it in the table, at or below hi: the rows recorded at the highest
+// sequence (the caller compares them with the message there), and the
+// highest sequence at which two rows are recorded (0: none), the lost
+// one and the one stored there since.
+func (s *Store) TopRecorded(ctx context.Context, stream string, hi uint64, created, createdSince time.Time) (top []Recorded, twice uint64, err error) {
+	rows, err := s.pool.Query(ctx, `WITH w AS MATERIALIZED (
+			SELECT work_id, stream_seq FROM `+s.table.String()+` WHERE `+recordedWhere(createdSince)+` AND stream_seq <= $4::bigint)
+		SELECT work_id, stream_seq, coalesce((SELECT max(stream_seq) FROM (SELECT stream_seq FROM w GROUP BY stream_seq HAVING count(*) > 1) d), 0)
+		FROM w WHERE stream_seq = (SELECT max(stream_seq) FROM w)`,
+		stream, created, sinceArg(createdSince), int64(hi))
+	if err != nil {
+		return nil, 0, fmt.Errorf("read the rows recorded last in stream %s up to seq %d: %w", stream, hi, err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var r Recorded
+		var seq, dup int64
+		if err := rows.Scan(&r.WorkID, &seq, &dup); err != nil {
+			return nil, 0, fmt.Errorf("read the rows recorded last in stream %s: %w", stream, err)
+		}
+		r.Seq, twice = uint64(seq), uint64(dup)
+		top = append(top, r)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, 0, fmt.Errorf("read the rows recorded last in stream %s: %w", stream, err)
+	}
+	return top, twice, nil
+}
+
+// RecordedBetween returns the rows recorded at a sequence in (lo, hi], at
+// most limit, the highest first.
+func (s *Store) RecordedBetween(ctx context.Context, stream string, lo, hi uint64, created, createdSince time.Time, limit int) ([]Recorded, error) {
+	rows, err := s.pool.Query(ctx, `SELECT work_id, stream_seq FROM `+s.table.String()+` WHERE `+recordedWhere(createdSince)+`
+			AND stream_seq > $4::bigint AND stream_seq <= $5::bigint ORDER BY stream_seq DESC LIMIT $6`,
+		stream, created, sinceArg(createdSince), int64(lo), int64(hi), limit)
+	if err != nil {
+		return nil, fmt.Errorf("read the rows recorded in stream %s at seq %d to %d: %w", stream, lo+1, hi, err)
+	}
+	return collectRecorded(rows, fmt.Sprintf("read the rows recorded in stream %s at seq %d to %d", stream, lo+1, hi))
+}
+
+func collectRecorded(rows pgx.Rows, what string) ([]Recorded, error) {
+	var out []Recorded
+	for rows.Next() {
+		var r Recorded
+		var seq int64
+		if err := rows.Scan(&r.WorkID, &seq); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("%s: %w", what, err)
+		}
+		r.Seq = uint64(seq)
+		out = append(out, r)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("%s: %w", what, err)
+	}
+	return out, nil
+}
+
+// RequeueLostRows is RequeueLost for rows found lost by their message: the
+// stream holds another message at the sequence each is recorded at (it
+// lost its tail and took new messages at those sequences since). Each is
+// handed back only while it is still recorded published at that sequence
+// (a row republished meanwhile points elsewhere), and looked up by the
+// poller from lookupFrom, a sequence at or below where the stream came
+// back, before it is sent again.
+func (s *Store) RequeueLostRows(ctx context.Context, stream string, lost []Recorded, lookupFrom uint64) (LostRange, error) {
+	ids := make([]string, len(lost))
+	seqs := make([]int64, len(lost))
+	for i, r := range lost {
+		ids[i], seqs[i] = r.WorkID, int64(r.Seq)
+	}
+	var r LostRange
+	var from, to *int64
+	err := s.pool.QueryRow(ctx, `WITH lost AS (
+		UPDATE `+s.table.String()+` AS o SET state = 'scheduled', available_at = clock_timestamp(), published_at = NULL,
+			lookup_seq = least(o.lookup_seq, $4::bigint),
+			last_error = format('lost: broker acknowledged seq %s in stream %s but holds another message there now', o.stream_seq, o.stream_name)
+		FROM unnest($2::text[], $3::bigint[]) AS l(work_id, seq)
+		WHERE o.work_id = l.work_id AND o.state = 'published' AND o.stream_name = $1 AND o.stream_seq = l.seq
+		RETURNING o.stream_seq)
+	SELECT count(*), min(stream_seq), max(stream_seq) FROM lost`, stream, ids, seqs, int64(lookupFrom)).Scan(&r.Rows, &from, &to)
+	if err != nil {
+		return LostRange{}, fmt.Errorf("hand %d rows the broker lost back to the poller (stream %s): %w", len(lost), stream, err)
 	}
 	if from != nil {
 		r.From, r.To = uint64(*from), uint64(*to)

@@ -216,3 +216,77 @@ func outboxPool(t *testing.T) *pgxpool.Pool {
 	t.Cleanup(pool.Close)
 	return pool
 }
+
+// The rows recorded where a stream lost its tail and took new messages
+// since: TopRecorded names the highest sequence with two rows and the rows
+// at the highest one; RecordedBetween reads a range; RequeueLostRows hands
+// back each row given only while it is still recorded published at the
+// sequence given, each once when two callers run at once (a row republished
+// meanwhile points elsewhere and stays).
+func TestRequeueLostRowsOnlyWhereStillRecorded(t *testing.T) {
+	ctx := context.Background()
+	pool := outboxPool(t)
+	// S: lost-51..60 at seqs 51..60, new-51..55 stored since at 51..55 and
+	// recorded, kept-1..50 below; moved-58 was republished at 70 meanwhile.
+	exec(t, pool, `INSERT INTO outbox (work_id, kind, payload, state, published_at, stream_seq, stream_name, lookup_seq)
+		SELECT 'kept-' || g, 'k', '{}'::jsonb, 'published', now(), g, 'S', NULL FROM generate_series(1, 50) g
+		UNION ALL SELECT 'lost-' || g, 'k', '{}'::jsonb, 'published', now(), g, 'S', 90 FROM generate_series(51, 60) g
+		UNION ALL SELECT 'new-' || g, 'k', '{}'::jsonb, 'published', now(), g, 'S', NULL FROM generate_series(51, 55) g
+		UNION ALL SELECT 'old-1', 'k', '{}'::jsonb, 'published', now() - interval '1 hour', 55, 'S', NULL`)
+	exec(t, pool, `UPDATE outbox SET stream_seq = 70 WHERE work_id = 'lost-58'`)
+	st := store.New(pool, testenv.OutboxTable, store.PolicyMark)
+	created := time.Now().Add(-time.Minute)
+	top, twice, err := st.TopRecorded(ctx, "S", 60, created, time.Time{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if twice != 55 || len(top) != 1 || top[0] != (store.Recorded{WorkID: "lost-60", Seq: 60}) {
+		t.Errorf("TopRecorded: %v, twice %d; want lost-60 at 60 and 55 (old-1 is of the stream's earlier life)", top, twice)
+	}
+	rows, err := st.RecordedBetween(ctx, "S", 50, 60, created, time.Time{}, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rows) != 14 || rows[0].Seq != 60 {
+		t.Errorf("RecordedBetween(50, 60]: %d rows from %v, want 14 (lost-51..60 but 58, new-51..55), the highest first", len(rows), rows[:min(len(rows), 1)])
+	}
+	var lost []store.Recorded
+	for g := 51; g <= 60; g++ {
+		lost = append(lost, store.Recorded{WorkID: fmt.Sprintf("lost-%d", g), Seq: uint64(g)})
+	}
+	var mu sync.Mutex
+	total := 0
+	var wg sync.WaitGroup
+	for range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r, err := st.RequeueLostRows(ctx, "S", lost, 50)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			mu.Lock()
+			total += r.Rows
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	if total != 9 {
+		t.Errorf("handed back %d rows in all, want 9 (lost-51..60 but lost-58, once)", total)
+	}
+	var n int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE state = 'scheduled' AND work_id LIKE 'lost-%' AND lookup_seq = 50
+		AND last_error LIKE 'lost: broker acknowledged seq % in stream S but holds another message there now'`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 9 {
+		t.Errorf("%d rows scheduled with the note and looked up from 50, want 9", n)
+	}
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE state = 'published'`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 50+5+1+1 {
+		t.Errorf("%d rows left published, want %d (kept, new, old-1, lost-58)", n, 50+5+1+1)
+	}
+}
