@@ -109,6 +109,9 @@ type loop struct {
 	// readBackDone once the session's read is behind it.
 	readBack     *readBack
 	readBackDone bool
+	// pollerOwns: rows handed back to the poller as lost (G19) that this
+	// session's replay leaves to it (nil: none).
+	pollerOwns map[string]struct{}
 	// pos: the stream position of each confirmation (position.go);
 	// newSlot: the session created its slot; started: the slot's
 	// confirmed position the session started from.
@@ -625,6 +628,12 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row, held int) er
 	l.cp.Add(l.cur)
 	if l.order != nil && row.Aggregate != nil {
 		it.ordered, it.agg = true, store.AggregateKey{Type: row.Aggregate.Type, ID: row.Aggregate.ID}
+	}
+	if _, ok := l.pollerOwns[row.WorkID]; ok {
+		it.settle.Outcome = store.Delayed
+		l.r.metrics.Handoffs.WithLabelValues("lost").Inc()
+		l.handOff(it)
+		return nil
 	}
 	// A deadline is decided on the database clock (measured, not
 	// assumed; the poller decides in SQL): near or past it, the row is not

@@ -76,8 +76,9 @@ const lostStateTimeout = 5 * time.Second
 // within lostLookback when this process saw no shortfall); otherwise it is read
 // only when the stream ends below the highest sequence this process's CDC
 // path saw acknowledged, so the periodic check costs one StreamInfo, not a
-// scan of the published rows, while nothing is lost.
-func (r *Relay) checkLost(ctx context.Context, full bool) {
+// scan of the published rows, while nothing is lost. It returns the work
+// IDs it handed back.
+func (r *Relay) checkLost(ctx context.Context, full bool) (handed []string) {
 	st, ok := r.sink.(sinks.StreamStater)
 	if !ok {
 		return
@@ -158,6 +159,7 @@ func (r *Relay) checkLost(ctx context.Context, full bool) {
 		r.log.Warn().Err(err).Msg("could not hand rows the broker lost back to the poller; checking again later")
 		return
 	}
+	handed = lost.IDs
 	if shortfall || refilledAt > 0 {
 		r.acked.lower(state.Stream, seen, state.LastSeq)
 	}
@@ -169,6 +171,7 @@ func (r *Relay) checkLost(ctx context.Context, full bool) {
 		if err != nil {
 			r.log.Warn().Err(err).Msg("could not check the rows recorded at sequences the broker may have reused; checking again later")
 		} else if reused.Rows > 0 {
+			handed = append(handed, reused.IDs...)
 			r.metrics.BrokerLost.Add(float64(reused.Rows))
 			r.log.Error().Str("stream", state.Stream).Uint64("stream_last_seq", state.LastSeq).Uint64("from_seq", reused.From).Uint64("to_seq", reused.To).
 				Int("rows", reused.Rows).Msg("the broker lost messages it had acknowledged and has since stored other messages at their sequences: " +
@@ -188,6 +191,7 @@ func (r *Relay) checkLost(ctx context.Context, full bool) {
 	if r.cfg.HandedOver != nil {
 		r.cfg.HandedOver()
 	}
+	return handed
 }
 
 // reusedSpan bounds the sequences below a sign of reuse that are checked
@@ -286,6 +290,20 @@ func (r *Relay) requeueReused(ctx context.Context, state sinks.StreamState, hi u
 		return store.LostRange{}, nil
 	}
 	return r.store.RequeueLostRows(ctx, state.Stream, lost, lo)
+}
+
+// ownedBy is the set of the IDs given, nil when there are none.
+func ownedBy(lists ...[]string) map[string]struct{} {
+	var set map[string]struct{}
+	for _, ids := range lists {
+		for _, id := range ids {
+			if set == nil {
+				set = map[string]struct{}{}
+			}
+			set[id] = struct{}{}
+		}
+	}
+	return set
 }
 
 // BrokerReconnected asks the running session for a check at once: the

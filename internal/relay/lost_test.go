@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/url"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -13,6 +14,9 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
+	"github.com/outbox-relay/outbox-relay/sinks"
+	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
 
 // A broker that acknowledged messages and then lost them (G19): the
@@ -198,6 +202,106 @@ func TestRunningRelayFindsItsLostTailRefilled(t *testing.T) {
 	})
 	h.stop()
 	h.assertExactlyOnce(append(ids, others...))
+}
+
+// Rows the broker lost whose transactions the next session replays: the
+// session start's check hands them to the poller, and the replay, which
+// publishes whatever it decodes, would publish them too. Here the replay's
+// publishes reach the broker 2 s late (a slow link) and the stream's
+// duplicate window is 1 s: the poller's lookup ends before the replay's
+// copy is stored, so each row published by both paths was stored twice
+// (the chaos run's seed 1796656652090348769: 99 rows). The replay now
+// leaves the rows handed back to the poller: 0 lost, 0 stored twice.
+//
+// The replay comes from a second slot created before the rows: the relay,
+// started on it, decodes again the transactions the first slot confirmed.
+func TestReplayLeavesLostRowsToThePoller(t *testing.T) {
+	env := testenv.Shared(t)
+	n, err := testenv.StartNATS(testenv.NATSOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(n.Close)
+	h := newHarness(t, setup{dbURL: env.PG.CreateDatabase(t), natsURL: n.URL(), stream: "LOSTREPLAY", subjectPrefix: "lostreplay."})
+	h.opts.DuplicateWindow = time.Second
+	var slow atomic.Bool
+	h.opts.CDCSink = func(sk *natssink.Sink) sinks.Sink { return &latePublishes{Sink: sk, late: &slow} }
+	h.start()
+	warm := h.insertRows("warm", 20, 5)
+	h.waitPublished(len(warm), 30*time.Second)
+	h.exec(`SELECT pg_create_logical_replication_slot('lost_replay_second', 'pgoutput')`)
+	// Recorded as a relay records a slot it made before migration 0016:
+	// adopted at its position.
+	h.exec(`INSERT INTO outbox_slots (slot_name, backfill_pending, system_identifier)
+		VALUES ('lost_replay_second', false, (SELECT system_identifier FROM pg_control_system()))`)
+	t.Cleanup(func() {
+		_, _ = h.pool.Exec(context.Background(), `SELECT pg_drop_replication_slot('lost_replay_second') WHERE EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = 'lost_replay_second' AND NOT active)`)
+	})
+	ids := h.insertRows("rp", 1000, 50)
+	h.waitPublished(len(warm)+len(ids), 30*time.Second)
+	h.stop()
+	if err := n.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	cutStreamTail(t, n, "LOSTREPLAY", 0.6)
+	if err := n.Start(); err != nil {
+		t.Fatal(err)
+	}
+	left := h.streamCount()
+	if left <= uint64(len(warm)) || left >= uint64(len(warm)+len(ids)) {
+		t.Fatalf("the cut left %d of %d messages: the test proves nothing", left, len(warm)+len(ids))
+	}
+	time.Sleep(1500 * time.Millisecond) // past the duplicate window
+	slow.Store(true)
+	h.opts.Slot = "lost_replay_second"
+	h.start()
+	testenv.WaitFor(t, 60*time.Second, "every row published again", func() (bool, error) {
+		return h.countState("published") == len(warm)+len(ids), nil
+	})
+	// The replay's late copies, had it sent any, are stored by now.
+	time.Sleep(3 * time.Second)
+	h.stop()
+	h.assertExactlyOnce(append(warm, ids...))
+}
+
+// latePublishes is the relay's sink with every publish reaching the broker
+// 2 s late while late is set (a slow link), without holding up the loop.
+type latePublishes struct {
+	*natssink.Sink
+	late *atomic.Bool
+}
+
+func (s *latePublishes) Publish(ctx context.Context, m *wire.Message) (sinks.Future, error) {
+	if !s.late.Load() {
+		return s.Sink.Publish(ctx, m)
+	}
+	f := &lateFuture{done: make(chan struct{})}
+	go func() {
+		defer close(f.done)
+		time.Sleep(2 * time.Second)
+		inner, err := s.Sink.Publish(context.WithoutCancel(ctx), m)
+		if err != nil {
+			f.err = err
+			return
+		}
+		f.ack, f.err = inner.Wait(context.WithoutCancel(ctx))
+	}()
+	return f, nil
+}
+
+type lateFuture struct {
+	done chan struct{}
+	ack  sinks.Ack
+	err  error
+}
+
+func (f *lateFuture) Wait(ctx context.Context) (sinks.Ack, error) {
+	select {
+	case <-f.done:
+		return f.ack, f.err
+	case <-ctx.Done():
+		return sinks.Ack{}, ctx.Err()
+	}
 }
 
 // cutStreamTail cuts the newest message block of the stopped server's

@@ -13,6 +13,8 @@ import (
 type LostRange struct {
 	Rows     int
 	From, To uint64
+	// IDs are the rows' work IDs.
+	IDs []string
 }
 
 // LostNotePrefix begins the last_error of a row RequeueLost handed back:
@@ -58,8 +60,8 @@ func (s *Store) RequeueLost(ctx context.Context, stream string, last uint64, cre
 			last_error = format('lost: broker acknowledged seq %s in stream %s but the stream ends at %s', o.stream_seq, o.stream_name, $2::bigint)
 		WHERE o.state = 'published' AND o.stream_name = $1 AND o.stream_seq > $2::bigint
 			AND o.published_at >= $3`+recent+`
-		RETURNING o.stream_seq)
-	SELECT count(*), min(stream_seq), max(stream_seq) FROM lost`, args...).Scan(&r.Rows, &from, &to)
+		RETURNING o.stream_seq, o.work_id)
+	SELECT count(*), min(stream_seq), max(stream_seq), coalesce(array_agg(work_id), '{}') FROM lost`, args...).Scan(&r.Rows, &from, &to, &r.IDs)
 	if err != nil {
 		return LostRange{}, fmt.Errorf("hand rows the broker lost back to the poller (stream %s past seq %d): %w", stream, last, err)
 	}
@@ -177,8 +179,8 @@ func (s *Store) RequeueLostRows(ctx context.Context, stream string, lost []Recor
 			last_error = format('lost: broker acknowledged seq %s in stream %s but holds another message there now', o.stream_seq, o.stream_name)
 		FROM unnest($2::text[], $3::bigint[]) AS l(work_id, seq)
 		WHERE o.work_id = l.work_id AND o.state = 'published' AND o.stream_name = $1 AND o.stream_seq = l.seq
-		RETURNING o.stream_seq)
-	SELECT count(*), min(stream_seq), max(stream_seq) FROM lost`, stream, ids, seqs, int64(lookupFrom)).Scan(&r.Rows, &from, &to)
+		RETURNING o.stream_seq, o.work_id)
+	SELECT count(*), min(stream_seq), max(stream_seq), coalesce(array_agg(work_id), '{}') FROM lost`, stream, ids, seqs, int64(lookupFrom)).Scan(&r.Rows, &from, &to, &r.IDs)
 	if err != nil {
 		return LostRange{}, fmt.Errorf("hand %d rows the broker lost back to the poller (stream %s): %w", len(lost), stream, err)
 	}
@@ -186,4 +188,25 @@ func (s *Store) RequeueLostRows(ctx context.Context, stream string, lost []Recor
 		r.From, r.To = uint64(*from), uint64(*to)
 	}
 	return r, nil
+}
+
+// lostPendingLimit bounds LostPending's answer: the rows of one loss of the
+// broker's unsynced tail, with room to spare.
+const lostPendingLimit = 1_000_000
+
+// LostPending returns the work IDs of the rows handed back as lost that the
+// poller has not published yet (scheduled or running, through the poll
+// index): a session start's replay leaves them to the poller, so that one
+// path, not two, publishes each (G19).
+func (s *Store) LostPending(ctx context.Context) ([]string, error) {
+	rows, err := s.pool.Query(ctx, `SELECT work_id FROM `+s.table.String()+`
+		WHERE poll_at IS NOT NULL AND last_error LIKE '`+LostNotePrefix+`%' LIMIT `+fmt.Sprint(lostPendingLimit))
+	if err != nil {
+		return nil, fmt.Errorf("read the rows handed back as lost: %w", err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("read the rows handed back as lost: %w", err)
+	}
+	return ids, nil
 }
