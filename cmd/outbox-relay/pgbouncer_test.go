@@ -28,6 +28,7 @@ import (
 // "does not exist"); with migrate's session lock, its lock stays on a server
 // connection the relay then uses.
 func TestThroughPgBouncerTransactionMode(t *testing.T) {
+	t.Parallel() // a database, pooler and stream of its own
 	env := testenv.Shared(t)
 	ctx := context.Background()
 	direct := env.PG.CreateDatabase(t)

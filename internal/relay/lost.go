@@ -131,7 +131,7 @@ func (r *Relay) checkLost(ctx context.Context, full bool) (handed []string) {
 	// at a recorded sequence tells. The one this process was last
 	// acknowledged is read back (seed 1796657719126888718: 31 rows lost so).
 	refilledAt := uint64(0)
-	if !shortfall && seenAt.ID != "" && seen >= state.FirstSeq {
+	if !shortfall && seenAt.ID != "" && seen >= state.FirstSeq && r.readMessageNow(full) {
 		if id, ok := r.messageAt(ctx, seen); ok && id != seenAt.ID {
 			refilledAt = seen
 		}
@@ -200,6 +200,23 @@ func (r *Relay) checkLost(ctx context.Context, full bool) (handed []string) {
 // sign is not found.
 const reusedSpan = 100_000
 
+// lostReadEvery spaces the periodic checks' reads of a message: a check
+// every few milliseconds (tests, a tiny --lost-check-interval) would
+// otherwise read the stream as often. A session start's check and the
+// first after a reconnect always read.
+const lostReadEvery = 5 * time.Second
+
+// readMessageNow reports whether this check reads the message at the last
+// acknowledged sequence back, and if so takes its turn.
+func (r *Relay) readMessageNow(full bool) bool {
+	now := time.Now().UnixNano()
+	if full || r.reconnected.Swap(false) || now-r.lastMessageRead.Load() >= int64(lostReadEvery) {
+		r.lastMessageRead.Store(now)
+		return true
+	}
+	return false
+}
+
 // messageAt is the work ID of the message at seq in the own stream; ok is
 // false when it cannot be read or holds nothing there.
 func (r *Relay) messageAt(ctx context.Context, seq uint64) (string, bool) {
@@ -226,7 +243,7 @@ func (r *Relay) messageAt(ctx context.Context, seq uint64) (string, bool) {
 // message at the highest sequence a row is recorded at. It returns the
 // highest such sequence, or 0.
 func (r *Relay) refilledTop(ctx context.Context, state sinks.StreamState, created, since time.Time) uint64 {
-	top, twice, err := r.store.TopRecorded(ctx, state.Stream, state.LastSeq, created, since)
+	top, twice, err := r.store.TopRecorded(ctx, state.Stream, reusedFloor(state, state.LastSeq), state.LastSeq, created, since)
 	if twice >= state.FirstSeq && twice > 0 {
 		return twice
 	}
@@ -248,6 +265,19 @@ func (r *Relay) refilledTop(ctx context.Context, state sinks.StreamState, create
 	return 0
 }
 
+// reusedFloor is the sequence reusedSpan below hi, or before the stream's
+// first.
+func reusedFloor(state sinks.StreamState, hi uint64) uint64 {
+	lo := uint64(0)
+	if hi > reusedSpan {
+		lo = hi - reusedSpan
+	}
+	if state.FirstSeq > 0 && lo < state.FirstSeq-1 {
+		lo = state.FirstSeq - 1
+	}
+	return lo
+}
+
 // requeueReused reads the own stream's messages at the sequences from
 // reusedSpan below hi up to hi and hands back the rows recorded at one of
 // them that holds another message now. A sequence that holds none (a
@@ -257,13 +287,7 @@ func (r *Relay) requeueReused(ctx context.Context, state sinks.StreamState, hi u
 	if !ok {
 		return store.LostRange{}, nil
 	}
-	lo := uint64(0)
-	if hi > reusedSpan {
-		lo = hi - reusedSpan
-	}
-	if state.FirstSeq > 0 && lo < state.FirstSeq-1 {
-		lo = state.FirstSeq - 1
-	}
+	lo := reusedFloor(state, hi)
 	rows, err := r.store.RecordedBetween(ctx, state.Stream, lo, hi, created, since, 4*reusedSpan)
 	if err != nil || len(rows) == 0 {
 		return store.LostRange{}, err
@@ -310,6 +334,7 @@ func ownedBy(lists ...[]string) map[string]struct{} {
 // broker that came back may have lost what it acknowledged; and it ends a
 // wait between sessions.
 func (r *Relay) BrokerReconnected() {
+	r.reconnected.Store(true)
 	select {
 	case r.lostNow <- struct{}{}:
 	default:

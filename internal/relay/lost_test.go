@@ -82,6 +82,7 @@ func TestBrokerLostTailRefilledBeforeTheCheck(t *testing.T) {
 	}
 	t.Cleanup(n.Close)
 	h := newHarness(t, setup{dbURL: env.PG.CreateDatabase(t), natsURL: n.URL(), stream: "REFILLED", subjectPrefix: "refilled."})
+	parallel(t, h)
 	logs := &testenv.LogBuffer{}
 	h.logs = logs
 	h.start()
@@ -146,6 +147,7 @@ func TestRunningRelayFindsItsLostTailRefilled(t *testing.T) {
 	}
 	proxy := testenv.NewDelayProxy(t, u.Host)
 	h := newHarness(t, setup{dbURL: env.PG.CreateDatabase(t), natsURL: n.URL(), stream: "REFILLRUN", subjectPrefix: "refillrun."})
+	parallel(t, h)
 	h.opts.NATSURL = "nats://" + proxy.Addr()
 	logs := &testenv.LogBuffer{}
 	h.logs = logs
@@ -223,6 +225,7 @@ func TestReplayLeavesLostRowsToThePoller(t *testing.T) {
 	}
 	t.Cleanup(n.Close)
 	h := newHarness(t, setup{dbURL: env.PG.CreateDatabase(t), natsURL: n.URL(), stream: "LOSTREPLAY", subjectPrefix: "lostreplay."})
+	parallel(t, h)
 	h.opts.DuplicateWindow = time.Second
 	var slow atomic.Bool
 	h.opts.CDCSink = func(sk *natssink.Sink) sinks.Sink { return &latePublishes{Sink: sk, late: &slow} }

@@ -238,6 +238,10 @@ type Relay struct {
 	acked ackedSeqs
 	// lostNow asks the session's lost check to run at once (a reconnect).
 	lostNow chan struct{}
+	// reconnected says the next lost check follows a reconnect;
+	// lastMessageRead is when a check last read a message back (unix ns).
+	reconnected     atomic.Bool
+	lastMessageRead atomic.Int64
 	// started is when this relay was made: the republish command its lost
 	// check names under none reads the rows created since about then.
 	started time.Time
@@ -734,7 +738,10 @@ func (r *Relay) session(ctx context.Context) error {
 	// are read first: one the poller publishes in between stays its own.
 	var pending []string
 	if r.store.Policy() == store.PolicyMark {
-		if pending, err = r.store.LostPending(ctx); err != nil {
+		// A stop asked for meanwhile is the loop's to carry out (it
+		// records the session's position); a failure otherwise ends the
+		// session, to be tried again, rather than replay without the set.
+		if pending, err = r.store.LostPending(ctx); err != nil && ctx.Err() == nil {
 			return err
 		}
 	}

@@ -102,13 +102,14 @@ func sinceArg(createdSince time.Time) any {
 // shows it in the table, at or below hi: the rows recorded at the highest
 // sequence (the caller compares them with the message there), and the
 // highest sequence at which two rows are recorded (0: none), the lost
-// one and the one stored there since.
-func (s *Store) TopRecorded(ctx context.Context, stream string, hi uint64, created, createdSince time.Time) (top []Recorded, twice uint64, err error) {
+// one and the one stored there since. Only sequences above lo are looked
+// at, so that what is grouped stays bounded however busy the table.
+func (s *Store) TopRecorded(ctx context.Context, stream string, lo, hi uint64, created, createdSince time.Time) (top []Recorded, twice uint64, err error) {
 	rows, err := s.pool.Query(ctx, `WITH w AS MATERIALIZED (
-			SELECT work_id, stream_seq FROM `+s.table.String()+` WHERE `+recordedWhere(createdSince)+` AND stream_seq <= $4::bigint)
+			SELECT work_id, stream_seq FROM `+s.table.String()+` WHERE `+recordedWhere(createdSince)+` AND stream_seq <= $4::bigint AND stream_seq > $5::bigint)
 		SELECT work_id, stream_seq, coalesce((SELECT max(stream_seq) FROM (SELECT stream_seq FROM w GROUP BY stream_seq HAVING count(*) > 1) d), 0)
 		FROM w WHERE stream_seq = (SELECT max(stream_seq) FROM w)`,
-		stream, created, sinceArg(createdSince), int64(hi))
+		stream, created, sinceArg(createdSince), int64(hi), int64(lo))
 	if err != nil {
 		return nil, 0, fmt.Errorf("read the rows recorded last in stream %s up to seq %d: %w", stream, hi, err)
 	}

@@ -236,7 +236,7 @@ func TestRequeueLostRowsOnlyWhereStillRecorded(t *testing.T) {
 	exec(t, pool, `UPDATE outbox SET stream_seq = 70 WHERE work_id = 'lost-58'`)
 	st := store.New(pool, testenv.OutboxTable, store.PolicyMark)
 	created := time.Now().Add(-time.Minute)
-	top, twice, err := st.TopRecorded(ctx, "S", 60, created, time.Time{})
+	top, twice, err := st.TopRecorded(ctx, "S", 0, 60, created, time.Time{})
 	if err != nil {
 		t.Fatal(err)
 	}
