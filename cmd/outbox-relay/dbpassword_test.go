@@ -10,8 +10,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -112,16 +110,7 @@ func TestRotatedDatabasePassword(t *testing.T) {
 				testenv.WaitFor(t, 60*time.Second, "the rows after the rotation published", published(100))
 			}))
 
-			nc, err := nats.Connect(env.NATS.URL())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer nc.Close()
-			js, err := jetstream.New(nc)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ids := streamIDs(t, js, stream)
+			ids := streamIDs(t, connect(t, env.NATS.URL()), stream)
 			for _, p := range []string{"before", "after"} {
 				for i := 1; i <= 50; i++ {
 					if id := fmt.Sprintf("%s-%d", p, i); ids[id] != 1 {

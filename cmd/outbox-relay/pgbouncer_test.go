@@ -11,8 +11,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -138,16 +136,7 @@ func TestThroughPgBouncerTransactionMode(t *testing.T) {
 		t.Errorf("%d temporary slots left after the stop (%v), want none", temporary, err)
 	}
 
-	nc, err := nats.Connect(env.NATS.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ids := streamIDs(t, js, stream)
+	ids := streamIDs(t, connect(t, env.NATS.URL()), stream)
 	want := map[string]bool{}
 	for i := 1; i <= 200; i++ {
 		want[fmt.Sprintf("early-%d", i)] = true

@@ -130,13 +130,13 @@ func (r *Relay) checkLost(ctx context.Context, full bool) (handed []string) {
 	// check): its end is then back past what it lost, and only the message
 	// at a recorded sequence tells. The one this process was last
 	// acknowledged is read back (seed 1796657719126888718: 31 rows lost so).
-	refilledAt := uint64(0)
+	refilled := false
 	if !shortfall && seenAt.ID != "" && seen >= state.FirstSeq && r.readMessageNow(full) {
 		if id, ok := r.messageAt(ctx, seen); ok && id != seenAt.ID {
-			refilledAt = seen
+			refilled = true
 		}
 	}
-	if !full && !shortfall && refilledAt == 0 {
+	if !full && !shortfall && !refilled {
 		return
 	}
 	// Both times are compared with the rows' times, which are
@@ -160,13 +160,13 @@ func (r *Relay) checkLost(ctx context.Context, full bool) (handed []string) {
 		return
 	}
 	handed = lost.IDs
-	if shortfall || refilledAt > 0 {
+	if shortfall || refilled {
 		r.acked.lower(state.Stream, seen, state.LastSeq)
 	}
 	// Past the end first, then at or below it: where the stream took new
 	// messages at sequences it lost, the rows recorded there are lost too.
 	// Any sign of a loss has every recorded sequence up to the end read.
-	if refilledAt > 0 || shortfall || lost.Rows > 0 || (full && r.refilledTop(ctx, state, created, since) > 0) {
+	if refilled || shortfall || lost.Rows > 0 || (full && r.refilledTop(ctx, state, created, since)) {
 		reused, err := r.requeueReused(ctx, state, state.LastSeq, created, since)
 		if err != nil {
 			r.log.Warn().Err(err).Msg("could not check the rows recorded at sequences the broker may have reused; checking again later")
@@ -240,29 +240,29 @@ func (r *Relay) messageAt(ctx context.Context, seq uint64) (string, bool) {
 // refilledTop is a session start's look for a stream that lost its tail
 // and took new messages at its sequences since (it has no acknowledgement
 // of its own to compare): two rows recorded at one sequence, or another
-// message at the highest sequence a row is recorded at. It returns the
-// highest such sequence, or 0.
-func (r *Relay) refilledTop(ctx context.Context, state sinks.StreamState, created, since time.Time) uint64 {
+// message at the highest sequence a row is recorded at.
+func (r *Relay) refilledTop(ctx context.Context, state sinks.StreamState, created, since time.Time) bool {
 	top, twice, err := r.store.TopRecorded(ctx, state.Stream, reusedFloor(state, state.LastSeq), state.LastSeq, created, since)
-	if twice >= state.FirstSeq && twice > 0 {
-		return twice
+	if err != nil {
+		r.log.Warn().Err(err).Msg("could not read the rows recorded last to check for messages the broker lost; checking again later")
+		return false
 	}
-	if err != nil || len(top) == 0 || top[0].Seq < state.FirstSeq {
-		if err != nil {
-			r.log.Warn().Err(err).Msg("could not read the rows recorded last to check for messages the broker lost; checking again later")
-		}
-		return 0
+	if twice > 0 && twice >= state.FirstSeq {
+		return true
+	}
+	if len(top) == 0 || top[0].Seq < state.FirstSeq {
+		return false
 	}
 	id, ok := r.messageAt(ctx, top[0].Seq)
 	if !ok {
-		return 0
+		return false
 	}
 	for _, row := range top {
 		if row.WorkID != id {
-			return top[0].Seq
+			return true
 		}
 	}
-	return 0
+	return false
 }
 
 // reusedFloor is the sequence reusedSpan below hi, or before the stream's

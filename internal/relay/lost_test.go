@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/internal/store"
@@ -75,55 +74,73 @@ func TestBrokerLostTailRepublished(t *testing.T) {
 // 0 lost, 0 stored twice. Comparing sequences alone, as before, every lost
 // row stayed lost (seed 1796657719126888718 of the chaos run: 31 rows).
 func TestBrokerLostTailRefilledBeforeTheCheck(t *testing.T) {
-	env := testenv.Shared(t)
-	n, err := testenv.StartNATS(testenv.NATSOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(n.Close)
-	h := newHarness(t, setup{dbURL: env.PG.CreateDatabase(t), natsURL: n.URL(), stream: "REFILLED", subjectPrefix: "refilled."})
-	parallel(t, h)
-	logs := &testenv.LogBuffer{}
-	h.logs = logs
-	h.start()
-	ids := h.insertRows("rf", 2000, 50)
-	h.waitPublished(len(ids), 30*time.Second)
-	// A clean stop: the slot is confirmed past every row, nothing replays,
-	// and only the check can bring the lost rows back.
-	h.stop()
-	if err := n.Stop(); err != nil {
-		t.Fatal(err)
-	}
-	cutStreamTail(t, n, "REFILLED", 0.6)
-	if err := n.Start(); err != nil {
-		t.Fatal(err)
-	}
-	left := h.streamCount()
-	if left == 0 || left >= uint64(len(ids)) {
-		t.Fatalf("the cut left %d of %d messages: the test proves nothing", left, len(ids))
-	}
-	ctx := context.Background()
-	var others []string
-	for i := range int(uint64(len(ids))-left) + 100 {
-		id := fmt.Sprintf("other-%d", i)
-		ack, err := h.js.Publish(ctx, "refilled.thing_happened", []byte(`{}`), jetstream.WithMsgID(id))
-		if err != nil {
-			t.Fatal(err)
-		}
-		h.exec(`INSERT INTO outbox (work_id, kind, payload, state, attempts, published_at, stream_name, stream_seq)
-			VALUES ($1, 'thing_happened', '{}', 'published', 1, clock_timestamp(), $2, $3)`, id, ack.Stream, int64(ack.Sequence))
-		others = append(others, id)
-	}
-	if last := h.streamCount(); last <= uint64(len(ids)) {
-		t.Fatalf("the stream ends at %d, not past the %d sequences recorded: the test proves nothing", last, len(ids))
-	}
-	h.start()
-	testenv.WaitFor(t, 30*time.Second, "every row stored again", func() (bool, error) {
-		return h.countState("published") == len(ids)+len(others), nil
-	})
-	h.assertExactlyOnce(append(ids, others...))
-	if !strings.Contains(logs.String(), "has since stored other messages at their sequences") {
-		t.Error("no error log names the loss")
+	t.Parallel()
+	for _, c := range []struct {
+		name   string
+		offset time.Duration
+	}{{"same clocks", 0}, {"PostgreSQL a minute behind", -time.Minute}} {
+		t.Run(c.name, func(t *testing.T) {
+			n, err := testenv.StartNATS(testenv.NATSOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(n.Close)
+			dbURL := testenv.Shared(t).PG.CreateDatabase(t)
+			if c.offset != 0 {
+				// The rows' times and the stream's creation on two clocks a
+				// minute apart: the check moves between them by measurement.
+				pg, err := testenv.StartPostgres(testenv.PostgresOptions{ClockOffset: c.offset})
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(pg.Close)
+				dbURL = pg.CreateDatabase(t)
+			}
+			h := newHarness(t, setup{dbURL: dbURL, natsURL: n.URL(), stream: "REFILLED", subjectPrefix: "refilled."})
+			parallel(t, h)
+			logs := &testenv.LogBuffer{}
+			h.logs = logs
+			h.start()
+			ids := h.insertRows("rf", 2000, 50)
+			h.waitPublished(len(ids), 30*time.Second)
+			// A clean stop: the slot is confirmed past every row, nothing replays,
+			// and only the check can bring the lost rows back.
+			h.stop()
+			if err := n.Stop(); err != nil {
+				t.Fatal(err)
+			}
+			cutStreamTail(t, n, "REFILLED", 0.6)
+			if err := n.Start(); err != nil {
+				t.Fatal(err)
+			}
+			left := h.streamCount()
+			if left == 0 || left >= uint64(len(ids)) {
+				t.Fatalf("the cut left %d of %d messages: the test proves nothing", left, len(ids))
+			}
+			ctx := context.Background()
+			var others []string
+			for i := range int(uint64(len(ids))-left) + 100 {
+				id := fmt.Sprintf("other-%d", i)
+				ack, err := h.js.Publish(ctx, "refilled.thing_happened", []byte(`{}`), jetstream.WithMsgID(id))
+				if err != nil {
+					t.Fatal(err)
+				}
+				h.exec(`INSERT INTO outbox (work_id, kind, payload, state, attempts, published_at, stream_name, stream_seq)
+					VALUES ($1, 'thing_happened', '{}', 'published', 1, clock_timestamp(), $2, $3)`, id, ack.Stream, int64(ack.Sequence))
+				others = append(others, id)
+			}
+			if last := h.streamCount(); last <= uint64(len(ids)) {
+				t.Fatalf("the stream ends at %d, not past the %d sequences recorded: the test proves nothing", last, len(ids))
+			}
+			h.start()
+			testenv.WaitFor(t, 30*time.Second, "every row stored again", func() (bool, error) {
+				return h.countState("published") == len(ids)+len(others), nil
+			})
+			h.assertExactlyOnce(append(ids, others...))
+			if !strings.Contains(logs.String(), "has since stored other messages at their sequences") {
+				t.Error("no error log names the loss")
+			}
+		})
 	}
 }
 
@@ -132,8 +149,9 @@ func TestBrokerLostTailRefilledBeforeTheCheck(t *testing.T) {
 // instance stores more new messages than were lost at the lost sequences.
 // At its reconnect the stream's end is past everything it saw
 // acknowledged, so comparing sequences finds nothing; the message at the
-// last sequence it was acknowledged, read back, is another one, and the
-// rows recorded at reused sequences are handed to the poller: 0 lost.
+// last sequence it was acknowledged, read back (its answers 2 s late), is
+// another one, and the rows recorded at reused sequences are handed to the
+// poller: 0 lost.
 func TestRunningRelayFindsItsLostTailRefilled(t *testing.T) {
 	env := testenv.Shared(t)
 	n, err := testenv.StartNATS(testenv.NATSOptions{})
@@ -163,28 +181,16 @@ func TestRunningRelayFindsItsLostTailRefilled(t *testing.T) {
 	if err := n.Start(); err != nil {
 		t.Fatal(err)
 	}
-	nc, err := nats.Connect(n.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	info, err := js.Stream(ctx, "REFILLRUN")
-	if err != nil {
-		t.Fatal(err)
-	}
-	left := info.CachedInfo().State.LastSeq
+	// The harness's own client goes to the server directly, not through
+	// the proxy.
+	left := h.streamCount()
 	if left == 0 || left >= uint64(len(ids)) {
 		t.Fatalf("the cut left %d of %d messages: the test proves nothing", left, len(ids))
 	}
 	var others []string
 	for i := range int(uint64(len(ids))-left) + 100 {
 		id := fmt.Sprintf("other-%d", i)
-		ack, err := js.Publish(ctx, "refillrun.thing_happened", []byte(`{}`), jetstream.WithMsgID(id))
+		ack, err := h.js.Publish(context.Background(), "refillrun.thing_happened", []byte(`{}`), jetstream.WithMsgID(id))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -192,13 +198,16 @@ func TestRunningRelayFindsItsLostTailRefilled(t *testing.T) {
 			VALUES ($1, 'thing_happened', '{}', 'published', 1, clock_timestamp(), $2, $3)`, id, ack.Stream, int64(ack.Sequence))
 		others = append(others, id)
 	}
-	proxy.SetDelay(0)
+	// The check itself is answered 2 s late: a slow answer is not an
+	// empty one.
+	proxy.SetDelay(2 * time.Second)
 	if proxy.Delayed() == 0 {
 		t.Fatal("the proxy delayed nothing: the relay may have checked before the refill")
 	}
-	testenv.WaitFor(t, 30*time.Second, "the loss found", func() (bool, error) {
+	testenv.WaitFor(t, 60*time.Second, "the loss found", func() (bool, error) {
 		return strings.Contains(logs.String(), "has since stored other messages at their sequences"), nil
 	})
+	proxy.SetDelay(0)
 	testenv.WaitFor(t, 30*time.Second, "every row stored again", func() (bool, error) {
 		return h.countState("published") == len(ids)+len(others), nil
 	})

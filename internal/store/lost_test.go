@@ -29,24 +29,7 @@ func TestRequeueLostHandsBackOnlyLostRowsOnce(t *testing.T) {
 		UNION ALL SELECT 'old-' || g, 'k', '{}'::jsonb, 'published', now() - interval '1 hour', g, 'S' FROM generate_series(200, 210) g`)
 	st := store.New(pool, testenv.OutboxTable, store.PolicyMark)
 	created := time.Now().Add(-time.Minute)
-	var mu sync.Mutex
-	total := 0
-	var wg sync.WaitGroup
-	for range 2 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			r, err := st.RequeueLost(ctx, "S", 60, created, time.Time{})
-			if err != nil {
-				t.Error(err)
-				return
-			}
-			mu.Lock()
-			total += r.Rows
-			mu.Unlock()
-		}()
-	}
-	wg.Wait()
+	total := handedBackByTwo(t, func() (store.LostRange, error) { return st.RequeueLost(ctx, "S", 60, created, time.Time{}) })
 	if total != 40 {
 		t.Errorf("handed back %d rows in all, want 40 (seqs 61..100 of S, once)", total)
 	}
@@ -254,24 +237,7 @@ func TestRequeueLostRowsOnlyWhereStillRecorded(t *testing.T) {
 	for g := 51; g <= 60; g++ {
 		lost = append(lost, store.Recorded{WorkID: fmt.Sprintf("lost-%d", g), Seq: uint64(g)})
 	}
-	var mu sync.Mutex
-	total := 0
-	var wg sync.WaitGroup
-	for range 2 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			r, err := st.RequeueLostRows(ctx, "S", lost, 50)
-			if err != nil {
-				t.Error(err)
-				return
-			}
-			mu.Lock()
-			total += r.Rows
-			mu.Unlock()
-		}()
-	}
-	wg.Wait()
+	total := handedBackByTwo(t, func() (store.LostRange, error) { return st.RequeueLostRows(ctx, "S", lost, 50) })
 	if total != 9 {
 		t.Errorf("handed back %d rows in all, want 9 (lost-51..60 but lost-58, once)", total)
 	}
@@ -289,4 +255,29 @@ func TestRequeueLostRowsOnlyWhereStillRecorded(t *testing.T) {
 	if n != 50+5+1+1 {
 		t.Errorf("%d rows left published, want %d (kept, new, old-1, lost-58)", n, 50+5+1+1)
 	}
+}
+
+// handedBackByTwo runs hand twice at once, as two instances checking at the
+// same moment, and returns how many rows the two handed back in all.
+func handedBackByTwo(t *testing.T, hand func() (store.LostRange, error)) int {
+	t.Helper()
+	var mu sync.Mutex
+	total := 0
+	var wg sync.WaitGroup
+	for range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r, err := hand()
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			mu.Lock()
+			total += r.Rows
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	return total
 }
