@@ -2,6 +2,7 @@ package replication
 
 import (
 	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"strconv"
@@ -43,6 +44,8 @@ const (
 	fExpiresAt
 	// Optional too (migration 0013): NULL or missing reads as 0.
 	fXactID
+	// Optional: what CloudEvents' time attribute says; zero when missing.
+	fCreatedAt
 	numOutboxFields
 	firstOptional = fAggregateType
 )
@@ -62,6 +65,8 @@ var outboxFieldNames = [numOutboxFields]string{
 	fExpiresAt:     "expires_at",
 	// G17.
 	fXactID: "xact_id",
+	// The message formats (issue 45).
+	fCreatedAt: "created_at",
 }
 
 func (f outboxField) String() string { return outboxFieldNames[f] }
@@ -82,7 +87,14 @@ type relationInfo struct {
 	// err is set when the outbox relation lacks a column: its inserts cannot
 	// be decoded until a later Relation message describes a usable table.
 	err error
+	// binary says the payload column is bytea: its text is hex, decoded to
+	// the bytes (slot.go pins bytea_output).
+	binary bool
 }
+
+// byteaOID is bytea's type OID; jsonb (3802) and json (114) payloads are
+// text, and so is any other type, as before payload types were chosen.
+const byteaOID = 17
 
 // Infinity and NegInfinity are how a Row's times carry PostgreSQL's
 // 'infinity' and '-infinity': past the largest and before the smallest
@@ -262,6 +274,9 @@ func (d *Decoder) relation(walData []byte) error {
 				if c.Name == name {
 					rel.idx[f] = pos
 					rel.fieldAt[pos] = uint8(f) + 1
+					if outboxField(f) == fPayload {
+						rel.binary = c.DataType == byteaOID
+					}
 					break
 				}
 			}
@@ -327,7 +342,7 @@ func (d *Decoder) insert(walData []byte) (Event, bool, error) {
 		return Event{}, false, fmt.Errorf("decode insert into %s in xid %d: tuple has %d columns, its relation message described %d",
 			d.table, d.xid, ncols, rel.ncols)
 	}
-	row, err := d.row(walData, &vals)
+	row, err := d.row(walData, &vals, rel.binary)
 	if err != nil {
 		return Event{}, false, err
 	}
@@ -414,7 +429,7 @@ type rowAndAggregate struct {
 // fields into one string and the jsonb ones into one buffer. They are apart
 // so that a work_id or aggregate key kept after the row is settled (the held
 // aggregates of G12) does not keep a large payload alive.
-func (d *Decoder) row(msg []byte, vals *fieldValues) (*Row, error) {
+func (d *Decoder) row(msg []byte, vals *fieldValues, binary bool) (*Row, error) {
 	var (
 		null   [numOutboxFields]bool
 		workID []byte
@@ -465,6 +480,13 @@ func (d *Decoder) row(msg []byte, vals *fieldValues) (*Row, error) {
 		}
 	}
 
+	var created time.Time
+	if !null[fCreatedAt] {
+		// Only CloudEvents' time attribute reads it: a value the relay
+		// cannot parse is left out there rather than refusing the row here.
+		created, _ = parseTimestamptz(vals[fCreatedAt].bytes(msg))
+	}
+
 	var xact uint64
 	if !null[fXactID] {
 		// Written by the database (a default and a trigger), so a value
@@ -497,8 +519,20 @@ func (d *Decoder) row(msg []byte, vals *fieldValues) (*Row, error) {
 
 	payload, headers := vals[fPayload].bytes(msg), vals[fHeaders].bytes(msg)
 	np := len(payload)
+	if binary {
+		np, err = byteaLen(payload)
+		if err != nil {
+			return nil, d.rowErr(workID, fPayload, err.Error())
+		}
+	}
 	buf := make([]byte, np+len(headers))
-	copy(buf, payload)
+	if binary {
+		if _, err := hex.Decode(buf[:np], payload[2:]); err != nil {
+			return nil, d.rowErr(workID, fPayload, "is not bytea's hex text: "+err.Error())
+		}
+	} else {
+		copy(buf, payload)
+	}
 	copy(buf[np:], headers)
 
 	var row *Row
@@ -518,10 +552,23 @@ func (d *Decoder) row(msg []byte, vals *fieldValues) (*Row, error) {
 	if !null[fHeaders] {
 		row.Headers = buf[np:]
 	}
+	row.Binary = binary
 	row.AvailableAt = at
 	row.ExpiresAt = exp
+	row.CreatedAt = created
 	row.XactID = xact
 	return row, nil
+}
+
+// byteaLen is the length of the bytes bytea's hex text b stands for.
+func byteaLen(b []byte) (int, error) {
+	if len(b) < 2 || b[0] != '\\' || b[1] != 'x' {
+		return 0, fmt.Errorf("is bytea in a form other than hex (%q...): the relay sets bytea_output=hex on its replication connection", clipValue(b))
+	}
+	if len(b)%2 != 0 {
+		return 0, fmt.Errorf("is bytea hex text of odd length %d", len(b))
+	}
+	return (len(b) - 2) / 2, nil
 }
 
 // rowErr describes a bad value of field f in the row being decoded, naming the

@@ -228,6 +228,9 @@ func refRow(d *Decoder, rel *relationInfo, tuple *pglogrepl.TupleData) (*Row, er
 		}
 		row.ExpiresAt = exp
 	}
+	if !null[fCreatedAt] {
+		row.CreatedAt, _ = parseTimestamptz(vals[fCreatedAt])
+	}
 	return row, nil
 }
 

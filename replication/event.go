@@ -56,15 +56,19 @@ type Event struct {
 // Row is an outbox row as it was inserted. Columns are mapped by name, so the
 // table may gain columns or have them reordered without breaking decoding.
 type Row struct {
-	WorkID      string
-	Kind        string
-	Subject     string // empty when the column is NULL
-	Payload     []byte // jsonb text, exactly as PostgreSQL renders payload::text
+	WorkID  string
+	Kind    string
+	Subject string // empty when the column is NULL
+	// Payload is the payload column's value: jsonb's text as PostgreSQL
+	// renders payload::text, json's text as inserted, bytea's bytes.
+	Payload     []byte
+	Binary      bool   // the payload column is bytea
 	Headers     []byte // jsonb text, nil when NULL
 	State       string
 	AvailableAt time.Time
 	Aggregate   *Aggregate // nil: the row is unordered (G12)
 	ExpiresAt   time.Time  // zero: no business deadline (G13)
+	CreatedAt   time.Time  // zero when the table has no such column
 	// XactID is the inserting transaction's top-level id (the xact_id
 	// column, G17); 0 when the table has no such column or it is NULL.
 	XactID uint64

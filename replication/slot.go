@@ -66,6 +66,9 @@ func ConnectWith(ctx context.Context, connString, appName string, password Passw
 	cfg.RuntimeParams["DateStyle"] = "ISO, MDY"
 	cfg.RuntimeParams["TimeZone"] = "UTC"
 	cfg.RuntimeParams["IntervalStyle"] = "postgres"
+	// A bytea payload arrives as its text; the hex form is the one the
+	// decoder reads, whatever the server's or the role's default.
+	cfg.RuntimeParams["bytea_output"] = "hex"
 	if appName != "" {
 		cfg.RuntimeParams["application_name"] = appName
 	}

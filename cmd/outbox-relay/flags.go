@@ -2,16 +2,19 @@ package main
 
 import (
 	"flag"
+	"fmt"
 	"io"
 	"os"
 	"slices"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/nats-io/nats.go"
 
 	"github.com/outbox-relay/outbox-relay/internal/app"
 	"github.com/outbox-relay/outbox-relay/internal/config"
 	"github.com/outbox-relay/outbox-relay/internal/relay"
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
 
@@ -29,6 +32,9 @@ const (
 	flagOnPublish     = "on-publish"
 	flagLogLevel      = "log-level"
 	flagLogFormat     = "log-format"
+
+	flagMessageFormat     = "message-format"
+	flagCloudEventsSource = "cloudevents-source"
 
 	flagDBPasswordFile    = "database-password-file"
 	flagDBPasswordCommand = "database-password-command"
@@ -60,7 +66,8 @@ func withNATS(uses ...string) []string { return append(slices.Clone(natsFlags), 
 // commonFlags lists the common flags, the logging ones last.
 var commonFlags = []string{flagDatabaseURL, flagDBPasswordFile, flagDBPasswordCommand, flagDBIAM, flagDBIAMRegion, flagDBPooler, flagNATSURL, flagNATSName, flagNATSUser, flagNATSPassword,
 	flagNATSToken, flagNATSCreds, flagNATSNKey, flagNATSTLSCA, flagNATSTLSCert, flagNATSTLSKey,
-	flagTable, flagSlot, flagPublication, flagStream, flagSubjectPrefix, flagOnPublish, flagLogLevel, flagLogFormat}
+	flagTable, flagSlot, flagPublication, flagStream, flagSubjectPrefix, flagOnPublish, flagMessageFormat, flagCloudEventsSource,
+	flagLogLevel, flagLogFormat}
 
 // common holds the common flags' values.
 type common struct {
@@ -75,6 +82,10 @@ type common struct {
 	stream        string
 	subjectPrefix string
 	onPublish     string
+	// messageFormat and ceSource: how rows become messages, for every
+	// command that publishes (run, republish).
+	messageFormat string
+	ceSource      string
 	log           config.Logging
 }
 
@@ -104,6 +115,8 @@ func (c *common) register(fs *flag.FlagSet, uses ...string) {
 	fs.StringVar(&c.stream, flagStream, "OUTBOX", "JetStream stream the relay publishes to; run creates it when missing, never changes it")
 	fs.StringVar(&c.subjectPrefix, flagSubjectPrefix, "outbox.", "default subject is <prefix><kind>; the stream binds <prefix>>")
 	fs.StringVar(&c.onPublish, flagOnPublish, "mark", "after the broker's ack: mark (state=published, keep evidence), delete, or none (the CDC path writes nothing per row; a watermark in <table>_slots says what was published)")
+	fs.StringVar(&c.messageFormat, flagMessageFormat, "outbox", "how a row becomes a message: outbox (the payload as the data, Outbox-* headers), cloudevents (also the CloudEvents attributes as ce-* headers: binary content mode) or cloudevents-structured (the data is an application/cloudevents+json envelope); Nats-Msg-Id and the Outbox-* headers stay in each (docs/consumers.md)")
+	fs.StringVar(&c.ceSource, flagCloudEventsSource, "", "the CloudEvents source attribute (a URI-reference; empty: /outbox-relay/<database>/<schema>.<table>)")
 	c.log.Register(fs)
 	used := map[string]bool{}
 	if slices.Contains(uses, flagDatabaseURL) {
@@ -179,6 +192,9 @@ func (c *common) options() (app.Options, error) {
 			return app.Options{}, err
 		}
 	}
+	if o.Format, err = c.format(t); err != nil {
+		return app.Options{}, err
+	}
 	return o, nil
 }
 
@@ -208,4 +224,28 @@ func flagGiven(fs *flag.FlagSet, name string) bool {
 		given = true
 	}
 	return given
+}
+
+// format is the message format the common flags say, with the default
+// CloudEvents source named after the database the URL reaches.
+func (c *common) format(t store.Table) (wire.Format, error) {
+	f := wire.Format{SubjectPrefix: c.subjectPrefix, Source: c.ceSource}
+	var err error
+	if f.Mode, err = wire.ParseMode(c.messageFormat); err != nil {
+		return wire.Format{}, err
+	}
+	if f.Mode != wire.ModeOutbox && f.Source == "" {
+		db := ""
+		if cfg, err := pgconn.ParseConfig(c.databaseURL); err == nil {
+			db = cfg.Database
+		}
+		if db == "" {
+			return wire.Format{}, fmt.Errorf("--message-format %s: the default --cloudevents-source names the database, and --database-url names none: give --cloudevents-source", f.Mode)
+		}
+		f.Source = wire.DefaultCloudEventsSource(db, t.Qualified())
+	}
+	if err := f.Validate(); err != nil {
+		return wire.Format{}, err
+	}
+	return f, nil
 }

@@ -30,7 +30,8 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	fs.BoolVar(&recordSettings, "record-settings", false, "record --ordering and --on-publish as the table's settings, which every `run` of it must use (stop every instance first: docs/upgrading.md, \"Changing --ordering or --on-publish\"); without it, migrate prints the recorded ones")
 	fs.StringVar(&ordering, "ordering", app.OrderingNone, "with --record-settings: the table's --ordering, none or aggregate")
 	fs.DurationVar(&lockTimeout, "lock-timeout", store.DefaultLockTimeout, "longest wait for a lock that producers' INSERTs queue behind (PostgreSQL lock_timeout); past it migrate gives up, names the session holding the table, and a rerun resumes (docs/upgrading.md, \"Migrating a large table\")")
-	var partitionInterval string
+	var partitionInterval, payloadType string
+	fs.StringVar(&payloadType, "payload-type", "", "create a NEW table whose payload column is jsonb (the default: PostgreSQL normalises key order and spacing), json (the producer's JSON text, published byte for byte) or bytea (any bytes, e.g. Protobuf or Avro, published byte for byte); on an existing table it must name the column's type (docs/consumers.md, \"Payload types\")")
 	fs.StringVar(&partitionInterval, "partition-interval", "", "create a NEW table partitioned by created_at in ranges of this interval (1h, 1d, Nd, or a Go duration of at least 5m in whole minutes); prune then drops whole partitions. Refused on an existing plain table (docs/partitions.md, \"Converting a plain table to a partitioned one\")")
 	fs.StringVar(&inboxTable, "inbox", "", "create the inbox table with this name (name or schema.name) and its <name>_fences table for consumers using package inbox, instead of the outbox table and publication")
 	fs.BoolVar(&printGrants, "print-grants", false, "print the least-privilege roles and grants (sql/roles.sql) for --table and exit; run the output as the table's owner")
@@ -65,6 +66,11 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if err != nil {
 		return err
 	}
+	if payloadType != "" {
+		if err := store.ValidatePayloadType(payloadType); err != nil {
+			return err
+		}
+	}
 	var interval time.Duration
 	if partitionInterval != "" {
 		if interval, err = store.ParsePartitionInterval(partitionInterval); err != nil {
@@ -83,6 +89,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		LockTimeout:       lockTimeout,
 		Progress:          func(msg string) { fmt.Fprintf(stdout, "%s: %s\n", t.Qualified(), msg) },
 		PartitionInterval: interval,
+		PayloadType:       payloadType,
 		Pooled:            c.db().Pooled(),
 	})
 	// Each migration is committed on its own: say which ones are in even

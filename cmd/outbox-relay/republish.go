@@ -51,7 +51,7 @@ rows are gone from the table and nothing can be republished from it.
 
   outbox-relay republish --on-publish none --since 30m --dry-run
   outbox-relay republish --on-publish none --since 2026-12-02T17:00:00Z`, stderr)
-	c.register(fs, withNATS(flagDatabaseURL, flagTable, flagStream, flagSubjectPrefix, flagOnPublish)...)
+	c.register(fs, withNATS(flagDatabaseURL, flagTable, flagStream, flagSubjectPrefix, flagOnPublish, flagMessageFormat, flagCloudEventsSource)...)
 	since := fs.String("since", "", "rows created at or after this time (required): RFC3339 (2026-12-02T17:00:00Z) or an age (30m, 2h, 1d); the relay's error log names one")
 	limit := fs.Int("limit", DefaultRepublishLimit, "read at most this many rows, oldest first, through the index on created_at; a run that stops there says the --since to go on with")
 	lookupLimit := fs.Int("lookup-limit", DefaultRepublishLookupLimit, "messages the stream lookup reads at most, on the rows' subjects from the oldest row's creation on; rows not found when it stops there are not checked (not republished without --force)")
@@ -88,6 +88,16 @@ rows are gone from the table and nothing can be republished from it.
 	}
 	if c.natsURL == "" {
 		return errors.New("--nats-url is empty: republish looks each row up in the stream and publishes to it")
+	}
+	table, err := store.ParseTable(c.table)
+	if err != nil {
+		return err
+	}
+	// The format run publishes in: a republished message is the one the
+	// broker lost, byte for byte where the format is the same.
+	format, err := c.format(table)
+	if err != nil {
+		return err
 	}
 
 	st, closeDB, err := openStore(ctx, &c)
@@ -136,7 +146,7 @@ rows are gone from the table and nothing can be republished from it.
 	var unbuildable []string
 	kept := rows[:0]
 	for _, r := range rows {
-		m, err := poller.Message(r.Claimed, c.subjectPrefix, extra)
+		m, err := poller.Message(r.Claimed, format, extra)
 		if err != nil {
 			unbuildable = append(unbuildable, r.WorkID)
 			fmt.Fprintf(stderr, "not published: row %s: its message cannot be built (%s); fix the row, or leave it to its producer\n", termsafe.String(r.WorkID), termsafe.String(err.Error()))

@@ -70,6 +70,8 @@ var settingList = []namedSetting{
 	{"failover-slot", setting{group: groupNames, serves: "G14"}},
 	{"standby-slot", setting{group: groupNames, serves: "G14"}},
 
+	{flagMessageFormat, setting{group: groupDelivery, limits: "outbox, cloudevents or cloudevents-structured", refused: "avro"}},
+	{flagCloudEventsSource, setting{group: groupDelivery, limits: "a URI-reference (with --message-format cloudevents...)"}},
 	{"ordering", setting{group: groupDelivery, limits: "none or aggregate", refused: "total", serves: "G12"}},
 	{"deadline-margin", setting{group: groupDelivery, limits: "more than 0, at most 24h", refused: "25h", serves: "G13"}},
 	{"deadline-ttl", setting{group: groupDelivery, serves: "G13, G21"}},

@@ -29,6 +29,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/relay"
 	"github.com/outbox-relay/outbox-relay/internal/standby"
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/sinks"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
@@ -62,6 +63,9 @@ type Options struct {
 	Publication   string
 	Stream        string
 	SubjectPrefix string
+	// Format is how rows become messages (--message-format); its
+	// SubjectPrefix is SubjectPrefix's.
+	Format wire.Format
 	// AllowStreams are streams besides Stream that a row's subject column
 	// may name (run --allow-stream); every other subject is refused.
 	AllowStreams []string
@@ -314,7 +318,7 @@ func (o *Options) pollerConfig(connected func() bool) poller.Config {
 	c := poller.Config{
 		WorkerID: o.WorkerID, Lease: o.Lease, MaxAttempts: o.MaxAttempts,
 		BackoffMin: o.BackoffMin, BackoffMax: o.BackoffMax, PollInterval: o.PollInterval, Batch: o.PollBatch, Pipeline: o.PollPipeline,
-		SubjectPrefix: o.SubjectPrefix, Connected: connected,
+		SubjectPrefix: o.SubjectPrefix, Format: o.Format, Connected: connected,
 		Ordered: o.Ordering == OrderingAggregate, DeadlineMargin: o.DeadlineMargin,
 		SweepInterval: o.SweepInterval,
 	}
@@ -515,6 +519,7 @@ func run(ctx context.Context, o Options, log zerolog.Logger) error {
 		Slot:                o.Slot,
 		Publication:         o.Publication,
 		SubjectPrefix:       o.SubjectPrefix,
+		Format:              o.Format,
 		AppName:             o.AppName,
 		DuplicateWindow:     o.DuplicateWindow,
 		MaxInFlight:         o.MaxInFlight,

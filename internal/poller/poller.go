@@ -58,6 +58,9 @@ type Config struct {
 	// least). 0: DefaultPipeline; 1: one batch at a time.
 	Pipeline      int
 	SubjectPrefix string
+	// Format is how a row becomes its message (run --message-format); its
+	// SubjectPrefix is SubjectPrefix's.
+	Format wire.Format
 	// Ordered claims, per aggregate, only its lowest unpublished sequence
 	// (run --ordering aggregate, G12).
 	Ordered bool
@@ -197,6 +200,7 @@ func (p *Poller) pause(ctx context.Context, d time.Duration) error {
 
 // New returns a poller; Run starts it.
 func New(cfg Config, st *store.Store, sink sinks.Sink, log zerolog.Logger, m *metrics.Metrics) *Poller {
+	cfg.Format.SubjectPrefix = cfg.SubjectPrefix
 	if cfg.Sleep == nil {
 		cfg.Sleep = retry.Sleep
 	}
@@ -520,20 +524,21 @@ func (p *Poller) process(ctx context.Context, claimed []store.Claimed) error {
 // message builds c's message; extra is a scratch map for the poller's
 // headers, reused across a batch (BuildMessage copies its values).
 func (p *Poller) message(c store.Claimed, extra map[string]string) (*wire.Message, error) {
-	return Message(c, p.cfg.SubjectPrefix, extra)
+	return Message(c, p.cfg.Format, extra)
 }
 
 // Message builds the poller path's message of c (its attempt and claim
 // generation as headers), for the poller and for the republish command,
 // which publishes a row the broker lost in the same format. extra is a
 // scratch map, overwritten.
-func Message(c store.Claimed, subjectPrefix string, extra map[string]string) (*wire.Message, error) {
+func Message(c store.Claimed, f wire.Format, extra map[string]string) (*wire.Message, error) {
 	extra[wire.HeaderAttempt] = strconv.Itoa(c.Attempts)
 	extra[wire.HeaderClaimGeneration] = strconv.FormatInt(c.ClaimGeneration, 10)
-	return wire.BuildMessage(wire.Row{
+	return f.Build(wire.Row{
 		WorkID: c.WorkID, Kind: c.Kind, Subject: c.Subject, Payload: c.Payload, Headers: c.Headers,
 		AggregateType: c.AggregateType, AggregateID: c.AggregateID, AggregateSeq: c.AggregateSeq, ExpiresAt: c.ExpiresAt,
-	}, subjectPrefix, extra)
+		CreatedAt: c.CreatedAt, Binary: c.Binary,
+	}, wire.SharedHeaders(extra))
 }
 
 // acked counts an ack and returns the completion it calls for.

@@ -14,6 +14,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/poller"
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/sinks"
 	natssink "github.com/outbox-relay/outbox-relay/sinks/jetstream"
 )
@@ -228,7 +229,7 @@ func TestReclaimPastTheWindowLooksUpFirst(t *testing.T) {
 		t.Fatalf("a's claim: %d rows, %v", len(claimed), err)
 	}
 	for _, c := range claimed {
-		msg, err := poller.Message(c, f.prefix, map[string]string{})
+		msg, err := poller.Message(c, wire.Format{SubjectPrefix: f.prefix}, map[string]string{})
 		if err != nil {
 			t.Fatal(err)
 		}

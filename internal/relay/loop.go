@@ -666,10 +666,11 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row, held int) er
 	if l.curHeaders == nil {
 		l.curHeaders = cdcSharedHeaders(l.curCommitLSN, l.curCommitTime)
 	}
-	msg, err := wire.BuildMessageShared(wire.Row{
+	msg, err := l.r.cfg.Format.Build(wire.Row{
 		WorkID: row.WorkID, Kind: row.Kind, Subject: row.Subject, Payload: row.Payload, Headers: row.Headers,
 		AggregateType: aggType, AggregateID: aggID, AggregateSeq: aggSeq, ExpiresAt: row.ExpiresAt,
-	}, l.r.cfg.SubjectPrefix, l.curHeaders)
+		CreatedAt: row.CreatedAt, Binary: row.Binary,
+	}, l.curHeaders)
 	if err != nil {
 		re, _ := wire.IsRejected(err)
 		l.reject(it, re)

@@ -23,6 +23,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/retry"
 	"github.com/outbox-relay/outbox-relay/internal/standby"
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/sinks"
 )
@@ -41,7 +42,10 @@ type Config struct {
 	Slot          string
 	Publication   string
 	SubjectPrefix string
-	AppName       string
+	// Format is how a row becomes its message (run --message-format); its
+	// SubjectPrefix is SubjectPrefix's.
+	Format  wire.Format
+	AppName string
 
 	// DuplicateWindow is the stream's duplicate window as configured, used
 	// until the sink has read the stream's own (staleAfter).
@@ -157,6 +161,7 @@ const (
 )
 
 func (c *Config) setDefaults() {
+	c.Format.SubjectPrefix = c.SubjectPrefix
 	if c.LostCheckInterval == 0 {
 		c.LostCheckInterval = DefaultLostCheckInterval
 	}

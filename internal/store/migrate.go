@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io/fs"
 	"regexp"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -106,6 +107,30 @@ func Migrations(t Table) ([]Migration, error) {
 // Partitioned table).
 type Layout struct {
 	PartitionInterval time.Duration
+	// PayloadType is the payload column's type: jsonb (also for ""), json
+	// or bytea (migrate --payload-type).
+	PayloadType string
+}
+
+// PayloadTypes are the payload column's types: jsonb (PostgreSQL's
+// normalised text), json (the producer's text, byte for byte) and bytea
+// (any bytes: Protobuf, Avro, ...). jsonb is the default.
+var PayloadTypes = []string{"jsonb", "json", "bytea"}
+
+// ValidatePayloadType checks --payload-type.
+func ValidatePayloadType(s string) error {
+	if slices.Contains(PayloadTypes, s) {
+		return nil
+	}
+	return fmt.Errorf("--payload-type %q: want jsonb (the default: PostgreSQL normalises the JSON), json (the producer's JSON text, byte for byte) or bytea (any bytes, e.g. Protobuf)", s)
+}
+
+// payloadType is the column type to create.
+func (l Layout) payloadType() string {
+	if l.PayloadType == "" {
+		return "jsonb"
+	}
+	return l.PayloadType
 }
 
 // Partitioned reports whether the table is partitioned.
@@ -255,6 +280,7 @@ func (d templateData) CompanionLit(suffix string) string { return literal(d.t.de
 func (d templateData) QualifiedLit() string              { return literal(d.t.Qualified()) }
 func (d templateData) Partitioned() bool                 { return d.layout.Partitioned() }
 func (d templateData) IntervalSeconds() int64            { return int64(d.layout.PartitionInterval / time.Second) }
+func (d templateData) PayloadType() string               { return d.layout.payloadType() }
 func (d templateData) Ahead() int                        { return PartitionsAhead(d.layout.PartitionInterval) }
 func (d templateData) Schema() string                    { return pgx.Identifier{d.t.Schema}.Sanitize() }
 func (d templateData) Name(suffix string) string         { return d.t.derived(suffix, false) }
@@ -273,6 +299,10 @@ type MigrateOptions struct {
 	// MinPartitionInterval, whole minutes). On a partitioned table it must
 	// be the recorded interval or 0; on a plain table it is refused.
 	PartitionInterval time.Duration
+	// PayloadType, for a table that does not exist yet, is its payload
+	// column's type (PayloadTypes; "": jsonb). On an existing table it must
+	// be the column's type or "": migrate does not convert a table.
+	PayloadType string
 	// Pooled says the connection goes through a pooler in transaction mode
 	// (app.DB.Pooler), where session state does not follow the client
 	// from one transaction to the next: a session lock would be left on a
@@ -302,6 +332,11 @@ func Migrate(ctx context.Context, conn *pgx.Conn, t Table) ([]Migration, error) 
 // it fails after some. Every wait for a lock that blocks producers is
 // bounded by opts.LockTimeout (see the rules at the top of this file).
 func MigrateWith(ctx context.Context, conn *pgx.Conn, t Table, opts MigrateOptions) ([]Migration, error) {
+	if opts.PayloadType != "" {
+		if err := ValidatePayloadType(opts.PayloadType); err != nil {
+			return nil, fmt.Errorf("migrate %s: %w", t.Qualified(), err)
+		}
+	}
 	if opts.PartitionInterval != 0 && (opts.PartitionInterval < MinPartitionInterval || opts.PartitionInterval%time.Minute != 0) {
 		return nil, fmt.Errorf("migrate %s: partition interval %s: want at least %s in whole minutes", t.Qualified(), opts.PartitionInterval, MinPartitionInterval)
 	}
@@ -334,8 +369,10 @@ func MigrateWith(ctx context.Context, conn *pgx.Conn, t Table, opts MigrateOptio
 		return nil, fmt.Errorf("migrate %s --partition-interval %s: %w", t.Qualified(), opts.PartitionInterval, ErrConvertPlain)
 	case layout.Exists && layout.Partitioned() && opts.PartitionInterval > 0 && layout.PartitionInterval != opts.PartitionInterval:
 		return nil, fmt.Errorf("migrate %s --partition-interval %s: the table is partitioned by %s already; the interval of an existing table does not change (a new table with the procedure in docs/partitions.md, \"Converting a plain table to a partitioned one\")", t.Qualified(), opts.PartitionInterval, layout.PartitionInterval)
+	case layout.Exists && opts.PayloadType != "" && opts.PayloadType != layout.payloadType():
+		return nil, fmt.Errorf("migrate %s --payload-type %s: the table's payload column is %s already; migrate does not convert an existing table (docs/consumers.md, \"Changing the payload type of an existing table\")", t.Qualified(), opts.PayloadType, layout.payloadType())
 	case !layout.Exists:
-		layout.Layout = Layout{PartitionInterval: opts.PartitionInterval}
+		layout.Layout = Layout{PartitionInterval: opts.PartitionInterval, PayloadType: opts.PayloadType}
 	}
 	migs, err := MigrationsFor(t, layout.Layout)
 	if err != nil {
@@ -378,8 +415,15 @@ func ReadLayout(ctx context.Context, q DBTX, t Table) (FoundLayout, error) {
 	if err != nil {
 		return FoundLayout{}, fmt.Errorf("read the layout of %s: %w", t.Qualified(), err)
 	}
+	var ptype string
+	err = q.QueryRow(ctx, `SELECT coalesce((SELECT format_type(a.atttypid, NULL) FROM pg_catalog.pg_attribute a
+		WHERE a.attrelid = (quote_ident($1) || '.' || quote_ident($2))::regclass AND a.attname = 'payload' AND NOT a.attisdropped), '')`,
+		t.Schema, t.Name).Scan(&ptype)
+	if err != nil {
+		return FoundLayout{}, fmt.Errorf("read the payload type of %s: %w", t.Qualified(), err)
+	}
 	if kind != "p" {
-		return FoundLayout{Exists: true}, nil
+		return FoundLayout{Exists: true, Layout: Layout{PayloadType: ptype}}, nil
 	}
 	var secs *int64
 	err = q.QueryRow(ctx, `SELECT (SELECT interval_seconds FROM `+t.derived("partitioning", true)+`)`).Scan(&secs)
@@ -390,7 +434,7 @@ func ReadLayout(ctx context.Context, q DBTX, t Table) (FoundLayout, error) {
 	if err != nil {
 		return FoundLayout{}, fmt.Errorf("read the partition interval of %s: %w", t.Qualified(), err)
 	}
-	l := FoundLayout{Exists: true, Layout: Layout{PartitionInterval: time.Hour}}
+	l := FoundLayout{Exists: true, Layout: Layout{PartitionInterval: time.Hour, PayloadType: ptype}}
 	if secs != nil {
 		l.PartitionInterval = time.Duration(*secs) * time.Second
 	}

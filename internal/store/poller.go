@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // The poller's statements. A claim moves a due row to 'running' under a
@@ -26,7 +28,8 @@ type Claimed struct {
 	WorkID          string
 	Kind            string
 	Subject         string // empty when the column is NULL
-	Payload         []byte // the payload's text
+	Payload         []byte // jsonb's or json's text, bytea's bytes
+	Binary          bool   // the payload column is bytea
 	Headers         []byte // the headers' JSON text, nil when NULL
 	Attempts        int    // after this claim's +1
 	ClaimGeneration int64  // this claim's generation: the fence of every later statement
@@ -39,6 +42,8 @@ type Claimed struct {
 	AggregateType, AggregateID string
 	AggregateSeq               int64
 	ExpiresAt                  time.Time
+	// CreatedAt is the row's created_at (CloudEvents' time attribute).
+	CreatedAt time.Time
 	// AvailableAt is when the row became due (the claim leaves it as it
 	// was): after a reschedule, its last attempt's time plus the backoff.
 	AvailableAt time.Time
@@ -102,9 +107,11 @@ func (s *Store) Claim(ctx context.Context, workerID string, lease time.Duration,
 		var aggSeq, lookup *int64
 		var expires *time.Time
 		// Payload and Headers scan straight into []byte (a copy of the
-		// row's text; nil for NULL headers): no string in between.
+		// row's text or bytes; nil for NULL headers): no string in between.
+		// The payload is the column as it is, whatever its type.
 		err := r.Scan(&c.WorkID, &c.Kind, &c.Subject, &c.Payload, &c.Headers, &c.Attempts, &c.ClaimGeneration, &c.LastError, &c.Reclaimed,
-			&c.AggregateType, &c.AggregateID, &aggSeq, anyTimePtr{&expires}, anyTime{&c.AvailableAt}, &lookup)
+			&c.AggregateType, &c.AggregateID, &aggSeq, anyTimePtr{&expires}, anyTime{&c.AvailableAt}, &lookup, anyTime{&c.CreatedAt})
+		c.Binary = isBytea(r.FieldDescriptions()[3])
 		if lookup != nil && *lookup >= 0 {
 			c.LookupSeq, c.HasLookupSeq = uint64(*lookup), true
 		}
@@ -374,9 +381,10 @@ func (s *Store) claimUpdateSQL() string {
 		lease_until = clock_timestamp() + $3::bigint * interval '1 microsecond', attempts = t.attempts + 1,
 		lookup_seq = coalesce(t.lookup_seq, $5::bigint)
 	FROM c WHERE t.work_id = c.work_id
-	RETURNING t.work_id, t.kind, coalesce(t.subject, ''), t.payload::text, t.headers::text, t.attempts,
+	RETURNING t.work_id, t.kind, coalesce(t.subject, ''), t.payload, t.headers::text, t.attempts,
 		t.claim_generation, coalesce(t.last_error, ''), c.prev_state = 'running',
-		coalesce(t.aggregate_type, ''), coalesce(t.aggregate_id, ''), t.aggregate_seq, t.expires_at, t.available_at, c.prev_lookup`
+		coalesce(t.aggregate_type, ''), coalesce(t.aggregate_id, ''), t.aggregate_seq, t.expires_at, t.available_at, c.prev_lookup,
+		t.created_at`
 }
 
 // orderedClaimSQL is the claim with the order rule (G12): it takes, per
@@ -466,3 +474,7 @@ func (s *Store) orderedClaimSQL() string {
 		LIMIT greatest($1 - (SELECT count(*) FROM h), 0)))
 	` + s.claimUpdateSQL()
 }
+
+// isBytea says a payload column read without a cast is bytea (migrate
+// --payload-type bytea): its bytes are the payload, not text.
+func isBytea(f pgconn.FieldDescription) bool { return f.DataTypeOID == pgtype.ByteaOID }

@@ -13,9 +13,8 @@ import (
 // republish command reads it to look its message up in the stream and
 // publish it again when the broker lost it (G19).
 type PublishedRow struct {
-	Claimed          // what the message is built from (Attempts and ClaimGeneration as the row has them)
-	State     string // published, or ready (covered by the watermark)
-	CreatedAt time.Time
+	Claimed        // what the message is built from (Attempts and ClaimGeneration as the row has them)
+	State   string // published, or ready (covered by the watermark)
 	// Stream and Seq: where the broker acknowledged it (state published;
 	// empty for a ready row, of which nothing per row is kept).
 	Stream string
@@ -49,7 +48,7 @@ func (s *Store) PublishedSince(ctx context.Context, since time.Time, sinceAgo ti
 	tbl := s.table.String()
 	rows, err := s.pool.Query(ctx, `WITH w AS (
 			SELECT work_id, created_at FROM `+tbl+` WHERE created_at >= `+from+` ORDER BY created_at, work_id LIMIT $2)
-		SELECT o.work_id, o.kind, coalesce(o.subject, ''), o.payload::text, o.headers::text, o.attempts, o.claim_generation,
+		SELECT o.work_id, o.kind, coalesce(o.subject, ''), o.payload, o.headers::text, o.attempts, o.claim_generation,
 			coalesce(o.aggregate_type, ''), coalesce(o.aggregate_id, ''), o.aggregate_seq, o.expires_at, o.created_at,
 			o.state, coalesce(o.stream_name, ''), coalesce(o.stream_seq, 0), `+s.publishedSQL("o")+`
 		FROM w JOIN `+tbl+` AS o ON o.work_id = w.work_id AND o.created_at = w.created_at
@@ -65,8 +64,7 @@ func (s *Store) PublishedSince(ctx context.Context, since time.Time, sinceAgo ti
 		var expires *time.Time
 		var seq int64
 		var published bool
-		var payload string
-		if err := rows.Scan(&p.WorkID, &p.Kind, &p.Subject, &payload, &headers, &p.Attempts, &p.ClaimGeneration,
+		if err := rows.Scan(&p.WorkID, &p.Kind, &p.Subject, &p.Payload, &headers, &p.Attempts, &p.ClaimGeneration,
 			&p.AggregateType, &p.AggregateID, &aggSeq, anyTimePtr{&expires}, anyTime{&p.CreatedAt},
 			&p.State, &p.Stream, &seq, &published); err != nil {
 			return out, fmt.Errorf("read the published rows created since %s in %s: %w", describeSince(since, sinceAgo), s.table.Qualified(), err)
@@ -76,7 +74,7 @@ func (s *Store) PublishedSince(ctx context.Context, since time.Time, sinceAgo ti
 		if !published {
 			continue
 		}
-		p.Payload = []byte(payload)
+		p.Binary = isBytea(rows.FieldDescriptions()[3])
 		if headers != nil {
 			p.Headers = []byte(*headers)
 		}

@@ -77,6 +77,13 @@ type Row struct {
 	AggregateSeq               int64
 	// The business deadline (G13); zero: none.
 	ExpiresAt time.Time
+	// CreatedAt is the row's created_at: the CloudEvents time attribute,
+	// the same on every path and attempt. Zero: not known (omitted).
+	CreatedAt time.Time
+	// Binary says the payload column is bytea: the payload is bytes, not
+	// text, published as they are, and application/octet-stream unless the
+	// row's Content-Type header names its type.
+	Binary bool
 }
 
 // Rejection reasons of a row that can never become a message as it is. They
@@ -91,6 +98,11 @@ const (
 	ReasonInvalidAggregate = "invalid_aggregate"
 	ReasonInvalidDeadline  = "invalid_deadline"
 	ReasonInvalidPayload   = "invalid_payload"
+	// ReasonInvalidEvent: with --message-format cloudevents or
+	// cloudevents-structured, the row cannot be a valid CloudEvent as it
+	// is (a Content-Type that is no media type, a ce-* header naming an
+	// attribute the relay sets, a created_at outside RFC 3339).
+	ReasonInvalidEvent = "invalid_event"
 	// ReasonRefused: the broker answered the message with an error the
 	// relay has no name for (a 4xx answer at once; a failure it does not
 	// recognise, for the same row again and again, after bounded tries):
@@ -100,7 +112,7 @@ const (
 
 // Reasons is every reason above: the one list docs checks hold the docs to.
 var Reasons = []string{ReasonInvalidWorkID, ReasonInvalidKind, ReasonInvalidSubject, ReasonInvalidHeader,
-	ReasonHeaderTooLarge, ReasonReservedSubject, ReasonInvalidAggregate, ReasonInvalidDeadline, ReasonInvalidPayload, ReasonRefused}
+	ReasonHeaderTooLarge, ReasonReservedSubject, ReasonInvalidAggregate, ReasonInvalidDeadline, ReasonInvalidPayload, ReasonInvalidEvent, ReasonRefused}
 
 // BuildMessage turns a row into the message the broker stores: the payload's
 // committed text as the data (G4), the subject column or prefix+kind, the
@@ -131,6 +143,12 @@ func SharedHeaders(extra map[string]string) map[string][]string {
 // SharedHeaders. Their value slices are shared by every message built from
 // them, and nothing downstream writes to them.
 func BuildMessageShared(r Row, subjectPrefix string, extra map[string][]string) (*Message, error) {
+	return buildMessage(r, subjectPrefix, extra, nil)
+}
+
+// buildMessage builds in the relay's own format when ce is nil, else in
+// ce's CloudEvents mode.
+func buildMessage(r Row, subjectPrefix string, extra map[string][]string, ce *Format) (*Message, error) {
 	if err := ValidateWorkID(r.WorkID); err != nil {
 		return nil, &RejectedError{Reason: ReasonInvalidWorkID, Err: err}
 	}
@@ -148,8 +166,10 @@ func BuildMessageShared(r Row, subjectPrefix string, extra map[string][]string) 
 		}
 		return nil, &RejectedError{Reason: reason, Err: fmt.Errorf("row %s: %w", r.WorkID, err)}
 	}
-	if err := ValidatePayload(r.Payload); err != nil {
-		return nil, &RejectedError{Reason: ReasonInvalidPayload, Err: fmt.Errorf("row %s: %w", r.WorkID, err)}
+	if !r.Binary {
+		if err := ValidatePayload(r.Payload); err != nil {
+			return nil, &RejectedError{Reason: ReasonInvalidPayload, Err: fmt.Errorf("row %s: %w", r.WorkID, err)}
+		}
 	}
 	hdr := make(map[string][]string, 5+len(extra))
 	if len(r.Headers) > 0 {
@@ -178,6 +198,13 @@ func BuildMessageShared(r Row, subjectPrefix string, extra map[string][]string) 
 	for k, v := range extra {
 		hdr[k] = v
 	}
+	data := r.Payload
+	if ce != nil {
+		var err error
+		if data, err = ce.cloudEvent(&r, hdr); err != nil {
+			return nil, &RejectedError{Reason: ReasonInvalidEvent, Err: err}
+		}
+	}
 	n := HeaderBlockSize(r.WorkID, hdr)
 	if !r.ExpiresAt.IsZero() {
 		n += ttlHeaderRoom
@@ -187,7 +214,7 @@ func BuildMessageShared(r Row, subjectPrefix string, extra map[string][]string) 
 			"row %s: its headers take %d bytes, over JetStream's %d-byte limit for a message's header block: send fewer or shorter headers (%s)",
 			r.WorkID, n, MaxHeaderBytes, largestHeaders(hdr))}
 	}
-	return &Message{ID: r.WorkID, Subject: subject, Data: r.Payload, Header: hdr, Checked: true, HeaderBytes: n, ExpiresAt: r.ExpiresAt}, nil
+	return &Message{ID: r.WorkID, Subject: subject, Data: data, Header: hdr, Checked: true, HeaderBytes: n, ExpiresAt: r.ExpiresAt}, nil
 }
 
 // notUTF8 says where a database can have taken bytes that are not UTF-8.

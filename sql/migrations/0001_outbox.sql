@@ -11,7 +11,7 @@ CREATE TABLE IF NOT EXISTS {{.Table}} (
     work_id          text        NOT NULL CHECK (work_id <> ''),
     kind             text        NOT NULL CHECK (kind <> ''),
     subject          text,
-    payload          jsonb       NOT NULL,
+    payload          {{.PayloadType}} NOT NULL,
     headers          jsonb       CHECK (headers IS NULL OR jsonb_typeof(headers) = 'object'),
     state            text        NOT NULL DEFAULT 'ready'
                      CHECK (state IN ('ready', 'scheduled', 'running', 'published', 'failed', 'cancelled')),
