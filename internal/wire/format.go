@@ -236,12 +236,14 @@ func (f *Format) cloudEvent(r *Row, hdr map[string][]string) ([]byte, error) {
 
 // embedsAsJSON says whether the payload goes into the envelope as a JSON
 // value ("data") rather than as base64 ("data_base64"): only when the
-// content type is JSON and the bytes are a JSON text that a reader hands
-// back unchanged. A JSON reader drops whitespace around a value, so a
-// payload with any keeps its exact bytes in data_base64.
+// content type is application/json or text/json and the bytes are a JSON
+// text that a reader hands back unchanged. The CloudEvents SDK for Go reads
+// the data of any other type, +json ones included, as a JSON string, and a
+// JSON reader drops whitespace around a value: such payloads keep their
+// exact bytes in data_base64.
 func embedsAsJSON(ct string, r *Row) bool {
 	mt, _, _ := mime.ParseMediaType(ct)
-	if mt != MediaJSON && mt != "text/json" && !strings.HasSuffix(mt, "+json") {
+	if mt != MediaJSON && mt != "text/json" {
 		return false
 	}
 	p := r.Payload
