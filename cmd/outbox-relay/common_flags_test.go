@@ -20,23 +20,23 @@ import (
 // Stated here rather than derived from the commands, so that a command that
 // starts or stops reading one changes this test too.
 var ignoredBy = map[string][]string{
-	"migrate":   append(slices.Clone(natsAuthFlags), "nats-url", "slot", "stream", "subject-prefix", "log-level", "log-format"),
+	"migrate":   append(slices.Clone(natsAuthFlags), "nats-url", "slot", "stream", "subject-prefix", "message-format", "cloudevents-source", "log-level", "log-format"),
 	"run":       nil,
-	"status":    {"publication", "subject-prefix", "on-publish", "log-level", "log-format"},
-	"redrive":   {"slot", "publication", "on-publish", "log-level", "log-format"},
+	"status":    {"publication", "subject-prefix", "on-publish", "message-format", "cloudevents-source", "log-level", "log-format"},
+	"redrive":   {"slot", "publication", "on-publish", "message-format", "cloudevents-source", "log-level", "log-format"},
 	"republish": {"slot", "publication", "log-level", "log-format"},
-	"cancel":    append(slices.Clone(natsAuthFlags), "nats-url", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"),
-	"prune":     append(slices.Clone(natsAuthFlags), "nats-url", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"),
-	"version":   append(slices.Clone(natsAuthFlags), "database-url", "database-password-file", "database-password-command", "database-iam", "database-iam-region", "database-pooler", "nats-url", "table", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"),
+	"cancel":    append(slices.Clone(natsAuthFlags), "nats-url", "slot", "publication", "stream", "subject-prefix", "on-publish", "message-format", "cloudevents-source", "log-level", "log-format"),
+	"prune":     append(slices.Clone(natsAuthFlags), "nats-url", "slot", "publication", "stream", "subject-prefix", "on-publish", "message-format", "cloudevents-source", "log-level", "log-format"),
+	"version":   append(slices.Clone(natsAuthFlags), "database-url", "database-password-file", "database-password-command", "database-iam", "database-iam-region", "database-pooler", "nats-url", "table", "slot", "publication", "stream", "subject-prefix", "on-publish", "message-format", "cloudevents-source", "log-level", "log-format"),
 	"demo":      nil,
-	"console":   append(slices.Clone(natsAuthFlags), "nats-url", "publication", "stream", "subject-prefix", "on-publish"),
+	"console":   append(slices.Clone(natsAuthFlags), "nats-url", "publication", "stream", "subject-prefix", "on-publish", "message-format", "cloudevents-source"),
 }
 
 // natsAuthFlags are the common flags that log in to the broker: read by
 // every command that talks to it (TestEveryCommandLogsInToAnAuthenticatedBroker).
 var natsAuthFlags = []string{"nats-name", "nats-user", "nats-password", "nats-token", "nats-creds", "nats-nkey", "nats-tls-ca", "nats-tls-cert", "nats-tls-key"}
 
-var allCommonFlags = append([]string{"database-url", "database-password-file", "database-password-command", "database-iam", "database-iam-region", "database-pooler", "nats-url", "table", "slot", "publication", "stream", "subject-prefix", "on-publish", "log-level", "log-format"}, natsAuthFlags...)
+var allCommonFlags = append([]string{"database-url", "database-password-file", "database-password-command", "database-iam", "database-iam-region", "database-pooler", "nats-url", "table", "slot", "publication", "stream", "subject-prefix", "on-publish", "message-format", "cloudevents-source", "log-level", "log-format"}, natsAuthFlags...)
 
 // Every command's --help lists every common flag and marks exactly the ones
 // it ignores.
