@@ -6,8 +6,9 @@
 // the stream's duplicate window (Nats-Msg-Id). A consumer crash between its
 // work and its ack makes JetStream redeliver too. The inbox closes the gap on
 // the receiving side: in one transaction it records (consumer, Nats-Msg-Id,
-// sha256 of the payload) in an inbox table with a unique key, runs the
-// handler with that same transaction, and commits; only then does it ack.
+// sha256 of the payload, as Payload reads it in any of the relay's message
+// formats) in an inbox table with a unique key, runs the handler with that
+// same transaction, and commits; only then does it ack.
 //
 //	in, _ := inbox.New(pool, inbox.Config{Consumer: "billing"})
 //	cons.Consume(in.Wrap(ctx, func(ctx context.Context, tx pgx.Tx, msg jetstream.Msg) error {
@@ -27,7 +28,8 @@
 //     another intention, or the message is forged. It is never applied: Term
 //     with a reason, an error log, Config.OnReject and Stats.Rejected.
 //   - no Nats-Msg-Id header: rejected the same way; without an identity
-//     nothing can be deduplicated.
+//     nothing can be deduplicated. So is a structured CloudEvent whose
+//     envelope cannot be read (malformed_event).
 //   - the handler returns an error: rollback, and NakWithDelay with a delay
 //     doubling from the delivery count (Config.BackoffMin..BackoffMax), up to
 //     Config.MaxDeliveries deliveries, then Term with the error logged. An
@@ -148,8 +150,9 @@ type Rejection struct {
 	StreamSeq uint64
 	// Reason is short and stable, for metrics: "no_msg_id",
 	// "payload_mismatch", "rejected" (the handler said so, e.g. ErrStale),
-	// "max_deliveries", "malformed_aggregate", "malformed_expires_at" or
-	// "expired".
+	// "max_deliveries", "malformed_aggregate", "malformed_expires_at",
+	// "malformed_event" (an application/cloudevents+json message whose
+	// envelope Payload cannot read) or "expired".
 	Reason string
 	Err    error
 }
@@ -378,7 +381,14 @@ func (in *Inbox) Process(ctx context.Context, msg jetstream.Msg, h Handler) (Out
 			return in.reject(d, "malformed_expires_at", fmt.Errorf("message %q: %w", d.id, err))
 		}
 	}
-	sum := sha256.Sum256(msg.Data())
+	// The payload, not the data: in structured CloudEvents mode the data is
+	// an envelope, and the same row delivered in another format is the
+	// same message.
+	payload, err := Payload(msg)
+	if err != nil {
+		return in.reject(d, "malformed_event", fmt.Errorf("message %q: %w", d.id, err))
+	}
+	sum := sha256.Sum256(payload)
 
 	tx, err := in.pool.BeginTx(ctx, in.cfg.TxOptions)
 	if err != nil {
