@@ -371,3 +371,79 @@ func streamMessages(t *testing.T, js jetstream.JetStream, stream string) []jetst
 	}
 	return out
 }
+
+// The documented conversion of an existing jsonb table (docs/upgrading.md,
+// "Changing the payload type"): migrate refuses to convert it, the ALTER
+// runs while the relay streams, and rows from before and after it are all
+// published once, the later ones byte for byte.
+func TestPayloadTypeConversion(t *testing.T) {
+	t.Parallel()
+	env := testenv.Shared(t)
+	ctx := context.Background()
+	dbURL := env.PG.CreateDatabase(t)
+	stream, prefix := env.StreamName(t)
+	common := []string{"--database-url", dbURL, "--nats-url", env.NATS.URL(), "--stream", stream, "--subject-prefix", prefix, "--slot", "conversion"}
+	if code, _, errOut := run(t, "migrate", "--database-url", dbURL); code != 0 {
+		t.Fatalf("migrate: %d %s", code, errOut)
+	}
+	for _, c := range []struct{ typ, want string }{
+		{"bytea", `the table's payload column is jsonb already; migrate does not convert an existing table (docs/upgrading.md`},
+		{"xml", `--payload-type "xml": want jsonb`},
+	} {
+		if code, _, errOut := run(t, "migrate", "--database-url", dbURL, "--payload-type", c.typ); code != 1 || !strings.Contains(errOut, c.want) {
+			t.Errorf("migrate --payload-type %s on a jsonb table: exit %d, stderr %q; want 1 and %q", c.typ, code, errOut, c.want)
+		}
+	}
+	if code, _, errOut := run(t, "migrate", "--database-url", dbURL, "--payload-type", "jsonb"); code != 0 {
+		t.Errorf("migrate --payload-type jsonb on a jsonb table: exit %d, %s; want 0", code, errOut)
+	}
+	pool, err := pgxpool.New(ctx, dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	exec := func(sql string, args ...any) {
+		t.Helper()
+		if _, err := pool.Exec(ctx, sql, args...); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+	exec(`INSERT INTO outbox (work_id, kind, payload) SELECT 'before-' || i, 'k', '{"n": 1}' FROM generate_series(1, 50) i`)
+	proto := []byte{0x08, 0x96, 0x01, 0x00, 0xff}
+	runOne(t, append([]string{"run"}, common...), func() {
+		testenv.WaitFor(t, 30*time.Second, "the jsonb rows published", func() (bool, error) {
+			var n int
+			err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE state = 'published'`).Scan(&n)
+			return n == 50, err
+		})
+		exec(`INSERT INTO outbox (work_id, kind, payload) SELECT 'ready-' || i, 'k', '{"n": 2}' FROM generate_series(1, 50) i`)
+		exec(`ALTER TABLE outbox ALTER COLUMN payload TYPE bytea USING convert_to(payload::text, 'UTF8')`)
+		for i := range 50 {
+			exec(`INSERT INTO outbox (work_id, kind, payload) VALUES ($1, 'k', $2)`, fmt.Sprintf("after-%d", i), proto)
+		}
+		testenv.WaitFor(t, 30*time.Second, "every row published", func() (bool, error) {
+			var n int
+			err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE state = 'published'`).Scan(&n)
+			return n == 150, err
+		})
+	})
+	msgs := streamMessages(t, connect(t, env.NATS.URL()), stream)
+	seen := map[string]int{}
+	for _, m := range msgs {
+		id := m.Headers().Get(wire.HeaderMsgID)
+		seen[id]++
+		want := []byte(`{"n": 1}`)
+		switch {
+		case strings.HasPrefix(id, "ready-"):
+			want = []byte(`{"n": 2}`)
+		case strings.HasPrefix(id, "after-"):
+			want = proto
+		}
+		if !bytes.Equal(m.Data(), want) {
+			t.Errorf("%s: data %q, want %q", id, m.Data(), want)
+		}
+	}
+	if len(seen) != 150 || len(msgs) != 150 {
+		t.Errorf("the stream holds %d messages of %d work IDs, want 150 once each", len(msgs), len(seen))
+	}
+}

@@ -370,7 +370,7 @@ func MigrateWith(ctx context.Context, conn *pgx.Conn, t Table, opts MigrateOptio
 	case layout.Exists && layout.Partitioned() && opts.PartitionInterval > 0 && layout.PartitionInterval != opts.PartitionInterval:
 		return nil, fmt.Errorf("migrate %s --partition-interval %s: the table is partitioned by %s already; the interval of an existing table does not change (a new table with the procedure in docs/partitions.md, \"Converting a plain table to a partitioned one\")", t.Qualified(), opts.PartitionInterval, layout.PartitionInterval)
 	case layout.Exists && opts.PayloadType != "" && opts.PayloadType != layout.payloadType():
-		return nil, fmt.Errorf("migrate %s --payload-type %s: the table's payload column is %s already; migrate does not convert an existing table (docs/consumers.md, \"Changing the payload type of an existing table\")", t.Qualified(), opts.PayloadType, layout.payloadType())
+		return nil, fmt.Errorf("migrate %s --payload-type %s: the table's payload column is %s already; migrate does not convert an existing table (docs/upgrading.md, \"Changing the payload type\")", t.Qualified(), opts.PayloadType, layout.payloadType())
 	case !layout.Exists:
 		layout.Layout = Layout{PartitionInterval: opts.PartitionInterval, PayloadType: opts.PayloadType}
 	}
