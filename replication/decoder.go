@@ -118,6 +118,9 @@ type Decoder struct {
 	// relay normally carries the outbox table alone.
 	last *relationInfo
 
+	// createdAt: parse created_at into Row.CreatedAt (StreamConfig.CreatedAt).
+	createdAt bool
+
 	inTxn      bool
 	xid        uint32
 	commitLSN  pglogrepl.LSN
@@ -126,11 +129,13 @@ type Decoder struct {
 
 // NewDecoder returns a Decoder that emits rows of t. An empty schema means
 // "public", the schema pgoutput names for unqualified tables.
-func NewDecoder(t Table) *Decoder {
+func NewDecoder(t Table) *Decoder { return newDecoder(t, true) }
+
+func newDecoder(t Table, createdAt bool) *Decoder {
 	if t.Schema == "" {
 		t.Schema = "public"
 	}
-	return &Decoder{table: t, rels: make(map[uint32]*relationInfo)}
+	return &Decoder{table: t, rels: make(map[uint32]*relationInfo), createdAt: createdAt}
 }
 
 // InTransaction reports whether a BEGIN was decoded and its COMMIT not yet.
@@ -481,7 +486,7 @@ func (d *Decoder) row(msg []byte, vals *fieldValues, binary bool) (*Row, error) 
 	}
 
 	var created time.Time
-	if !null[fCreatedAt] {
+	if d.createdAt && !null[fCreatedAt] {
 		// Only CloudEvents' time attribute reads it: a value the relay
 		// cannot parse is left out there rather than refusing the row here.
 		created, _ = parseTimestamptz(vals[fCreatedAt].bytes(msg))

@@ -20,6 +20,9 @@ type StreamConfig struct {
 	Slot        string
 	Publication string
 	Table       Table
+	// CreatedAt asks for each row's created_at (Row.CreatedAt), which only
+	// the CloudEvents formats read: parsing it costs every row otherwise.
+	CreatedAt bool
 	// StatusInterval is how often a standby status update goes out even when
 	// nothing changed. Keep it well under half of the server's
 	// wal_sender_timeout (60s by default), or the server drops the stream.
@@ -207,7 +210,7 @@ func Start(ctx context.Context, conn *pgconn.PgConn, cfg StreamConfig, slotConfi
 	}
 	stats.Confirmed.Store(uint64(slotConfirmed))
 	st := &Stream{
-		conn: conn, cfg: cfg, dec: NewDecoder(cfg.Table), log: cfg.Logger, stats: stats,
+		conn: conn, cfg: cfg, dec: newDecoder(cfg.Table, cfg.CreatedAt), log: cfg.Logger, stats: stats,
 		confirmed: slotConfirmed, acked: slotConfirmed, lastEnd: slotConfirmed, bound: cfg.Bound,
 		holder: int32(conn.PID()),
 	}

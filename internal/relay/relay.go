@@ -680,6 +680,7 @@ func (r *Relay) session(ctx context.Context) error {
 		Slot:           r.cfg.Slot,
 		Publication:    r.cfg.Publication,
 		Table:          replication.Table{Schema: r.cfg.Table.Schema, Name: r.cfg.Table.Name},
+		CreatedAt:      r.cfg.Format.Mode != wire.ModeOutbox,
 		StatusInterval: r.cfg.StatusInterval,
 		Linger:         max(r.cfg.Linger, 0),
 		Budget:         budget,
