@@ -1,4 +1,4 @@
-package consumerjs_test
+package inbox_test
 
 import (
 	"bufio"
@@ -22,10 +22,8 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/wire"
 )
 
-func TestMain(m *testing.M) { testenv.Main(m) }
-
-// line is what consumer.mjs prints for one message.
-type line struct {
+// jsLine is what consumer.mjs prints for one message.
+type jsLine struct {
 	Subject     string            `json:"subject"`
 	Seq         uint64            `json:"seq"`
 	MsgID       *string           `json:"msgId"`
@@ -41,9 +39,9 @@ type line struct {
 	Error       string            `json:"error"`
 }
 
-// rows are outbox rows as the relay reads them: each kind of payload the
+// jsRows are outbox rows as the relay reads them: each kind of payload the
 // formats carry differently.
-var rows = []struct {
+var jsRows = []struct {
 	name string
 	row  wire.Row
 	ct   string // the payload's content type (CloudEvents datacontenttype)
@@ -67,13 +65,12 @@ var rows = []struct {
 // with JSON and binary payloads, and checks every line it prints: the IDs,
 // the headers, the data and the payload's exact bytes.
 func TestConsumerReadsEveryFormat(t *testing.T) {
+	t.Parallel()
 	node, dir := nodeWithDeps(t)
-	srv, err := testenv.StartNATS(testenv.NATSOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Close)
-	nc, err := nats.Connect(srv.URL())
+	env := testenv.Shared(t)
+	url := env.NATS.URL()
+	name, prefix := env.StreamName(t)
+	nc, err := nats.Connect(url)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -84,7 +81,7 @@ func TestConsumerReadsEveryFormat(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	stream, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "OUTBOX", Subjects: []string{"outbox.>"}, Storage: jetstream.MemoryStorage})
+	stream, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: name, Subjects: []string{prefix + ">"}, Storage: jetstream.MemoryStorage})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -100,12 +97,12 @@ func TestConsumerReadsEveryFormat(t *testing.T) {
 	}
 	var all []sent
 	created := time.Date(2025, 3, 1, 12, 30, 0, 123456000, time.UTC)
-	for i, r := range rows {
+	for i, r := range jsRows {
 		for _, mode := range []wire.Mode{wire.ModeOutbox, wire.ModeCloudEvents, wire.ModeCloudEventsStructured} {
 			row := r.row
 			row.WorkID = r.name + "-" + mode.String()
 			row.CreatedAt = created
-			m, err := wire.Format{SubjectPrefix: "outbox.", Mode: mode, Source: "/test"}.Build(row, nil)
+			m, err := wire.Format{SubjectPrefix: prefix, Mode: mode, Source: "/test"}.Build(row, nil)
 			if err != nil {
 				t.Fatalf("build %s: %v", row.WorkID, err)
 			}
@@ -123,12 +120,12 @@ func TestConsumerReadsEveryFormat(t *testing.T) {
 	}
 
 	// The durable consumer: every message printed and acked.
-	got := runConsumer(t, node, dir, "--url", srv.URL(), "--stream", "OUTBOX", "--consumer", "js", "--count", fmt.Sprint(len(all)), "--timeout-ms", "10000")
+	got := runJSConsumer(t, node, dir, "--url", url, "--stream", name, "--consumer", "js", "--count", fmt.Sprint(len(all)), "--timeout-ms", "10000")
 	if len(got) != len(all) {
 		t.Fatalf("consumer.mjs printed %d lines, want %d", len(got), len(all))
 	}
 	for i, s := range all {
-		checkLine(t, got[i], s.msg, s.mode, rows[s.row].row, rows[s.row].ct, rows[s.row].json)
+		checkJSLine(t, got[i], s.msg, s.mode, jsRows[s.row].row, jsRows[s.row].ct, jsRows[s.row].json)
 	}
 	info, err := cons.Info(ctx)
 	if err != nil {
@@ -141,15 +138,15 @@ func TestConsumerReadsEveryFormat(t *testing.T) {
 
 	// Without a consumer name: an ordered consumer from the stream's start
 	// prints the same lines.
-	again := runConsumer(t, node, dir, "--url", srv.URL(), "--stream", "OUTBOX", "--count", fmt.Sprint(len(all)), "--timeout-ms", "10000")
+	again := runJSConsumer(t, node, dir, "--url", url, "--stream", name, "--count", fmt.Sprint(len(all)), "--timeout-ms", "10000")
 	if !reflect.DeepEqual(again, got) {
 		t.Errorf("the ordered consumer printed other lines than the durable one:\n%v\n%v", again, got)
 	}
 }
 
-// checkLine compares what consumer.mjs printed for a message with the
+// checkJSLine compares what consumer.mjs printed for a message with the
 // message the relay would publish for row in mode.
-func checkLine(t *testing.T, l line, m *wire.Message, mode wire.Mode, row wire.Row, ct string, isJSON bool) {
+func checkJSLine(t *testing.T, l jsLine, m *wire.Message, mode wire.Mode, row wire.Row, ct string, isJSON bool) {
 	t.Helper()
 	id := m.ID
 	if l.Error != "" {
@@ -157,7 +154,7 @@ func checkLine(t *testing.T, l line, m *wire.Message, mode wire.Mode, row wire.R
 	}
 	if l.MsgID == nil || *l.MsgID != id || l.Subject != m.Subject || l.Kind == nil || *l.Kind != row.Kind || l.Format != mode.String() {
 		t.Errorf("%s: printed msgId %v, subject %q, kind %v, format %q; want %q, %q, %q, %q",
-			id, deref(l.MsgID), l.Subject, deref(l.Kind), l.Format, id, m.Subject, row.Kind, mode)
+			id, derefJS(l.MsgID), l.Subject, derefJS(l.Kind), l.Format, id, m.Subject, row.Kind, mode)
 	}
 	wantOutbox, wantCE := map[string]string{}, map[string]string{}
 	var wantCT *string
@@ -177,8 +174,8 @@ func checkLine(t *testing.T, l line, m *wire.Message, mode wire.Mode, row wire.R
 	if mode == wire.ModeCloudEvents && (wantCE["ce-id"] != id || wantCE["ce-datacontenttype"] != ct || wantCE["ce-source"] != "/test") {
 		t.Errorf("%s: built ce-* headers %v", id, wantCE)
 	}
-	if deref(l.ContentType) != deref(wantCT) || (l.ContentType == nil) != (wantCT == nil) {
-		t.Errorf("%s: printed content type %v, want %v", id, deref(l.ContentType), deref(wantCT))
+	if derefJS(l.ContentType) != derefJS(wantCT) || (l.ContentType == nil) != (wantCT == nil) {
+		t.Errorf("%s: printed content type %v, want %v", id, derefJS(l.ContentType), derefJS(wantCT))
 	}
 	if !bytes.Equal(l.Data, m.Data) {
 		t.Errorf("%s: printed data %q, want %q", id, l.Data, m.Data)
@@ -209,15 +206,15 @@ func checkLine(t *testing.T, l line, m *wire.Message, mode wire.Mode, row wire.R
 	}
 }
 
-func deref(s *string) string {
+func derefJS(s *string) string {
 	if s == nil {
 		return "<none>"
 	}
 	return *s
 }
 
-// runConsumer runs consumer.mjs with args and returns its lines.
-func runConsumer(t *testing.T, node, dir string, args ...string) []line {
+// runJSConsumer runs consumer.mjs with args and returns its lines.
+func runJSConsumer(t *testing.T, node, dir string, args ...string) []jsLine {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
@@ -230,11 +227,11 @@ func runConsumer(t *testing.T, node, dir string, args ...string) []line {
 		t.Fatalf("node consumer.mjs %s: %v\nstdout:\n%s\nstderr:\n%s", strings.Join(args, " "), err, stdout.Bytes(), stderr.Bytes())
 	}
 	t.Logf("node consumer.mjs %s: %v", strings.Join(args, " "), time.Since(start).Round(time.Millisecond))
-	var out []line
+	var out []jsLine
 	sc := bufio.NewScanner(&stdout)
 	sc.Buffer(nil, 1<<20)
 	for sc.Scan() {
-		var l line
+		var l jsLine
 		dec := json.NewDecoder(bytes.NewReader(sc.Bytes()))
 		dec.DisallowUnknownFields()
 		if err := dec.Decode(&l); err != nil {
@@ -245,7 +242,7 @@ func runConsumer(t *testing.T, node, dir string, args ...string) []line {
 	return out
 }
 
-// nodeWithDeps returns node and the example's directory with its
+// nodeWithDeps returns node and examples/consumer-js with its
 // dependencies installed: `npm ci` unless the pinned versions are already
 // there. It skips only when node (or npm, to install) is missing or the
 // registry is unreachable; any other failure fails.
@@ -255,10 +252,10 @@ func nodeWithDeps(t *testing.T) (node, dir string) {
 	if err != nil {
 		t.Skip("node is not installed: the JavaScript consumer cannot run (Node.js 20 or later; CI has it)")
 	}
-	if dir, err = os.Getwd(); err != nil {
+	if dir, err = filepath.Abs(filepath.Join("..", "examples", "consumer-js")); err != nil {
 		t.Fatal(err)
 	}
-	if installed(dir) {
+	if jsDepsInstalled(dir) {
 		return node, dir
 	}
 	npm, err := exec.LookPath("npm")
@@ -278,14 +275,14 @@ func nodeWithDeps(t *testing.T) (node, dir string) {
 		}
 		t.Fatalf("npm ci in %s: %v\n%s", dir, err, out)
 	}
-	if !installed(dir) {
+	if !jsDepsInstalled(dir) {
 		t.Fatalf("npm ci in %s succeeded but the pinned packages are not in node_modules:\n%s", dir, out)
 	}
 	return node, dir
 }
 
-// installed says whether node_modules holds the versions package.json pins.
-func installed(dir string) bool {
+// jsDepsInstalled says whether node_modules holds the versions package.json pins.
+func jsDepsInstalled(dir string) bool {
 	var pkg struct {
 		Dependencies map[string]string `json:"dependencies"`
 	}
