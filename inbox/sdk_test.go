@@ -3,6 +3,7 @@ package inbox_test
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -16,23 +17,23 @@ import (
 )
 
 // readEvent is docs/consumers.md's reading of a message with the
-// CloudEvents SDK for Go: binary mode from the ce-* headers, structured
-// mode by unmarshalling the data.
+// CloudEvents SDK for Go, as printed there: binary mode from the ce-*
+// headers, structured mode by unmarshalling the data.
 func readEvent(msg jetstream.Msg) (event.Event, error) {
 	h := msg.Headers()
-	if h.Get("Content-Type") == "application/cloudevents+json" {
+	if h.Get("Content-Type") == "application/cloudevents+json" { // structured
 		var ev event.Event
 		err := json.Unmarshal(msg.Data(), &ev)
 		return ev, err
 	}
-	v := spec.WithPrefix("ce-").Version(h.Get("ce-specversion"))
+	v := spec.WithPrefix("ce-").Version(h.Get("ce-specversion")) // binary
 	if v == nil {
-		return event.Event{}, fmt.Errorf("not a CloudEvent: ce-specversion %q", h.Get("ce-specversion"))
+		return event.Event{}, errors.New("not a CloudEvent")
 	}
 	ev := event.New()
-	for k, vs := range h { // ce-*: an attribute or an extension; SetAttribute skips the rest
+	for k, vs := range h { // ce-*: an attribute or an extension; other headers are skipped
 		if err := v.SetAttribute(ev.Context, k, vs[0]); err != nil {
-			return ev, fmt.Errorf("header %s: %w", k, err)
+			return ev, err
 		}
 	}
 	ev.DataEncoded = msg.Data()
