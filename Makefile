@@ -4,7 +4,7 @@ GO      ?= go
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 BIN     := bin/outbox-relay
 
-.PHONY: setup test test-go test-go-proof test-steps test-lanes build demo fmt-check docker compose-test clean chaos chaos-short chaos-short-17 chaos-cluster chaos-failover bench pg-versions test-pg-versions test-proof-pg17
+.PHONY: setup js-deps test test-go test-go-proof test-steps test-lanes build demo fmt-check docker compose-test clean chaos chaos-short chaos-short-17 chaos-cluster chaos-failover bench pg-versions test-pg-versions test-proof-pg17
 
 ## setup: install what demo and test need when it is absent, through apt
 ## (Debian/Ubuntu): headless Chromium for the console's browser test,
@@ -74,7 +74,7 @@ setup:
 ## relay package alone is 360 s of tests run one after another). Run as one
 ## pool of eight steps, two at a time, the two modules start together and
 ## the lanes fill the slot the shorter one frees.
-test: setup pg-versions
+test: setup pg-versions js-deps
 	@$(MAKE) --no-print-directory test-steps
 
 ## test-go, test-go-proof: one module's vet and go test -race, with its time.
@@ -123,6 +123,14 @@ test-lanes: setup pg-versions
 PG_VERSIONS ?= 16 17 18
 pg-versions:
 	@bash scripts/install-pg-versions.sh $(PG_VERSIONS)
+
+## js-deps: nats.js for examples/consumer-js (the JavaScript consumer that
+## inbox TestConsumerReadsEveryFormat runs), from its package-lock.json;
+## Node.js and npm come with pg-versions. Skipped when already current.
+js-deps: pg-versions
+	@if ! [ examples/consumer-js/node_modules/.package-lock.json -nt examples/consumer-js/package-lock.json ]; then \
+		cd examples/consumer-js && npm ci --no-audit --no-fund; \
+	fi
 
 ## test-pg-versions: the tests that depend on the server's replication
 ## behaviour, on each of PG_VERSIONS in turn (make test has run them on
