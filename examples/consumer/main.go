@@ -105,18 +105,25 @@ func run(ctx context.Context, dbURL, natsURL, streamName, subject, name string) 
 		var order struct {
 			OrderID int64 `json:"order_id"`
 		}
-		if err := json.Unmarshal(msg.Data(), &order); err != nil {
+		// The payload in any --message-format (a structured CloudEvent's
+		// data included).
+		payload, err := inbox.Payload(msg)
+		if err != nil {
+			return err
+		}
+		if err := json.Unmarshal(payload, &order); err != nil {
 			// Redelivering cannot fix a payload: terminate it.
 			return fmt.Errorf("%w: decode payload: %v", inbox.ErrRejected, err)
 		}
-		_, err := tx.Exec(ctx, `INSERT INTO acknowledged_orders (order_id, message_id) VALUES ($1, $2)`,
+		_, err = tx.Exec(ctx, `INSERT INTO acknowledged_orders (order_id, message_id) VALUES ($1, $2)`,
 			order.OrderID, msg.Headers().Get(jetstream.MsgIDHeader))
 		return err
 	}
 	cc, err := cons.Consume(func(msg jetstream.Msg) {
 		// Print after the commit, so each effect is printed once.
 		if out, _ := in.Process(ctx, msg, acknowledge); out == inbox.Applied {
-			fmt.Printf("acknowledged %s (%s)\n", msg.Headers().Get(jetstream.MsgIDHeader), msg.Data())
+			payload, _ := inbox.Payload(msg)
+			fmt.Printf("acknowledged %s (%s)\n", msg.Headers().Get(jetstream.MsgIDHeader), payload)
 		}
 	})
 	if err != nil {
