@@ -26,6 +26,13 @@ func newDB(t testing.TB, table store.Table) (*pgxpool.Pool, *queryCounter) {
 // newDBURL is newDB that also returns the database's URL.
 func newDBURL(t testing.TB, table store.Table) (*pgxpool.Pool, *queryCounter, string) {
 	t.Helper()
+	return newDBWith(t, table, store.MigrateOptions{})
+}
+
+// newDBWith is newDBURL with migrate's options (--payload-type,
+// --partition-interval).
+func newDBWith(t testing.TB, table store.Table, opts store.MigrateOptions) (*pgxpool.Pool, *queryCounter, string) {
+	t.Helper()
 	if table == (store.Table{}) {
 		table = store.Table{Schema: "public", Name: "outbox"}
 	}
@@ -37,8 +44,8 @@ func newDBURL(t testing.TB, table store.Table) (*pgxpool.Pool, *queryCounter, st
 		t.Fatalf("connect: %v", err)
 	}
 	defer conn.Close(context.Background())
-	if _, err := store.Migrate(ctx, conn, table); err != nil {
-		t.Fatalf("migrate: %v", err)
+	if _, err := store.MigrateWith(ctx, conn, table, opts); err != nil {
+		t.Fatalf("migrate %+v: %v", opts, err)
 	}
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {

@@ -48,6 +48,30 @@
 // enqueue of its work_id fails with a serialization failure (40001), as a
 // unique index would make it; retry the transaction.
 //
+// # Payload types
+//
+// The table's payload column is jsonb unless it was made with
+// `outbox-relay migrate --payload-type json|bytea`; the producer reads which
+// once per process, database and table (Producer.Prepare), with whether it
+// is partitioned. In a jsonb table the payload must be JSON and is published
+// as PostgreSQL's normalised text of it; in a json table it must be JSON and
+// is published byte for byte; in a bytea table it may be any bytes
+// (Protobuf, Avro, an empty message) and is published byte for byte:
+//
+//	b, _ := proto.Marshal(&orderpb.Received{OrderId: 103})
+//	err := outbox.Enqueue(ctx, tx, outbox.Message{
+//		WorkID:      "order-103-ack",
+//		Kind:        "order.received",
+//		Payload:     b,
+//		ContentType: "application/x-protobuf",
+//	})
+//
+// ContentType becomes the row's Content-Type header, which the relay copies
+// into the message (and, with --message-format cloudevents, makes its
+// datacontenttype); without it a consumer is told nothing, and CloudEvents
+// says application/json for jsonb and json, application/octet-stream for
+// bytea.
+//
 // # Validation
 //
 // Messages are checked before anything is sent to the database, with the
@@ -69,6 +93,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/wire"
 )
 
 // DB is what Enqueue writes with: a pgx.Tx (recommended), *pgx.Conn,
@@ -90,10 +115,22 @@ type Message struct {
 	Kind string
 	// Subject, when set, is the NATS subject to publish to instead.
 	Subject string
-	// Payload is the message's JSON, stored as jsonb and published as
-	// PostgreSQL's text of it: key order and whitespace are normalised, so
-	// a consumer sees equal bytes for equal JSON on every delivery.
+	// Payload is the message's data, checked against the table's payload
+	// column (migrate --payload-type). jsonb, the default: JSON, published
+	// as PostgreSQL's text of it, with key order and whitespace normalised,
+	// so a consumer sees equal bytes for equal JSON on every delivery. json:
+	// JSON, published byte for byte as given. bytea: any bytes, empty too
+	// (a Protobuf message with only default fields), published byte for
+	// byte. Any []byte can be assigned to it.
 	Payload json.RawMessage
+	// ContentType, when set, is the payload's media type (RFC 2046, e.g.
+	// application/x-protobuf), written as the row's Content-Type header:
+	// the relay copies it into the message and, with --message-format
+	// cloudevents, makes it the datacontenttype. A Headers entry for
+	// Content-Type (in any case) with another value is refused. A content
+	// type other than JSON lets Validate take a payload that is not JSON;
+	// the table still decides (a jsonb or json table takes JSON only).
+	ContentType string
 	// Headers are copied into the NATS message (e.g. traceparent). Names
 	// starting with Nats- or Outbox- are reserved.
 	Headers map[string]string
@@ -148,7 +185,8 @@ type ConflictError struct {
 	Index int
 	// Differs names what differs: "kind", "subject", "payload".
 	Differs []string
-	// The stored row's values (StoredPayload as PostgreSQL prints the jsonb).
+	// The stored row's values (StoredPayload as PostgreSQL prints the
+	// column: jsonb's normalised text, json's text, bytea as \x hex).
 	StoredKind, StoredSubject, StoredPayload string
 }
 
@@ -203,11 +241,13 @@ func New(opts ...Option) (*Producer, error) {
 func (p *Producer) Table() string { return p.table.Qualified() }
 
 // Prepare reads how the table is laid out, plain or partitioned
-// (migrate --partition-interval), which the statements depend on. The first
-// enqueue into a table of a database reads it otherwise: one catalog lookup
-// per process, database and table, which Prepare moves to start-up.
+// (migrate --partition-interval), and its payload column's type (migrate
+// --payload-type), which the statements and the payload check depend on.
+// The first enqueue into a table of a database reads it otherwise: one
+// catalog lookup per process, database and table, which Prepare moves to
+// start-up.
 func (p *Producer) Prepare(ctx context.Context, db DB) error {
-	if err := store.ReadEnqueueLayout(ctx, db, p.table); err != nil {
+	if _, err := store.EnqueueLayoutOf(ctx, db, p.table); err != nil {
 		return fmt.Errorf("outbox: prepare: %w", err)
 	}
 	return nil
@@ -261,7 +301,17 @@ const lostRowRetries = 3
 // when a different one is, and an error wrapping ErrInvalid when m was
 // refused before reaching the database. None of these aborts the caller's
 // transaction; a database error does, as any failed statement in PostgreSQL.
+//
+// The payload is checked against the table's payload column (see
+// Message.Payload); the table's type is read once per process, database and
+// table, and only a payload that is not JSON needs it to be checked.
 func (p *Producer) Enqueue(ctx context.Context, db DB, m Message) error {
+	if err := m.validateFields(); err != nil {
+		return err
+	}
+	if err := p.payloadCheck(ctx, db)(m); err != nil {
+		return err
+	}
 	row, err := toRow(m)
 	if err != nil {
 		return err
@@ -331,8 +381,19 @@ func (p *Producer) EnqueueBatch(ctx context.Context, db DB, msgs []Message) ([]R
 	rows := make([]store.EnqueueRow, len(msgs))
 	first := make(map[string]int, len(msgs))
 	var errs []error
+	checkPayload := p.payloadCheck(ctx, db)
 	for i, m := range msgs {
-		r, err := toRow(m)
+		err := m.validateFields()
+		if err == nil {
+			err = checkPayload(m)
+			if err != nil && !errors.Is(err, ErrInvalid) {
+				return nil, fmt.Errorf("outbox: enqueue batch: %w", err) // reading the table's layout
+			}
+		}
+		var r store.EnqueueRow
+		if err == nil {
+			r, err = toRow(m)
+		}
 		if err != nil {
 			errs = append(errs, fmt.Errorf("message %d: %w", i, err))
 			continue
@@ -432,15 +493,55 @@ func compared(c store.EnqueueComparison, index int) error {
 		StoredKind: c.Kind, StoredSubject: c.Subject, StoredPayload: c.Payload}
 }
 
-// toRow validates m and turns it into the row's column values.
-func toRow(m Message) (store.EnqueueRow, error) {
-	if err := m.Validate(); err != nil {
-		return store.EnqueueRow{}, err
+// payloadCheck returns the check of a message's payload against the
+// table's payload column: JSON (Message.Validate's rules) for jsonb and json;
+// for bytea any bytes, unless the message's content type says JSON. A JSON
+// payload passes for every table, so the table's type (cached: one catalog
+// lookup per process, database and table) is asked for only when a payload
+// is not JSON, and once per returned function. Without a database (nil) the
+// table cannot be read, and the JSON rules apply.
+func (p *Producer) payloadCheck(ctx context.Context, db DB) func(Message) error {
+	var layout *store.EnqueueLayout
+	return func(m Message) error {
+		jsonErr := m.validateJSON()
+		if jsonErr == nil || db == nil {
+			return jsonErr
+		}
+		if layout == nil {
+			l, err := store.EnqueueLayoutOf(ctx, db, p.table)
+			if err != nil {
+				return fmt.Errorf("outbox: work_id %q: %w", m.WorkID, err)
+			}
+			layout = &l
+		}
+		if layout.Binary() {
+			if m.declaresJSON() {
+				return fmt.Errorf("%w (its content type %q says JSON)", jsonErr, m.contentType())
+			}
+			return nil
+		}
+		return fmt.Errorf("%w; the payload column of %s is %s, which holds JSON only: other bytes (Protobuf, Avro, ...) need a bytea table (outbox-relay migrate --payload-type bytea)",
+			jsonErr, p.table.Qualified(), layout.PayloadType)
 	}
+}
+
+// toRow turns a validated m into the row's column values; ContentType
+// joins the headers as Content-Type.
+func toRow(m Message) (store.EnqueueRow, error) {
 	r := store.EnqueueRow{WorkID: m.WorkID, Kind: m.Kind, Subject: m.Subject, Payload: string(m.Payload), AvailableAt: m.AvailableAt,
 		AggregateType: m.Aggregate.Type, AggregateID: m.Aggregate.ID, AggregateSeq: m.Sequence, ExpiresAt: m.ExpiresAt}
-	if len(m.Headers) > 0 {
-		b, err := json.Marshal(m.Headers)
+	headers := m.Headers
+	if _, _, ok := m.contentTypeHeader(); m.ContentType != "" && !ok {
+		// validateFields refused a header that disagrees; one that agrees
+		// stays as the caller named it.
+		headers = make(map[string]string, len(m.Headers)+1)
+		for k, v := range m.Headers {
+			headers[k] = v
+		}
+		headers[wire.HeaderContentType] = m.ContentType
+	}
+	if len(headers) > 0 {
+		b, err := json.Marshal(headers)
 		if err != nil {
 			return store.EnqueueRow{}, fmt.Errorf("outbox: work_id %q: encode headers: %w", m.WorkID, err)
 		}

@@ -67,6 +67,35 @@ func TestValidate(t *testing.T) {
 		{"header value inner tab", with(func(m *outbox.Message) { m.Headers = map[string]string{"a": "x\ty"} }), ""},
 		{"header name space", with(func(m *outbox.Message) { m.Headers = map[string]string{"a b": "x"} }), "without spaces"},
 		{"empty header name", with(func(m *outbox.Message) { m.Headers = map[string]string{"": "x"} }), "1 to 256"},
+		// ContentType (a media type) decides whether Validate checks the
+		// payload as JSON; the table decides at Enqueue.
+		{"protobuf", with(func(m *outbox.Message) {
+			m.ContentType = "application/x-protobuf"
+			m.Payload = []byte("\x08\x96\x01\xff")
+		}), ""},
+		{"protobuf, empty", with(func(m *outbox.Message) { m.ContentType = "application/x-protobuf"; m.Payload = nil }), ""},
+		{"protobuf by header", with(func(m *outbox.Message) {
+			m.Headers = map[string]string{"content-type": "application/x-protobuf"}
+			m.Payload = []byte("\x08\x96\x01")
+		}), ""},
+		{"JSON content type, not JSON", with(func(m *outbox.Message) { m.ContentType = "application/json; charset=utf-8"; m.Payload = []byte("\x08") }), "not valid JSON"},
+		{"+json content type, not JSON", with(func(m *outbox.Message) { m.ContentType = "application/vnd.shop+json"; m.Payload = []byte("{") }), "not valid JSON"},
+		{"text/json content type, empty", with(func(m *outbox.Message) { m.ContentType = "text/json"; m.Payload = nil }), "payload is empty"},
+		{"header not a media type, not JSON", with(func(m *outbox.Message) {
+			m.Headers = map[string]string{"Content-Type": "protobuf please"}
+			m.Payload = []byte("\x08")
+		}), "not valid JSON"},
+		{"content type not a media type", with(func(m *outbox.Message) { m.ContentType = "x-protobuf; =" }), "is not a media type"},
+		{"content type without subtype", with(func(m *outbox.Message) { m.ContentType = "protobuf" }), "no subtype"},
+		{"content type with newline", with(func(m *outbox.Message) { m.ContentType = "application/json\r\nX: y" }), "control character"},
+		{"content type and header agree", with(func(m *outbox.Message) {
+			m.ContentType = "application/json"
+			m.Headers = map[string]string{"CONTENT-TYPE": "application/json"}
+		}), ""},
+		{"content type and header disagree", with(func(m *outbox.Message) {
+			m.ContentType = "application/json"
+			m.Headers = map[string]string{"content-type": "application/json; charset=utf-8"}
+		}), "disagree"},
 		{"header value newline", with(func(m *outbox.Message) { m.Headers = map[string]string{"a": "x\r\ny"} }), "control character"},
 		// Times (issue 20, items 2 and 4): what RFC 3339 can write, as
 		// migration 0008 refuses the rest at insert.

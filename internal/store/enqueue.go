@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -19,10 +20,11 @@ type DBTX interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
-// EnqueueRow is one row a producer inserts. Payload and Headers are JSON
-// text, already validated; an empty Subject, nil Headers and a zero
-// AvailableAt leave the column to its default (NULL, NULL, the database
-// clock).
+// EnqueueRow is one row a producer inserts, already validated. Payload is
+// the payload's bytes: JSON text for a jsonb or json column, any bytes for
+// bytea (passed to the database as bytes, never as text). Headers is a JSON
+// object's text. An empty Subject, nil Headers and a zero AvailableAt leave
+// the column to its default (NULL, NULL, the database clock).
 type EnqueueRow struct {
 	WorkID, Kind, Subject string
 	Payload               string
@@ -53,6 +55,138 @@ func (r EnqueueRow) availableAt() *time.Time {
 	return &r.AvailableAt
 }
 
+// EnqueueLayout is what the producer's statements depend on: whether the
+// table is partitioned (migrate --partition-interval) and its payload
+// column's type (migrate --payload-type).
+type EnqueueLayout struct {
+	Partitioned bool
+	// PayloadType is "jsonb", "json" or "bytea". A column of another type
+	// (made by hand) is written as jsonb was before --payload-type, and a
+	// table that does not exist reads as jsonb (the insert then says it is
+	// missing).
+	PayloadType string
+}
+
+// Binary reports whether the payload column holds bytes (bytea).
+func (l EnqueueLayout) Binary() bool { return l.PayloadType == "bytea" }
+
+// The layouts of the tables producers write to, by database and table
+// (dbKey). A table is laid out for good (the conversion procedures make a
+// new table), so the answer is kept; a statement that fails forgets it, so
+// that a table dropped and made again with another layout under the same
+// name costs one failed statement.
+var enqueueLayouts sync.Map // layoutKey -> EnqueueLayout
+
+// EnqueueLayoutOf returns t's layout as the producer's statements need it,
+// asking the database once per process, database and table (one catalog
+// query), as the first enqueue into it would.
+func EnqueueLayoutOf(ctx context.Context, db DBTX, t Table) (EnqueueLayout, error) {
+	l, _, err := enqueueLayout(ctx, db, t)
+	return l, err
+}
+
+func enqueueLayout(ctx context.Context, db DBTX, t Table) (EnqueueLayout, layoutKey, error) {
+	k := layoutKey{dbKey(db), t.Qualified()}
+	if k.db != "" {
+		if v, ok := enqueueLayouts.Load(k); ok {
+			return v.(EnqueueLayout), k, nil
+		}
+	}
+	var l EnqueueLayout
+	var found bool
+	err := db.QueryRow(ctx, `SELECT c.oid IS NOT NULL, coalesce(c.relkind = 'p', false), coalesce(format_type(a.atttypid, NULL), '')
+		FROM (SELECT to_regclass($1) AS oid) r
+		LEFT JOIN pg_catalog.pg_class c ON c.oid = r.oid
+		LEFT JOIN pg_catalog.pg_attribute a ON a.attrelid = r.oid AND a.attname = 'payload' AND a.attnum > 0 AND NOT a.attisdropped`,
+		t.String()).Scan(&found, &l.Partitioned, &l.PayloadType)
+	if err != nil {
+		return EnqueueLayout{}, k, fmt.Errorf("read the layout of %s: %w", t.Qualified(), err)
+	}
+	switch l.PayloadType {
+	case "json", "bytea":
+	default:
+		l.PayloadType = "jsonb"
+	}
+	if found && k.db != "" {
+		enqueueLayouts.Store(k, l)
+	}
+	return l, k, nil
+}
+
+func forgetEnqueueLayout(k layoutKey) { enqueueLayouts.Delete(k) }
+
+// payloadSQL is the expression that turns parameter (or column) p into the
+// payload column's type: jsonb and json take the JSON text (json keeps it
+// byte for byte), bytea the bytes themselves.
+func (l EnqueueLayout) payloadSQL(p string) string {
+	switch l.PayloadType {
+	case "json":
+		return p + `::text::json`
+	case "bytea":
+		return p + `::bytea`
+	}
+	return p + `::text::jsonb`
+}
+
+// payloadArg is the parameter for one payload: text for jsonb and json, bytes
+// for bytea (never NULL: an empty payload is zero bytes).
+func (l EnqueueLayout) payloadArg(p string) any {
+	if l.Binary() {
+		return payloadBytes(p)
+	}
+	return p
+}
+
+func payloadBytes(p string) []byte {
+	if p == "" {
+		return []byte{}
+	}
+	return []byte(p)
+}
+
+// payloadArray is the parameter for rows' payloads, and the array type it is
+// cast to: text[] for jsonb and json, bytea[] for bytea.
+func (l EnqueueLayout) payloadArray(rows []EnqueueRow) (any, string) {
+	if l.Binary() {
+		ps := make([][]byte, len(rows))
+		for i, r := range rows {
+			ps[i] = payloadBytes(r.Payload)
+		}
+		return ps, `bytea[]`
+	}
+	ps := make([]string, len(rows))
+	for i, r := range rows {
+		ps[i] = r.Payload
+	}
+	return ps, `text[]`
+}
+
+// payloadElem turns an element of payloadArray's array (u.p) into the
+// column's type.
+func (l EnqueueLayout) payloadElem(p string) string {
+	switch l.PayloadType {
+	case "json":
+		return p + `::json`
+	case "bytea":
+		return p
+	}
+	return p + `::jsonb`
+}
+
+// samePayloadSQL compares the stored payload o.payload with u.p, an element
+// of payloadArray's array: jsonb as jsonb (key order and whitespace do not
+// matter), json as its text (json has no equality; its text is what the
+// relay publishes), bytea byte for byte.
+func (l EnqueueLayout) samePayloadSQL() string {
+	switch l.PayloadType {
+	case "json":
+		return `o.payload::text = u.p`
+	case "bytea":
+		return `o.payload = u.p`
+	}
+	return `o.payload = u.p::jsonb`
+}
+
 // EnqueueOne inserts r unless a row with its work_id exists. It reports
 // whether it inserted. ON CONFLICT DO NOTHING, rather than letting the
 // primary key fail, keeps the caller's transaction usable: the caller decides
@@ -63,28 +197,28 @@ func (r EnqueueRow) availableAt() *time.Time {
 // waiting for every other enqueue of it to end (migration 0014 says why
 // that is sound). The statement is the same round trip.
 func EnqueueOne(ctx context.Context, db DBTX, t Table, r EnqueueRow) (bool, error) {
-	part, key, err := isPartitioned(ctx, db, t)
+	l, key, err := enqueueLayout(ctx, db, t)
 	if err != nil {
 		return false, err
 	}
 	if r.Ordered() {
-		ok, err := enqueueOrdered(ctx, db, t, r, part)
+		ok, err := enqueueOrdered(ctx, db, t, r, l)
 		if err != nil {
-			forgetLayout(key)
+			forgetEnqueueLayout(key)
 		}
 		return ok, err
 	}
 	q := `INSERT INTO ` + t.String() + ` (work_id, kind, subject, payload, headers, available_at, expires_at)
-		VALUES ($1, $2, NULLIF($3::text, ''), $4::text::jsonb, $5::text::jsonb, COALESCE($6::timestamptz, clock_timestamp()), $7)
+		VALUES ($1, $2, NULLIF($3::text, ''), ` + l.payloadSQL(`$4`) + `, $5::text::jsonb, COALESCE($6::timestamptz, clock_timestamp()), $7)
 		ON CONFLICT (work_id) DO NOTHING`
-	if part {
+	if l.Partitioned {
 		q = `INSERT INTO ` + t.String() + ` (work_id, kind, subject, payload, headers, available_at, expires_at)
-		SELECT $1, $2, NULLIF($3::text, ''), $4::text::jsonb, $5::text::jsonb, COALESCE($6::timestamptz, clock_timestamp()), $7
+		SELECT $1, $2, NULLIF($3::text, ''), ` + l.payloadSQL(`$4`) + `, $5::text::jsonb, COALESCE($6::timestamptz, clock_timestamp()), $7
 		WHERE ` + t.derived("work_id_free", true) + `($1)`
 	}
-	tag, err := db.Exec(ctx, q, r.WorkID, r.Kind, r.Subject, r.Payload, r.Headers, r.availableAt(), r.expiresAt())
+	tag, err := db.Exec(ctx, q, r.WorkID, r.Kind, r.Subject, l.payloadArg(r.Payload), r.Headers, r.availableAt(), r.expiresAt())
 	if err != nil {
-		forgetLayout(key)
+		forgetEnqueueLayout(key)
 		return false, fmt.Errorf("insert %q into %s: %w", r.WorkID, t.Qualified(), err)
 	}
 	return tag.RowsAffected() == 1, nil
@@ -101,7 +235,7 @@ func EnqueueOne(ctx context.Context, db DBTX, t Table, r EnqueueRow) (bool, erro
 // <table>_give_back_seq acts only for the transaction that took the number
 // and only while no row has it (migration 0009), so a producer cannot lower
 // another transaction's counter with it.
-func enqueueOrdered(ctx context.Context, db DBTX, t Table, r EnqueueRow, partitioned bool) (bool, error) {
+func enqueueOrdered(ctx context.Context, db DBTX, t Table, r EnqueueRow, l EnqueueLayout) (bool, error) {
 	var seq *int64
 	var inserted bool
 	// On a partitioned table the look for a repeat is <table>_work_id_free,
@@ -109,7 +243,7 @@ func enqueueOrdered(ctx context.Context, db DBTX, t Table, r EnqueueRow, partiti
 	// they ended; then no insert can conflict, and there is no index to
 	// name in ON CONFLICT.
 	free, conflict := `NOT EXISTS (SELECT 1 FROM `+t.String()+` WHERE work_id = $1)`, `ON CONFLICT (work_id) DO NOTHING`
-	if partitioned {
+	if l.Partitioned {
 		free, conflict = t.derived("work_id_free", true)+`($1)`, ``
 	}
 	err := db.QueryRow(ctx, `WITH s AS (
@@ -118,12 +252,12 @@ func enqueueOrdered(ctx context.Context, db DBTX, t Table, r EnqueueRow, partiti
 		ins AS (
 			INSERT INTO `+t.String()+` (work_id, kind, subject, payload, headers, available_at, expires_at,
 				aggregate_type, aggregate_id, aggregate_seq)
-			SELECT $1, $2, NULLIF($3::text, ''), $4::text::jsonb, $5::text::jsonb, COALESCE($6::timestamptz, clock_timestamp()), $10,
+			SELECT $1, $2, NULLIF($3::text, ''), `+l.payloadSQL(`$4`)+`, $5::text::jsonb, COALESCE($6::timestamptz, clock_timestamp()), $10,
 				$7, $8, s.seq FROM s
 			`+conflict+`
 			RETURNING 1)
 		SELECT (SELECT seq FROM s), EXISTS (SELECT 1 FROM ins)`,
-		r.WorkID, r.Kind, r.Subject, r.Payload, r.Headers, r.availableAt(), r.AggregateType, r.AggregateID, r.AggregateSeq, r.expiresAt()).
+		r.WorkID, r.Kind, r.Subject, l.payloadArg(r.Payload), r.Headers, r.availableAt(), r.AggregateType, r.AggregateID, r.AggregateSeq, r.expiresAt()).
 		Scan(&seq, &inserted)
 	if err != nil {
 		return false, fmt.Errorf("insert %q (aggregate %s) into %s: %w", r.WorkID, AggregateKey{Type: r.AggregateType, ID: r.AggregateID}, t.Qualified(), err)
@@ -145,42 +279,42 @@ func enqueueOrdered(ctx context.Context, db DBTX, t Table, r EnqueueRow, partiti
 // order, so that two batches sharing work_ids wait for each other's locks
 // in the same order instead of deadlocking.
 func EnqueueRows(ctx context.Context, db DBTX, t Table, rows []EnqueueRow) (map[string]bool, error) {
-	part, key, err := isPartitioned(ctx, db, t)
+	l, key, err := enqueueLayout(ctx, db, t)
 	if err != nil {
 		return nil, err
 	}
 	ids := make([]string, len(rows))
 	kinds := make([]string, len(rows))
 	subjects := make([]string, len(rows))
-	payloads := make([]string, len(rows))
 	headers := make([]*string, len(rows))
 	avail := make([]*time.Time, len(rows))
 	for i, r := range rows {
-		ids[i], kinds[i], subjects[i], payloads[i], headers[i], avail[i] = r.WorkID, r.Kind, r.Subject, r.Payload, r.Headers, r.availableAt()
+		ids[i], kinds[i], subjects[i], headers[i], avail[i] = r.WorkID, r.Kind, r.Subject, r.Headers, r.availableAt()
 	}
+	payloads, ptype := l.payloadArray(rows)
 	q := `INSERT INTO ` + t.String() + ` (work_id, kind, subject, payload, headers, available_at)
-		SELECT w, k, NULLIF(s, ''), p::jsonb, h::jsonb, COALESCE(a, clock_timestamp())
-		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::timestamptz[]) AS u(w, k, s, p, h, a)
+		SELECT w, k, NULLIF(s, ''), ` + l.payloadElem(`p`) + `, h::jsonb, COALESCE(a, clock_timestamp())
+		FROM unnest($1::text[], $2::text[], $3::text[], $4::` + ptype + `, $5::text[], $6::timestamptz[]) AS u(w, k, s, p, h, a)
 		ON CONFLICT (work_id) DO NOTHING
 		RETURNING work_id`
-	if part {
+	if l.Partitioned {
 		// The function is volatile, so the planner keeps it above the
 		// sort: it is called in work_id order.
 		q = `INSERT INTO ` + t.String() + ` (work_id, kind, subject, payload, headers, available_at)
-		SELECT w, k, NULLIF(s, ''), p::jsonb, h::jsonb, COALESCE(a, clock_timestamp())
-		FROM (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::timestamptz[]) AS u(w, k, s, p, h, a)
+		SELECT w, k, NULLIF(s, ''), ` + l.payloadElem(`p`) + `, h::jsonb, COALESCE(a, clock_timestamp())
+		FROM (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::` + ptype + `, $5::text[], $6::timestamptz[]) AS u(w, k, s, p, h, a)
 			ORDER BY w) AS u
 		WHERE ` + t.derived("work_id_free", true) + `(w)
 		RETURNING work_id`
 	}
 	res, err := db.Query(ctx, q, ids, kinds, subjects, payloads, headers, avail)
 	if err != nil {
-		forgetLayout(key)
+		forgetEnqueueLayout(key)
 		return nil, fmt.Errorf("insert %d rows into %s: %w", len(rows), t.Qualified(), err)
 	}
 	inserted, err := pgx.CollectRows(res, pgx.RowTo[string])
 	if err != nil {
-		forgetLayout(key)
+		forgetEnqueueLayout(key)
 		return nil, fmt.Errorf("insert %d rows into %s: %w", len(rows), t.Qualified(), err)
 	}
 	out := make(map[string]bool, len(inserted))
@@ -198,45 +332,49 @@ type EnqueueComparison struct {
 	WorkID                             string
 	Found                              bool
 	SameKind, SameSubject, SamePayload bool
-	// The stored values, for the error message.
+	// The stored values, for the error message; Payload as PostgreSQL
+	// prints the column (bytea as \x hex).
 	Kind, Subject, Payload string
 }
 
 // CompareEnqueued reads, in one statement, the stored rows of rows' work_ids
 // and compares kind, subject and payload with what the producer meant to
-// insert. Payloads compare as jsonb, so key order and whitespace do not make a
-// difference; headers and available_at are not compared, since a retry of the
-// same intention may carry a new trace context or time. It runs as its own
+// insert. Payloads compare as the column's type allows: jsonb as jsonb, so
+// key order and whitespace do not make a difference; json as its text and
+// bytea as bytes, since the relay publishes those byte for byte. Headers and
+// available_at are not compared, since a retry of the same intention may
+// carry a new trace context or time. It runs as its own
 // statement after the insert so that, under READ COMMITTED, it sees a row
 // that a concurrent transaction committed while the insert waited for it.
 func CompareEnqueued(ctx context.Context, db DBTX, t Table, rows []EnqueueRow) ([]EnqueueComparison, error) {
 	ids := make([]string, len(rows))
 	kinds := make([]string, len(rows))
 	subjects := make([]string, len(rows))
-	payloads := make([]string, len(rows))
 	for i, r := range rows {
-		ids[i], kinds[i], subjects[i], payloads[i] = r.WorkID, r.Kind, r.Subject, r.Payload
+		ids[i], kinds[i], subjects[i] = r.WorkID, r.Kind, r.Subject
 	}
-	part, _, err := isPartitioned(ctx, db, t)
+	l, key, err := enqueueLayout(ctx, db, t)
 	if err != nil {
 		return nil, err
 	}
+	payloads, ptype := l.payloadArray(rows)
 	// On a partitioned table a raw INSERT (not package outbox) can have put
 	// a work_id in twice: the first row stands for it.
 	join := `LEFT JOIN ` + t.String() + ` o ON o.work_id = u.w`
-	if part {
+	if l.Partitioned {
 		join = `LEFT JOIN LATERAL (SELECT x.work_id, x.kind, x.subject, x.payload FROM ` + t.String() + ` x WHERE x.work_id = u.w LIMIT 1) o ON true`
 	}
 	res, err := db.Query(ctx, `SELECT u.w, o.work_id IS NOT NULL,
 			COALESCE(o.kind = u.k, false),
 			COALESCE(o.subject IS NOT DISTINCT FROM NULLIF(u.s, ''), false),
-			COALESCE(o.payload = u.p::jsonb, false),
+			COALESCE(`+l.samePayloadSQL()+`, false),
 			COALESCE(o.kind, ''), COALESCE(o.subject, ''), COALESCE(o.payload::text, '')
-		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS u(w, k, s, p, n)
+		FROM unnest($1::text[], $2::text[], $3::text[], $4::`+ptype+`) WITH ORDINALITY AS u(w, k, s, p, n)
 		`+join+`
 		ORDER BY u.n`,
 		ids, kinds, subjects, payloads)
 	if err != nil {
+		forgetEnqueueLayout(key)
 		return nil, fmt.Errorf("compare %d rows with %s: %w", len(rows), t.Qualified(), err)
 	}
 	out, err := pgx.CollectRows(res, func(r pgx.CollectableRow) (EnqueueComparison, error) {
@@ -245,6 +383,7 @@ func CompareEnqueued(ctx context.Context, db DBTX, t Table, rows []EnqueueRow) (
 		return c, err
 	})
 	if err != nil {
+		forgetEnqueueLayout(key)
 		return nil, fmt.Errorf("compare %d rows with %s: %w", len(rows), t.Qualified(), err)
 	}
 	return out, nil
