@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -535,13 +534,8 @@ func (s *Store) restorePartition(ctx context.Context, p Partition, cutoff time.T
 	return v, nil
 }
 
-// The layout of the tables package outbox writes to, by database and table:
-// the statements differ (enqueue.go). A table is laid out for good (the
-// conversion procedure makes a new table), so the answer is kept; a
-// statement that fails forgets it, so that a table dropped and made again
-// with another layout under the same name costs one failed statement.
-var layouts sync.Map // layoutKey -> bool (partitioned)
-
+// layoutKey names a table of a database, for the producer's cache of
+// table layouts (enqueue.go).
 type layoutKey struct{ db, table string }
 
 // dbKey names the database db talks to, "" when it cannot tell.
@@ -561,33 +555,6 @@ func dbKey(db DBTX) string {
 		return ""
 	}
 	return fmt.Sprintf("%s:%d/%s", cfg.Host, cfg.Port, cfg.Database)
-}
-
-// isPartitioned says whether t is partitioned, asking the database once.
-func isPartitioned(ctx context.Context, db DBTX, t Table) (bool, layoutKey, error) {
-	k := layoutKey{dbKey(db), t.Qualified()}
-	if k.db != "" {
-		if v, ok := layouts.Load(k); ok {
-			return v.(bool), k, nil
-		}
-	}
-	var p bool
-	if err := db.QueryRow(ctx, `SELECT coalesce((SELECT relkind = 'p' FROM pg_catalog.pg_class WHERE oid = to_regclass($1)), false)`, t.String()).Scan(&p); err != nil {
-		return false, k, fmt.Errorf("read the layout of %s: %w", t.Qualified(), err)
-	}
-	if k.db != "" {
-		layouts.Store(k, p)
-	}
-	return p, k, nil
-}
-
-func forgetLayout(k layoutKey) { layouts.Delete(k) }
-
-// ReadEnqueueLayout reads, and keeps, whether t is partitioned, as the
-// first enqueue into it would.
-func ReadEnqueueLayout(ctx context.Context, db DBTX, t Table) error {
-	_, _, err := isPartitioned(ctx, db, t)
-	return err
 }
 
 // PartitionSummary is what `status` says of a partitioned table.
