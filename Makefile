@@ -245,7 +245,7 @@ chaos-failover: setup pg-versions
 ## transaction with and without --standby-slot, a 20M-row table: G15, G16);
 ## BENCH_FLAGS='-cases soak' is issue 23's retention soak (an hour per
 ## variant: a partitioned table with --on-publish none against a plain one
-## with mark, prune every 5 minutes).
+## with mark, prune every 5 minutes); BENCH_FLAGS='-cases formats -baseline-bin BIN' is issue 45's payload types × message formats.
 BENCH_FLAGS ?= -rows 100000 -rows-per-tx 100 -payload 200 -producers 4 -policy mark -rounds 3 -json bench.json -plot bench.png
 bench: setup
 	cd proof && $(GO) run ./cmd/outbox-bench $(BENCH_FLAGS)

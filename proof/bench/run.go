@@ -55,6 +55,7 @@ type Config struct {
 	NaiveMode    string        // async | sync
 	IdleSeconds  float64
 	RelayBin     string // built from the module when empty
+	BaselineBin  string // -cases formats: a relay built before issue 45, whose jsonb × outbox drain is the baseline
 	JSONPath     string
 	PlotPath     string
 	CPUProfile   string // profile one in-process CDC backlog drain into this file
@@ -100,6 +101,8 @@ type Report struct {
 	Warnings      []string             `json:"warnings,omitempty"`
 	BigTable      *bigtable.Result     `json:"bigtable,omitempty"`
 	Soak          []SoakSample         `json:"soak,omitempty"`
+	// Formats is issue 45's drains per payload type and message format.
+	Formats *FormatsResult `json:"formats,omitempty"`
 }
 
 // extraCases run once each after the rounds, only when named in -cases;
@@ -267,6 +270,9 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	if rep.RestartDrains != nil {
 		fmt.Fprint(cfg.Out, renderRestartDrains(rep.RestartDrains))
+	}
+	if rep.Formats != nil {
+		fmt.Fprint(cfg.Out, renderFormats(rep.Formats))
 	}
 	if cfg.JSONPath != "" {
 		data, err := json.MarshalIndent(rep, "", "  ")
