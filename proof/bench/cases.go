@@ -27,7 +27,11 @@ type bench struct {
 	dir     string
 	self    string
 	payload string
-	kept    map[string]*path // -same-table: each case's path, kept for the next round
+	// payloadSQL is how the producers' INSERT turns the text parameter p
+	// into the payload column ("": p::jsonb); the formats case sets it per
+	// payload type.
+	payloadSQL string
+	kept       map[string]*path // -same-table: each case's path, kept for the next round
 	// checkCPU is the CPU the last waitDrained's own backend spent counting
 	// unsettled rows.
 	checkCPU float64
@@ -224,7 +228,7 @@ func (b *bench) teardown(p *path, k string, round int) {
 func (b *bench) newLoad(p *path, rows int, rate float64) *load {
 	return &load{
 		url: p.url, table: p.table, state: p.state, rows: rows, rowsPerTx: b.cfg.RowsPerTx,
-		producers: b.cfg.Producers, rate: rate, payload: b.payload, base: time.Now(), idBase: p.idBase,
+		producers: b.cfg.Producers, rate: rate, payload: b.payload, payloadSQL: b.payloadSQL, base: time.Now(), idBase: p.idBase,
 	}
 }
 

@@ -11,8 +11,6 @@ import (
 	"slices"
 	"strings"
 	"time"
-
-	"github.com/jackc/pgx/v5"
 )
 
 // Formats is issue 45's case: a backlog of -rows rows drained through the
@@ -173,19 +171,21 @@ func (b *bench) formats(ctx context.Context, rep *Report) error {
 		b.cfg.logf("%s: no -baseline-bin, so no baseline drain", Formats)
 	}
 	res := FormatsResult{Rows: b.cfg.Rows, Payload: b.cfg.Payload, BaselineBin: b.cfg.BaselineBin}
-	// bytea rows are -payload random bytes; load's INSERT casts each payload
-	// to jsonb, so they are sent as a JSON string of their hex, which the
-	// bytea case's database turns into the bytes (formatsPath).
+	// bytea rows are -payload random bytes, sent as hex text and decoded
+	// by the producers' INSERT.
 	raw := make([]byte, b.cfg.Payload)
 	_, _ = rand.Read(raw)
-	byteaPayload := `"` + hex.EncodeToString(raw) + `"`
+	byteaPayload := hex.EncodeToString(raw)
 	want := map[string][]byte{"jsonb": []byte(b.payload), "json": []byte(b.payload), "bytea": raw}
 	for round := 1; round <= b.cfg.Rounds; round++ {
 		for _, c := range formatOrder(combos, round) {
 			b.cfg.logf("%s: round %d: %s", Formats, round, c)
 			fb := *b // the same servers; its own payload
-			if c.PayloadType == "bytea" {
-				fb.payload = byteaPayload
+			switch c.PayloadType {
+			case "bytea":
+				fb.payload, fb.payloadSQL = byteaPayload, "decode(p, 'hex')"
+			case "json":
+				fb.payloadSQL = "p::json"
 			}
 			run, err := fb.formatDrain(ctx, c, round, want[c.PayloadType])
 			if err != nil {
@@ -271,11 +271,6 @@ func (b *bench) formatsPath(ctx context.Context, c FormatCombo, round int) (*pat
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return p, fmt.Errorf("%s migrate: %w: %s", bin, err, out)
 	}
-	if c.PayloadType == "bytea" {
-		if err := byteaFromHex(ctx, url); err != nil {
-			return p, err
-		}
-	}
 	name := strings.NewReplacer(" × ", "_", " ", "_").Replace(c.String())
 	logPath := filepath.Join(b.dir, fmt.Sprintf("formats_r%d_%s.log", round, name))
 	p.start = func() (*proc, error) {
@@ -297,25 +292,6 @@ func (b *bench) formatsPath(ctx context.Context, c FormatCombo, round int) (*pat
 	}
 	// The next relay must find its own walsender, not this one exiting.
 	return p, b.s.waitSlotInactive(ctx, p.db, slotName, 30*time.Second)
-}
-
-// byteaFromHex lets load's INSERT, which casts the payload to jsonb, fill
-// a bytea column: an assignment cast from jsonb to bytea, in this database
-// only, that decodes a JSON string of hex. The cast runs in the producers'
-// INSERT, before the drain is timed.
-func byteaFromHex(ctx context.Context, url string) error {
-	conn, err := pgx.Connect(ctx, url)
-	if err != nil {
-		return err
-	}
-	defer conn.Close(context.Background())
-	_, err = conn.Exec(ctx, `CREATE FUNCTION bench_hex_bytea(jsonb) RETURNS bytea LANGUAGE sql IMMUTABLE STRICT
-			AS $$ SELECT decode($1 #>> '{}', 'hex') $$;
-		CREATE CAST (jsonb AS bytea) WITH FUNCTION bench_hex_bytea(jsonb) AS ASSIGNMENT`)
-	if err != nil {
-		return fmt.Errorf("jsonb to bytea cast: %w", err)
-	}
-	return nil
 }
 
 // renderFormats is the case's table.

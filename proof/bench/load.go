@@ -49,19 +49,25 @@ type load struct {
 	producers int
 	rate      float64 // rows/s, 0 = as fast as possible
 	payload   string
-	idBase    int // row i is workID(idBase+i): rounds on one table (-same-table) do not collide
+	// payloadSQL turns the text parameter p into the column ("": p::jsonb).
+	payloadSQL string
+	idBase     int // row i is workID(idBase+i): rounds on one table (-same-table) do not collide
 
 	base     time.Time
 	commitNs []int64 // per row: when its COMMIT returned, ns since base
 }
 
 func (l *load) sql() string {
+	p := l.payloadSQL
+	if p == "" {
+		p = "p::jsonb"
+	}
 	if l.state == "" {
 		return `INSERT INTO ` + l.table + ` (work_id, kind, payload)
-			SELECT w, 'bench', p::jsonb FROM unnest($1::text[], $2::text[]) AS u(w, p)`
+			SELECT w, 'bench', ` + p + ` FROM unnest($1::text[], $2::text[]) AS u(w, p)`
 	}
 	return `INSERT INTO ` + l.table + ` (work_id, kind, payload, state)
-		SELECT w, 'bench', p::jsonb, '` + l.state + `' FROM unnest($1::text[], $2::text[]) AS u(w, p)`
+		SELECT w, 'bench', ` + p + `, '` + l.state + `' FROM unnest($1::text[], $2::text[]) AS u(w, p)`
 }
 
 // run inserts all rows and returns the time from the first to the last
