@@ -90,6 +90,19 @@ func (r *Relay) checkLost(ctx context.Context, full bool) (handed []string) {
 	// below the stream's end as read, never a loss (read the other way
 	// round, 31 false reports in 30 s under load).
 	seenBefore := r.acked.snapshot()
+	// Likewise the rows recorded published after the state is read, by this
+	// process's poller (the rows a session start hands it) or another
+	// instance: a session start reads the database's clock first and leaves
+	// them out (store.RequeueLost). Only there: a periodic check reads the
+	// table only after a loss it saw, and stays free of queries otherwise.
+	var recordedBefore time.Time
+	if full && r.store.Policy() == store.PolicyMark {
+		var err error
+		if recordedBefore, err = r.store.Clock(ctx); err != nil {
+			r.log.Warn().Err(err).Msg("could not read the database's clock to check for messages the broker lost; checking again later")
+			return
+		}
+	}
 	stateCtx, stateCancel := context.WithTimeout(ctx, lostStateTimeout)
 	state, err := st.OwnStreamState(stateCtx)
 	stateCancel()
@@ -154,7 +167,7 @@ func (r *Relay) checkLost(ctx context.Context, full bool) (handed []string) {
 	if shift, slack, ok := r.dbToBroker(state); ok {
 		created = state.Created.Add(-shift - slack - lostCreatedMargin)
 	}
-	lost, err := r.store.RequeueLost(ctx, state.Stream, state.LastSeq, created, since)
+	lost, err := r.store.RequeueLost(ctx, state.Stream, state.LastSeq, created, since, recordedBefore)
 	if err != nil {
 		r.log.Warn().Err(err).Msg("could not hand rows the broker lost back to the poller; checking again later")
 		return

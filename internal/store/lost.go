@@ -45,14 +45,27 @@ const LostNotePrefix = "lost:"
 // read every published row of the table at every start (G16). A zero
 // createdSince reads them all: the check after this process saw the
 // stream end below what it acknowledged, a loss known to have happened.
-func (s *Store) RequeueLost(ctx context.Context, stream string, last uint64, created, createdSince time.Time) (LostRange, error) {
+//
+// A non-zero recordedBefore, the database's clock read before the
+// stream's state was, leaves out the rows recorded published after it: their
+// acknowledgement may have come after the state was read (the poller
+// publishing the rows a session start handed it), so their sequence past
+// the end read says nothing of a loss. A row's message is stored before its
+// acknowledgement, and that before the row is recorded: a row recorded
+// before the bound had its message in the stream when the state was read,
+// unless the broker lost it.
+func (s *Store) RequeueLost(ctx context.Context, stream string, last uint64, created, createdSince, recordedBefore time.Time) (LostRange, error) {
 	var r LostRange
 	var from, to *int64
 	args := []any{stream, int64(last), created}
 	recent := ""
 	if !createdSince.IsZero() {
-		recent = " AND o.created_at >= $4"
 		args = append(args, createdSince)
+		recent = fmt.Sprintf(" AND o.created_at >= $%d", len(args))
+	}
+	if !recordedBefore.IsZero() {
+		args = append(args, recordedBefore)
+		recent += fmt.Sprintf(" AND o.published_at < $%d", len(args))
 	}
 	err := s.pool.QueryRow(ctx, `WITH lost AS (
 		UPDATE `+s.table.String()+` AS o SET state = 'scheduled', available_at = clock_timestamp(), published_at = NULL,
@@ -210,4 +223,14 @@ func (s *Store) LostPending(ctx context.Context) ([]string, error) {
 		return nil, fmt.Errorf("read the rows handed back as lost: %w", err)
 	}
 	return ids, nil
+}
+
+// Clock reads the database's clock (clock_timestamp()): the bound of
+// RequeueLost's recordedBefore, on the clock that dates the rows.
+func (s *Store) Clock(ctx context.Context) (time.Time, error) {
+	var t time.Time
+	if err := s.pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&t); err != nil {
+		return time.Time{}, fmt.Errorf("read the database's clock: %w", err)
+	}
+	return t, nil
 }

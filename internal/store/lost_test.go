@@ -29,7 +29,7 @@ func TestRequeueLostHandsBackOnlyLostRowsOnce(t *testing.T) {
 		UNION ALL SELECT 'old-' || g, 'k', '{}'::jsonb, 'published', now() - interval '1 hour', g, 'S' FROM generate_series(200, 210) g`)
 	st := store.New(pool, testenv.OutboxTable, store.PolicyMark)
 	created := time.Now().Add(-time.Minute)
-	total := handedBackByTwo(t, func() (store.LostRange, error) { return st.RequeueLost(ctx, "S", 60, created, time.Time{}) })
+	total := handedBackByTwo(t, func() (store.LostRange, error) { return st.RequeueLost(ctx, "S", 60, created, time.Time{}, time.Time{}) })
 	if total != 40 {
 		t.Errorf("handed back %d rows in all, want 40 (seqs 61..100 of S, once)", total)
 	}
@@ -59,7 +59,7 @@ func TestRequeueLostBoundedByCreatedSince(t *testing.T) {
 		VALUES ('recent', 'k', '{}'::jsonb, 'published', now(), now(), 11, 'S'),
 		       ('early', 'k', '{}'::jsonb, 'published', now() - interval '2 hours', now(), 12, 'S')`)
 	st := store.New(pool, testenv.OutboxTable, store.PolicyMark)
-	r, err := st.RequeueLost(ctx, "S", 10, time.Now().Add(-3*time.Hour), time.Now().Add(-30*time.Minute))
+	r, err := st.RequeueLost(ctx, "S", 10, time.Now().Add(-3*time.Hour), time.Now().Add(-30*time.Minute), time.Time{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -72,6 +72,41 @@ func TestRequeueLostBoundedByCreatedSince(t *testing.T) {
 	}
 	if state != "published" {
 		t.Errorf("the row created before the bound is %s, want published", state)
+	}
+}
+
+// A session start's check reads the database's clock before the stream's
+// state and hands back only the rows recorded published before it: a row
+// its own poller published (and recorded) after the state was read sits
+// past the end read without being lost. Seen in CI (relay
+// TestInvalidatedSlotIsRecreated): the 25 rows a recreated slot handed the
+// poller were published while the check ran, and reported lost.
+func TestRequeueLostLeavesRowsRecordedAfterTheStateWasRead(t *testing.T) {
+	ctx := context.Background()
+	pool := outboxPool(t)
+	st := store.New(pool, testenv.OutboxTable, store.PolicyMark)
+	exec(t, pool, `INSERT INTO outbox (work_id, kind, payload, state, published_at, stream_seq, stream_name)
+		VALUES ('lost', 'k', '{}'::jsonb, 'published', clock_timestamp(), 11, 'S')`)
+	bound, err := st.Clock(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Acknowledged after the state was read (at seq 12), recorded after the bound.
+	exec(t, pool, `INSERT INTO outbox (work_id, kind, payload, state, published_at, stream_seq, stream_name)
+		VALUES ('acked-after', 'k', '{}'::jsonb, 'published', clock_timestamp(), 12, 'S')`)
+	r, err := st.RequeueLost(ctx, "S", 10, time.Now().Add(-time.Hour), time.Time{}, bound)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Rows != 1 || len(r.IDs) != 1 || r.IDs[0] != "lost" {
+		t.Fatalf("handed back %+v, want the row recorded before the bound only", r)
+	}
+	var state string
+	if err := pool.QueryRow(ctx, `SELECT state FROM outbox WHERE work_id = 'acked-after'`).Scan(&state); err != nil {
+		t.Fatal(err)
+	}
+	if state != "published" {
+		t.Errorf("the row recorded after the bound is %s, want published", state)
 	}
 }
 
@@ -116,7 +151,7 @@ func TestRecordRepublishedAgainstRequeueLost(t *testing.T) {
 			requeue := func() {
 				defer wg.Done()
 				var err error
-				if requeued, err = st.RequeueLost(ctx, "S", 50, time.Now().Add(-time.Hour), time.Time{}); err != nil {
+				if requeued, err = st.RequeueLost(ctx, "S", 50, time.Now().Add(-time.Hour), time.Time{}, time.Time{}); err != nil {
 					t.Error(err)
 				}
 			}
