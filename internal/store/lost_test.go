@@ -29,7 +29,9 @@ func TestRequeueLostHandsBackOnlyLostRowsOnce(t *testing.T) {
 		UNION ALL SELECT 'old-' || g, 'k', '{}'::jsonb, 'published', now() - interval '1 hour', g, 'S' FROM generate_series(200, 210) g`)
 	st := store.New(pool, testenv.OutboxTable, store.PolicyMark)
 	created := time.Now().Add(-time.Minute)
-	total := handedBackByTwo(t, func() (store.LostRange, error) { return st.RequeueLost(ctx, "S", 60, created, time.Time{}, time.Time{}) })
+	total := handedBackByTwo(t, func() (store.LostRange, error) {
+		return st.RequeueLost(ctx, "S", 60, created, time.Time{}, time.Time{})
+	})
 	if total != 40 {
 		t.Errorf("handed back %d rows in all, want 40 (seqs 61..100 of S, once)", total)
 	}
