@@ -116,3 +116,28 @@ func TestProductModuleRequiresNoBrowserTooling(t *testing.T) {
 		}
 	}
 }
+
+// An application that imports outbox links what enqueueing needs: the
+// table's name rules, the producer's statements and the message format's
+// checks. Not the store (the relay's statements, the migrations' SQL), which
+// it used to pull in whole.
+func TestOutboxLinksOnlyWhatEnqueueingNeeds(t *testing.T) {
+	const self = "github.com/outbox-relay/outbox-relay/"
+	out, err := exec.Command("go", "list", "-deps", "-f", "{{.ImportPath}}", ".").Output()
+	if err != nil {
+		t.Fatalf("go list -deps .: %v", err)
+	}
+	want := map[string]bool{"internal/table": true, "internal/enqueue": true, "internal/wire": true, "outbox": true}
+	var got []string
+	for _, p := range strings.Fields(string(out)) {
+		if rest, ok := strings.CutPrefix(p, self); ok {
+			got = append(got, rest)
+			if !want[rest] {
+				t.Errorf("outbox links %s: applications would carry it; move what enqueueing needs out of it", p)
+			}
+		}
+	}
+	if len(got) != len(want) {
+		t.Errorf("outbox links %v of this module, want exactly %v", got, want)
+	}
+}

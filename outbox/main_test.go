@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/table"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
 
@@ -18,23 +19,23 @@ func TestMain(m *testing.M) { testenv.Main(m) }
 
 // newDB creates a database with the outbox table t (public.outbox when
 // zero) and returns a pool on it whose statements are counted.
-func newDB(t testing.TB, table store.Table) (*pgxpool.Pool, *queryCounter) {
-	pool, qc, _ := newDBURL(t, table)
+func newDB(t testing.TB, tbl table.Table) (*pgxpool.Pool, *queryCounter) {
+	pool, qc, _ := newDBURL(t, tbl)
 	return pool, qc
 }
 
 // newDBURL is newDB that also returns the database's URL.
-func newDBURL(t testing.TB, table store.Table) (*pgxpool.Pool, *queryCounter, string) {
+func newDBURL(t testing.TB, tbl table.Table) (*pgxpool.Pool, *queryCounter, string) {
 	t.Helper()
-	return newDBWith(t, table, store.MigrateOptions{})
+	return newDBWith(t, tbl, store.MigrateOptions{})
 }
 
 // newDBWith is newDBURL with migrate's options (--payload-type,
 // --partition-interval).
-func newDBWith(t testing.TB, table store.Table, opts store.MigrateOptions) (*pgxpool.Pool, *queryCounter, string) {
+func newDBWith(t testing.TB, tbl table.Table, opts store.MigrateOptions) (*pgxpool.Pool, *queryCounter, string) {
 	t.Helper()
-	if table == (store.Table{}) {
-		table = store.Table{Schema: "public", Name: "outbox"}
+	if tbl == (table.Table{}) {
+		tbl = table.Table{Schema: "public", Name: "outbox"}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -44,7 +45,7 @@ func newDBWith(t testing.TB, table store.Table, opts store.MigrateOptions) (*pgx
 		t.Fatalf("connect: %v", err)
 	}
 	defer conn.Close(context.Background())
-	if _, err := store.MigrateWith(ctx, conn, table, opts); err != nil {
+	if _, err := store.MigrateWith(ctx, conn, tbl, opts); err != nil {
 		t.Fatalf("migrate %+v: %v", opts, err)
 	}
 	cfg, err := pgxpool.ParseConfig(url)
@@ -101,7 +102,7 @@ func exampleDatabase() string {
 		panic(err)
 	}
 	defer conn.Close(ctx)
-	if _, err := store.Migrate(ctx, conn, store.Table{Schema: "public", Name: "outbox"}); err != nil {
+	if _, err := store.Migrate(ctx, conn, table.Table{Schema: "public", Name: "outbox"}); err != nil {
 		panic(err)
 	}
 	if _, err := conn.Exec(ctx, `CREATE TABLE orders (id bigint PRIMARY KEY, total numeric NOT NULL)`); err != nil {

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/table"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/outbox"
 )
@@ -24,7 +25,7 @@ import (
 // transaction, a repeat of an enqueued work ID takes none, and an explicit
 // Sequence is kept.
 func TestEnqueueAssignsAggregateSequences(t *testing.T) {
-	pool, _ := newDB(t, store.Table{})
+	pool, _ := newDB(t, table.Table{})
 	ctx := context.Background()
 	var wg sync.WaitGroup
 	errs := make(chan error, 40)
@@ -116,7 +117,7 @@ func enqueueIn(ctx context.Context, pool *pgxpool.Pool, m outbox.Message, rollba
 // duplicate key) and no sequence is handed out twice. Enqueue's own use,
 // after a concurrent repeat of its work ID won, still leaves no gap.
 func TestGiveBackSeqOnlyByTheTaker(t *testing.T) {
-	tbl := store.Table{Schema: "public", Name: "outbox"}
+	tbl := table.Table{Schema: "public", Name: "outbox"}
 	owner, _, url := newDBURL(t, tbl)
 	ctx := context.Background()
 	suffix := fmt.Sprintf("_%d_%d", os.Getpid(), time.Now().UnixNano()%1e9)

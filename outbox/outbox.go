@@ -92,7 +92,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/enqueue"
+	"github.com/outbox-relay/outbox-relay/internal/table"
 	"github.com/outbox-relay/outbox-relay/internal/wire"
 )
 
@@ -207,7 +208,7 @@ func (e *ConflictError) Unwrap() error { return ErrConflict }
 
 // Producer enqueues into one outbox table.
 type Producer struct {
-	table store.Table
+	table table.Table
 }
 
 // Option configures a Producer.
@@ -217,7 +218,7 @@ type Option func(*Producer) error
 // the same value as the relay's --table. The default is "outbox".
 func WithTable(name string) Option {
 	return func(p *Producer) error {
-		t, err := store.ParseTable(name)
+		t, err := table.Parse(name)
 		if err != nil {
 			return fmt.Errorf("outbox.WithTable: %w", err)
 		}
@@ -228,7 +229,7 @@ func WithTable(name string) Option {
 
 // New returns a Producer; without options it writes to public.outbox.
 func New(opts ...Option) (*Producer, error) {
-	p := &Producer{table: store.Table{Schema: "public", Name: "outbox"}}
+	p := &Producer{table: table.Table{Schema: "public", Name: "outbox"}}
 	for _, o := range opts {
 		if err := o(p); err != nil {
 			return nil, err
@@ -247,13 +248,13 @@ func (p *Producer) Table() string { return p.table.Qualified() }
 // catalog lookup per process, database and table, which Prepare moves to
 // start-up.
 func (p *Producer) Prepare(ctx context.Context, db DB) error {
-	if _, err := store.EnqueueLayoutOf(ctx, db, p.table); err != nil {
+	if _, err := enqueue.LayoutOf(ctx, db, p.table); err != nil {
 		return fmt.Errorf("outbox: prepare: %w", err)
 	}
 	return nil
 }
 
-var defaultProducer = &Producer{table: store.Table{Schema: "public", Name: "outbox"}}
+var defaultProducer = &Producer{table: table.Table{Schema: "public", Name: "outbox"}}
 
 // Enqueue inserts m into public.outbox with db (see Producer.Enqueue).
 func Enqueue(ctx context.Context, db DB, m Message) error {
@@ -317,14 +318,14 @@ func (p *Producer) Enqueue(ctx context.Context, db DB, m Message) error {
 		return err
 	}
 	for range lostRowRetries {
-		inserted, err := store.EnqueueOne(ctx, db, p.table, row)
+		inserted, err := enqueue.One(ctx, db, p.table, row)
 		if err != nil {
 			return fmt.Errorf("outbox: enqueue: %w", err)
 		}
 		if inserted {
 			return nil
 		}
-		cmp, err := store.CompareEnqueued(ctx, db, p.table, []store.EnqueueRow{row})
+		cmp, err := enqueue.Compare(ctx, db, p.table, []enqueue.Row{row})
 		if err != nil {
 			return fmt.Errorf("outbox: enqueue: %w", err)
 		}
@@ -378,7 +379,7 @@ func (r Result) String() string {
 // not errors in a batch, see the results. The messages that did not conflict
 // are inserted in db; in a transaction, roll back to keep none of them.
 func (p *Producer) EnqueueBatch(ctx context.Context, db DB, msgs []Message) ([]Result, error) {
-	rows := make([]store.EnqueueRow, len(msgs))
+	rows := make([]enqueue.Row, len(msgs))
 	first := make(map[string]int, len(msgs))
 	var errs []error
 	checkPayload := p.payloadCheck(ctx, db)
@@ -390,7 +391,7 @@ func (p *Producer) EnqueueBatch(ctx context.Context, db DB, msgs []Message) ([]R
 				return nil, fmt.Errorf("outbox: enqueue batch: %w", err) // reading the table's layout
 			}
 		}
-		var r store.EnqueueRow
+		var r enqueue.Row
 		if err == nil {
 			r, err = toRow(m)
 		}
@@ -423,11 +424,11 @@ func (p *Producer) EnqueueBatch(ctx context.Context, db DB, msgs []Message) ([]R
 	}
 	var conflicts []error
 	for range lostRowRetries {
-		batch := make([]store.EnqueueRow, len(pending))
+		batch := make([]enqueue.Row, len(pending))
 		for k, i := range pending {
 			batch[k] = rows[i]
 		}
-		inserted, err := store.EnqueueRows(ctx, db, p.table, batch)
+		inserted, err := enqueue.Rows(ctx, db, p.table, batch)
 		if err != nil {
 			return nil, fmt.Errorf("outbox: enqueue batch: %w", err)
 		}
@@ -446,7 +447,7 @@ func (p *Producer) EnqueueBatch(ctx context.Context, db DB, msgs []Message) ([]R
 		for _, i := range repeats {
 			batch = append(batch, rows[i])
 		}
-		cmp, err := store.CompareEnqueued(ctx, db, p.table, batch)
+		cmp, err := enqueue.Compare(ctx, db, p.table, batch)
 		if err != nil {
 			return nil, fmt.Errorf("outbox: enqueue batch: %w", err)
 		}
@@ -475,7 +476,7 @@ func (p *Producer) EnqueueBatch(ctx context.Context, db DB, msgs []Message) ([]R
 
 // compared turns a comparison into a *ConflictError, or nil when the stored
 // row holds the same intention.
-func compared(c store.EnqueueComparison, index int) error {
+func compared(c enqueue.Comparison, index int) error {
 	var differs []string
 	if !c.SameKind {
 		differs = append(differs, "kind")
@@ -501,14 +502,14 @@ func compared(c store.EnqueueComparison, index int) error {
 // is not JSON, and once per returned function. Without a database (nil) the
 // table cannot be read, and the JSON rules apply.
 func (p *Producer) payloadCheck(ctx context.Context, db DB) func(Message) error {
-	var layout *store.EnqueueLayout
+	var layout *enqueue.Layout
 	return func(m Message) error {
 		jsonErr := m.validateJSON()
 		if jsonErr == nil || db == nil {
 			return jsonErr
 		}
 		if layout == nil {
-			l, err := store.EnqueueLayoutOf(ctx, db, p.table)
+			l, err := enqueue.LayoutOf(ctx, db, p.table)
 			if err != nil {
 				return fmt.Errorf("outbox: work_id %q: %w", m.WorkID, err)
 			}
@@ -527,8 +528,8 @@ func (p *Producer) payloadCheck(ctx context.Context, db DB) func(Message) error 
 
 // toRow turns a validated m into the row's column values; ContentType
 // joins the headers as Content-Type.
-func toRow(m Message) (store.EnqueueRow, error) {
-	r := store.EnqueueRow{WorkID: m.WorkID, Kind: m.Kind, Subject: m.Subject, Payload: string(m.Payload), AvailableAt: m.AvailableAt,
+func toRow(m Message) (enqueue.Row, error) {
+	r := enqueue.Row{WorkID: m.WorkID, Kind: m.Kind, Subject: m.Subject, Payload: string(m.Payload), AvailableAt: m.AvailableAt,
 		AggregateType: m.Aggregate.Type, AggregateID: m.Aggregate.ID, AggregateSeq: m.Sequence, ExpiresAt: m.ExpiresAt}
 	headers := m.Headers
 	if _, _, ok := m.contentTypeHeader(); m.ContentType != "" && !ok {
@@ -543,7 +544,7 @@ func toRow(m Message) (store.EnqueueRow, error) {
 	if len(headers) > 0 {
 		b, err := json.Marshal(headers)
 		if err != nil {
-			return store.EnqueueRow{}, fmt.Errorf("outbox: work_id %q: encode headers: %w", m.WorkID, err)
+			return enqueue.Row{}, fmt.Errorf("outbox: work_id %q: encode headers: %w", m.WorkID, err)
 		}
 		h := string(b)
 		r.Headers = &h

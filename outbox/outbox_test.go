@@ -13,7 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/table"
 	"github.com/outbox-relay/outbox-relay/outbox"
 )
 
@@ -72,7 +72,7 @@ func order(id int) outbox.Message {
 
 func TestEnqueueStoresTheRowInTheCallersTransaction(t *testing.T) {
 	t.Parallel()
-	pool, _ := newDB(t, store.Table{})
+	pool, _ := newDB(t, table.Table{})
 	ctx := context.Background()
 	later := time.Now().Add(time.Hour)
 	m := order(103)
@@ -115,7 +115,7 @@ func deref(s *string) string {
 
 func TestEnqueueRolledBackLeavesNothing(t *testing.T) {
 	t.Parallel()
-	pool, _ := newDB(t, store.Table{})
+	pool, _ := newDB(t, table.Table{})
 	ctx := context.Background()
 	tx, err := pool.Begin(ctx)
 	if err != nil {
@@ -142,7 +142,7 @@ func TestEnqueueRolledBackLeavesNothing(t *testing.T) {
 // neither aborts the caller's transaction.
 func TestEnqueueRepeat(t *testing.T) {
 	t.Parallel()
-	pool, _ := newDB(t, store.Table{})
+	pool, _ := newDB(t, table.Table{})
 	ctx := context.Background()
 	first := order(103)
 	first.Payload = json.RawMessage(`{"order_id":103,"total":"29.00","lines":[1,2]}`)
@@ -197,7 +197,7 @@ func TestEnqueueRepeat(t *testing.T) {
 // once; the second waits for the first and then reports what it committed.
 func TestEnqueueConcurrentSameWorkID(t *testing.T) {
 	t.Parallel()
-	pool, _ := newDB(t, store.Table{})
+	pool, _ := newDB(t, table.Table{})
 	ctx := context.Background()
 	for _, tc := range []struct {
 		name    string
@@ -241,7 +241,7 @@ func TestEnqueueConcurrentSameWorkID(t *testing.T) {
 
 func TestEnqueueBatch(t *testing.T) {
 	t.Parallel()
-	pool, qc := newDB(t, store.Table{})
+	pool, qc := newDB(t, table.Table{})
 	ctx := context.Background()
 	const n = 1000
 	msgs := make([]outbox.Message, n)
@@ -334,7 +334,7 @@ func TestEnqueueBatch(t *testing.T) {
 // inserted.
 func TestConcurrentProducers(t *testing.T) {
 	t.Parallel()
-	pool, _ := newDB(t, store.Table{})
+	pool, _ := newDB(t, table.Table{})
 	ctx := context.Background()
 	const workers, ids = 8, 200
 	var (
@@ -376,7 +376,7 @@ func TestConcurrentProducers(t *testing.T) {
 
 func TestProducerWithTable(t *testing.T) {
 	t.Parallel()
-	table := store.Table{Schema: "shop data", Name: `Out"box`}
+	table := table.Table{Schema: "shop data", Name: `Out"box`}
 	pool, _ := newDB(t, table)
 	ctx := context.Background()
 	p, err := outbox.New(outbox.WithTable(`shop data.Out"box`))

@@ -15,6 +15,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/app"
 	"github.com/outbox-relay/outbox-relay/internal/relay"
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/table"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/outbox"
 )
@@ -27,7 +28,7 @@ import (
 func TestRolledBackEnqueueIsNeverDelivered(t *testing.T) {
 	t.Parallel()
 	env := testenv.Shared(t)
-	pool, _, url := newDBURL(t, store.Table{})
+	pool, _, url := newDBURL(t, table.Table{})
 	stream, prefix := env.StreamName(t)
 	ctx := context.Background()
 
@@ -37,7 +38,7 @@ func TestRolledBackEnqueueIsNeverDelivered(t *testing.T) {
 	)
 	opts := app.Options{
 		DatabaseURL: url, NATSURL: env.NATS.URL(),
-		Table: store.Table{Schema: "public", Name: "outbox"}, Slot: "outbox_relay", Publication: "outbox_relay",
+		Table: table.Table{Schema: "public", Name: "outbox"}, Slot: "outbox_relay", Publication: "outbox_relay",
 		Stream: stream, SubjectPrefix: prefix, Policy: store.PolicyMark,
 		DuplicateWindow: 2 * time.Minute, AckTimeout: 5 * time.Second, MaxInFlight: 256, MaxInFlightBytes: 1 << 20,
 		StatusInterval: 200 * time.Millisecond, DrainTimeout: 5 * time.Second,

@@ -38,7 +38,7 @@ type SlotState struct {
 }
 
 // SlotsTable is the quoted name of the table's slot record.
-func (s *Store) SlotsTable() string { return s.table.derived("slots", true) }
+func (s *Store) SlotsTable() string { return s.table.Derived("slots", true) }
 
 // SlotState reads the record of slot; a slot the relay never created has
 // none (zero value, found false).

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outbox-relay/outbox-relay/internal/enqueue"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 )
 
@@ -96,7 +97,7 @@ func TestPartitionKeeperDoesNotBlockProducers(t *testing.T) {
 			default:
 			}
 			t0 := time.Now()
-			if _, err := store.EnqueueOne(ctx, producer, tbl, store.EnqueueRow{WorkID: fmt.Sprintf("p-%d", i), Kind: "k", Payload: `{}`}); err != nil {
+			if _, err := enqueue.One(ctx, producer, tbl, enqueue.Row{WorkID: fmt.Sprintf("p-%d", i), Kind: "k", Payload: `{}`}); err != nil {
 				prodErr = err
 				return
 			}

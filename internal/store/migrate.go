@@ -276,15 +276,15 @@ type templateData struct {
 func (d templateData) Table() string                     { return d.t.String() }
 func (d templateData) SchemaLit() string                 { return literal(d.t.Schema) }
 func (d templateData) NameLit() string                   { return literal(d.t.Name) }
-func (d templateData) CompanionLit(suffix string) string { return literal(d.t.derived(suffix, true)) }
+func (d templateData) CompanionLit(suffix string) string { return literal(d.t.Derived(suffix, true)) }
 func (d templateData) QualifiedLit() string              { return literal(d.t.Qualified()) }
 func (d templateData) Partitioned() bool                 { return d.layout.Partitioned() }
 func (d templateData) IntervalSeconds() int64            { return int64(d.layout.PartitionInterval / time.Second) }
 func (d templateData) PayloadType() string               { return d.layout.payloadType() }
 func (d templateData) Ahead() int                        { return PartitionsAhead(d.layout.PartitionInterval) }
 func (d templateData) Schema() string                    { return pgx.Identifier{d.t.Schema}.Sanitize() }
-func (d templateData) Name(suffix string) string         { return d.t.derived(suffix, false) }
-func (d templateData) Companion(suffix string) string    { return d.t.derived(suffix, true) }
+func (d templateData) Name(suffix string) string         { return d.t.Derived(suffix, false) }
+func (d templateData) Companion(suffix string) string    { return d.t.Derived(suffix, true) }
 
 // MigrateOptions tunes MigrateWith; the zero value is Migrate's.
 type MigrateOptions struct {
@@ -426,7 +426,7 @@ func ReadLayout(ctx context.Context, q DBTX, t Table) (FoundLayout, error) {
 		return FoundLayout{Exists: true, Layout: Layout{PayloadType: ptype}}, nil
 	}
 	var secs *int64
-	err = q.QueryRow(ctx, `SELECT (SELECT interval_seconds FROM `+t.derived("partitioning", true)+`)`).Scan(&secs)
+	err = q.QueryRow(ctx, `SELECT (SELECT interval_seconds FROM `+t.Derived("partitioning", true)+`)`).Scan(&secs)
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "42P01" {
 		err = nil

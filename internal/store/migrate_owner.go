@@ -122,16 +122,6 @@ var companionTables, companionFunctions = func() (tables, funcs []string) {
 	return tables, funcs
 }()
 
-// companionName is the unquoted name of the table's companion suffix, cut
-// as derived cuts it.
-func (t Table) companionName(suffix string) string {
-	n := t.Name + "_" + suffix
-	if len(n) > maxIdentifier {
-		n = n[:maxIdentifier]
-	}
-	return n
-}
-
 // ownedObject is a companion for ALTER <kind> <name> OWNER TO: kind TABLE
 // or FUNCTION, name quoted (a function's with its argument types).
 type ownedObject struct{ kind, name, owner string }
@@ -142,10 +132,10 @@ type ownedObject struct{ kind, name, owner string }
 func foreignOwned(ctx context.Context, q DBTX, t Table) ([]ownedObject, error) {
 	var tables, funcs []string
 	for _, s := range companionTables {
-		tables = append(tables, t.companionName(s))
+		tables = append(tables, t.DerivedName(s))
 	}
 	for _, s := range companionFunctions {
-		funcs = append(funcs, t.companionName(s))
+		funcs = append(funcs, t.DerivedName(s))
 	}
 	rows, err := q.Query(ctx, `WITH o AS (
 			SELECT c.oid, c.relowner FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace

@@ -393,7 +393,7 @@ func (s *Store) opSQL(a Action, r *OpRequest) (string, args) {
 			n.claim_generation AS prev_generation, n.last_error AS prev_error,
 			t.redriven_at, t.available_at, n.last_try, ` + deadline + ` AS deadline, coalesce(t.subject, '') AS subject, t.lookup_seq),
 	h AS (
-		INSERT INTO ` + s.table.derived("redrives", true) + `
+		INSERT INTO ` + s.table.Derived("redrives", true) + `
 			(work_id, action, at, "by", reason, previous_state, previous_attempts, previous_generation, previous_error, deadline)
 		SELECT work_id, ` + p.add(string(a)) + `::text, redriven_at, ` + by + `::text, ` + reason + `::text,
 			prev_state, prev_attempts, prev_generation, prev_error, deadline FROM u)
@@ -827,7 +827,7 @@ func (s *Store) History(ctx context.Context, workID string) ([]History, error) {
 func (s *Store) history(ctx context.Context, tail string, args ...any) ([]History, error) {
 	rows, err := s.pool.Query(ctx, `SELECT work_id, action, at, "by", reason, previous_state, previous_attempts,
 			previous_generation, coalesce(previous_error, ''), coalesce(deadline, '')
-		FROM `+s.table.derived("redrives", true)+` `+tail, args...)
+		FROM `+s.table.Derived("redrives", true)+` `+tail, args...)
 	if err == nil {
 		var out []History
 		out, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (History, error) {
@@ -842,7 +842,7 @@ func (s *Store) history(ctx context.Context, tail string, args ...any) ([]Histor
 	}
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == sqlstateInsufficientPrivilege {
-		e := &HistoryGrantError{Table: s.table.derived("redrives", true), Err: err}
+		e := &HistoryGrantError{Table: s.table.Derived("redrives", true), Err: err}
 		// Only to name the role in the fix; the error stands without it.
 		if s.pool.QueryRow(ctx, `SELECT current_user`).Scan(&e.Role) != nil {
 			e.Role = ""

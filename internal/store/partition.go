@@ -10,7 +10,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
-	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // A table partitioned by created_at (migrate --partition-interval, DESIGN.md
@@ -20,7 +19,7 @@ import (
 // created, and a DEFAULT partition as the safety net; the relay calls it
 // every minute (PartitionKeeper) and migrate once. prune drops whole
 // partitions (prunePartitions); package outbox finds repeats across the
-// partitions with <table>_work_id_free() (enqueue.go).
+// partitions with <table>_work_id_free() (internal/enqueue).
 
 // PartitionsMade is what one call of <table>_add_partitions() did.
 type PartitionsMade struct {
@@ -74,7 +73,7 @@ func AddPartitions(ctx context.Context, db Beginner, t Table, lockTimeout time.D
 			if _, err := tx.Exec(ctx, `SELECT set_config('outbox_relay.fresh_round', $1, true)`, map[bool]string{true: "on", false: "off"}[call == 0]); err != nil {
 				return err
 			}
-			if err := tx.QueryRow(ctx, `SELECT created, default_rows FROM `+t.derived("add_partitions", true)+`()`).Scan(&made, &m.DefaultRows); err != nil {
+			if err := tx.QueryRow(ctx, `SELECT created, default_rows FROM `+t.Derived("add_partitions", true)+`()`).Scan(&made, &m.DefaultRows); err != nil {
 				return err
 			}
 			return tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_constraint
@@ -401,7 +400,7 @@ func (s *Store) dropLeftoverGuard(ctx context.Context, lockTimeout time.Duration
 		if _, err := tx.Exec(ctx, `ALTER TABLE `+pgx.Identifier{s.table.Schema, defaultName(s.table)}.Sanitize()+` DROP CONSTRAINT `+pgx.Identifier{guardName(s.table)}.Sanitize()); err != nil {
 			return err
 		}
-		_, err := tx.Exec(ctx, `UPDATE `+s.table.derived("partitioning", true)+` SET guard_from = NULL, guard_to = NULL`)
+		_, err := tx.Exec(ctx, `UPDATE `+s.table.Derived("partitioning", true)+` SET guard_from = NULL, guard_to = NULL`)
 		return err
 	})
 	if err != nil {
@@ -532,29 +531,6 @@ func (s *Store) restorePartition(ctx context.Context, p Partition, cutoff time.T
 	v.Detached, v.DetachPending = false, false
 	v.Kept = why + " (was left detached; attached back)"
 	return v, nil
-}
-
-// layoutKey names a table of a database, for the producer's cache of
-// table layouts (enqueue.go).
-type layoutKey struct{ db, table string }
-
-// dbKey names the database db talks to, "" when it cannot tell.
-func dbKey(db DBTX) string {
-	var cfg *pgx.ConnConfig
-	switch c := db.(type) {
-	case interface{ Conn() *pgx.Conn }:
-		if cn := c.Conn(); cn != nil {
-			cfg = cn.Config()
-		}
-	case *pgx.Conn:
-		cfg = c.Config()
-	case *pgxpool.Pool:
-		cfg = c.Config().ConnConfig
-	}
-	if cfg == nil {
-		return ""
-	}
-	return fmt.Sprintf("%s:%d/%s", cfg.Host, cfg.Port, cfg.Database)
 }
 
 // PartitionSummary is what `status` says of a partitioned table.

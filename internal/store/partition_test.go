@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outbox-relay/outbox-relay/internal/enqueue"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -160,9 +161,9 @@ func TestMigratePartitioned(t *testing.T) {
 	}
 	// The producer enqueues, and a repeat is found, with its grants alone.
 	producer := asRole(roles.Producer)
-	row := store.EnqueueRow{WorkID: "granted", Kind: "k", Payload: `{}`}
+	row := enqueue.Row{WorkID: "granted", Kind: "k", Payload: `{}`}
 	for i, want := range []bool{true, false} {
-		if ok, err := store.EnqueueOne(ctx, producer, tbl, row); err != nil || ok != want {
+		if ok, err := enqueue.One(ctx, producer, tbl, row); err != nil || ok != want {
 			t.Errorf("producer's enqueue %d: inserted %v, %v; want %v", i+1, ok, err, want)
 		}
 	}

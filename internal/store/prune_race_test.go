@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outbox-relay/outbox-relay/internal/enqueue"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -239,7 +240,7 @@ func TestPruneWaitsNoLongerThanLockTimeout(t *testing.T) {
 		return n > 0, err
 	})
 	start := time.Now()
-	if _, err := store.EnqueueOne(ctx, pool, tbl, store.EnqueueRow{WorkID: "probe", Kind: "k", Payload: `{}`}); err != nil {
+	if _, err := enqueue.One(ctx, pool, tbl, enqueue.Row{WorkID: "probe", Kind: "k", Payload: `{}`}); err != nil {
 		t.Fatal(err)
 	}
 	exec(t, pool, `UPDATE outbox SET state = 'scheduled' WHERE work_id = 'probe' AND state = 'ready'`)

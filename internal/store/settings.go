@@ -51,7 +51,7 @@ type RecordedSettings struct {
 var ErrSettingsDiffer = errors.New("this instance's settings differ from those recorded for table")
 
 // SettingsTable is the quoted name of <table>_settings.
-func SettingsTable(t Table) string { return t.derived("settings", true) }
+func SettingsTable(t Table) string { return t.Derived("settings", true) }
 
 // ReadSettings reads t's recorded settings; found is false when none are
 // recorded yet (no instance has run since migration 0009).

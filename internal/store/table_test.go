@@ -1,12 +1,55 @@
 package store
 
 import (
+	"io/fs"
 	"os"
 	"regexp"
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/outbox-relay/outbox-relay/internal/table"
+	outboxsql "github.com/outbox-relay/outbox-relay/sql"
 )
+
+const maxIdentifier = table.MaxIdentifier
+
+// goSuffixes are the suffixes this package's statements derive names with
+// (TestDerivedNamesFit checks the list against the code).
+var goSuffixes = []string{"slots", "redrives", "next_seq", "give_back_seq", "settings", "work_id_free", "partitioning", "add_partitions"}
+
+// templateSuffix finds the names the migrations derive, {{.Name "x"}} and
+// {{.Companion "x"}}.
+var templateSuffix = regexp.MustCompile(`\{\{-?\s*\.(?:Name|Companion)\s+"([^"]*)"\s*-?\}\}`)
+
+// longestSuffix is the longest suffix appended to the table's name, read
+// from the embedded migrations so that a migration that adds a longer one
+// (a constraint, an index) moves the limit with it instead of having its
+// name cut.
+var longestSuffix = func() string {
+	longest := ""
+	for _, s := range goSuffixes {
+		if len(s) > len(longest) {
+			longest = s
+		}
+	}
+	entries, err := fs.ReadDir(outboxsql.Migrations, "migrations")
+	if err != nil {
+		panic("read embedded migrations: " + err.Error())
+	}
+	for _, e := range entries {
+		src, err := fs.ReadFile(outboxsql.Migrations, "migrations/"+e.Name())
+		if err != nil {
+			panic("read embedded migration " + e.Name() + ": " + err.Error())
+		}
+		for _, m := range templateSuffix.FindAllStringSubmatch(string(src), -1) {
+			if len(m[1]) > len(longest) {
+				longest = m[1]
+			}
+		}
+	}
+	return longest
+}()
 
 // Every name the relay derives from the table must fit when the table name
 // is MaxTableName bytes long: the limit is read from the migrations'
@@ -29,16 +72,22 @@ func TestDerivedNamesFit(t *testing.T) {
 		t.Fatal("found no derived names in the rendered migrations: the test no longer sees them")
 	}
 	// The Go statements' own derived names.
-	files, err := os.ReadDir(".")
-	if err != nil {
-		t.Fatal(err)
+	var files []string
+	for _, dir := range []string{".", "../enqueue"} {
+		entries, err := os.ReadDir(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range entries {
+			files = append(files, dir+"/"+e.Name())
+		}
 	}
-	call := regexp.MustCompile(`\.derived\("([^"]+)"`)
+	call := regexp.MustCompile(`\.Derived\("([^"]+)"`)
 	for _, f := range files {
-		if strings.HasSuffix(f.Name(), "_test.go") || !strings.HasSuffix(f.Name(), ".go") {
+		if strings.HasSuffix(f, "_test.go") || !strings.HasSuffix(f, ".go") {
 			continue
 		}
-		src, err := os.ReadFile(f.Name())
+		src, err := os.ReadFile(f)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -49,7 +98,7 @@ func TestDerivedNamesFit(t *testing.T) {
 				found = found || s == sub[1]
 			}
 			if !found {
-				t.Errorf("%s derives <table>_%s, which goSuffixes lacks", f.Name(), sub[1])
+				t.Errorf("%s derives <table>_%s, which goSuffixes lacks", f, sub[1])
 			}
 		}
 	}
@@ -65,8 +114,11 @@ func TestDerivedNamesFit(t *testing.T) {
 	if len(longestSuffix) != len(longest) {
 		t.Errorf("longestSuffix = %q, but the longest derived suffix is %q", longestSuffix, longest)
 	}
+	if table.LongestSuffix != longestSuffix {
+		t.Errorf("table.LongestSuffix = %q, but the migrations' and statements' longest is %q: set it so", table.LongestSuffix, longestSuffix)
+	}
 	long := Table{Schema: "s", Name: strings.Repeat("t", MaxTableName())}
-	if got := long.derived(longestSuffix, false); got != `"`+long.Name+"_"+longestSuffix+`"` {
+	if got := long.Derived(longestSuffix, false); got != `"`+long.Name+"_"+longestSuffix+`"` {
 		t.Errorf("derived %s = %s: cut", longestSuffix, got)
 	}
 	t.Logf("longest suffix %q: table names of at most %d bytes", longestSuffix, MaxTableName())

@@ -1,4 +1,4 @@
-package store_test
+package enqueue_test
 
 import (
 	"context"
@@ -6,8 +6,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outbox-relay/outbox-relay/internal/enqueue"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -36,7 +38,7 @@ func TestEnqueueLayoutOf(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if l, err := store.EnqueueLayoutOf(ctx, pool, missing); err != nil || l != (store.EnqueueLayout{PayloadType: "jsonb"}) {
+	if l, err := enqueue.LayoutOf(ctx, pool, missing); err != nil || l != (enqueue.Layout{PayloadType: "jsonb"}) {
 		t.Errorf("missing table: %+v, %v", l, err)
 	}
 	for _, ptype := range store.PayloadTypes {
@@ -48,8 +50,8 @@ func TestEnqueueLayoutOf(t *testing.T) {
 			if _, err := store.MigrateWith(ctx, conn, tbl, store.MigrateOptions{PayloadType: ptype, PartitionInterval: part}); err != nil {
 				t.Fatalf("migrate %s: %v", tbl.Qualified(), err)
 			}
-			want := store.EnqueueLayout{Partitioned: part > 0, PayloadType: ptype}
-			if l, err := store.EnqueueLayoutOf(ctx, pool, tbl); err != nil || l != want {
+			want := enqueue.Layout{Partitioned: part > 0, PayloadType: ptype}
+			if l, err := enqueue.LayoutOf(ctx, pool, tbl); err != nil || l != want {
 				t.Errorf("%s: %+v, %v; want %+v", tbl.Qualified(), l, err, want)
 			}
 		}
@@ -57,7 +59,7 @@ func TestEnqueueLayoutOf(t *testing.T) {
 	if _, err := store.MigrateWith(ctx, conn, missing, store.MigrateOptions{PayloadType: "bytea"}); err != nil {
 		t.Fatal(err)
 	}
-	if l, err := store.EnqueueLayoutOf(ctx, pool, missing); err != nil || l != (store.EnqueueLayout{PayloadType: "bytea"}) {
+	if l, err := enqueue.LayoutOf(ctx, pool, missing); err != nil || l != (enqueue.Layout{PayloadType: "bytea"}) {
 		t.Errorf("the missing table, made: %+v, %v; want bytea", l, err)
 	}
 }
@@ -88,21 +90,21 @@ func TestEnqueueBytesNeverThroughText(t *testing.T) {
 				return b
 			}
 			hexText := `\x41`
-			if ok, err := store.EnqueueOne(ctx, pool, tbl, store.EnqueueRow{WorkID: "one", Kind: "k", Payload: hexText}); err != nil || !ok {
+			if ok, err := enqueue.One(ctx, pool, tbl, enqueue.Row{WorkID: "one", Kind: "k", Payload: hexText}); err != nil || !ok {
 				t.Fatalf("EnqueueOne: %v, %v", ok, err)
 			}
 			if b := stored("one"); string(b) != hexText {
 				t.Errorf("EnqueueOne stored %q, want %q", b, hexText)
 			}
-			ordered := store.EnqueueRow{WorkID: "ordered", Kind: "k", Payload: "\x00\xff", AggregateType: "a", AggregateID: "1"}
-			if ok, err := store.EnqueueOne(ctx, pool, tbl, ordered); err != nil || !ok {
+			ordered := enqueue.Row{WorkID: "ordered", Kind: "k", Payload: "\x00\xff", AggregateType: "a", AggregateID: "1"}
+			if ok, err := enqueue.One(ctx, pool, tbl, ordered); err != nil || !ok {
 				t.Fatalf("EnqueueOne ordered: %v, %v", ok, err)
 			}
 			if b := stored("ordered"); string(b) != "\x00\xff" {
 				t.Errorf("EnqueueOne ordered stored %q", b)
 			}
-			rows := []store.EnqueueRow{{WorkID: "two", Kind: "k", Payload: hexText}, {WorkID: "empty", Kind: "k"}, {WorkID: "one", Kind: "k", Payload: "A"}}
-			ins, err := store.EnqueueRows(ctx, pool, tbl, rows)
+			rows := []enqueue.Row{{WorkID: "two", Kind: "k", Payload: hexText}, {WorkID: "empty", Kind: "k"}, {WorkID: "one", Kind: "k", Payload: "A"}}
+			ins, err := enqueue.Rows(ctx, pool, tbl, rows)
 			if err != nil || len(ins) != 2 || !ins["two"] || !ins["empty"] {
 				t.Fatalf("EnqueueRows: %v, %v", ins, err)
 			}
@@ -112,7 +114,7 @@ func TestEnqueueBytesNeverThroughText(t *testing.T) {
 			if b := stored("empty"); b == nil || len(b) != 0 {
 				t.Errorf("EnqueueRows stored %q (nil: %v) for an empty payload, want zero bytes", b, b == nil)
 			}
-			cmp, err := store.CompareEnqueued(ctx, pool, tbl, []store.EnqueueRow{
+			cmp, err := enqueue.Compare(ctx, pool, tbl, []enqueue.Row{
 				{WorkID: "one", Kind: "k", Payload: "A"}, {WorkID: "one", Kind: "k", Payload: hexText}, {WorkID: "empty", Kind: "k"}, {WorkID: "gone", Kind: "k"}})
 			if err != nil || len(cmp) != 4 {
 				t.Fatalf("CompareEnqueued: %v, %v", cmp, err)
@@ -161,34 +163,46 @@ func TestEnqueueLayoutForgotten(t *testing.T) {
 	}
 
 	tbl := create("by_hand", "bytea")
-	if ok, err := store.EnqueueOne(ctx, pool, tbl, store.EnqueueRow{WorkID: "b", Kind: "k", Payload: "\x01\x02"}); err != nil || !ok {
+	if ok, err := enqueue.One(ctx, pool, tbl, enqueue.Row{WorkID: "b", Kind: "k", Payload: "\x01\x02"}); err != nil || !ok {
 		t.Fatalf("bytea: %v, %v", ok, err)
 	}
 	if s := stored(tbl, "b"); s != `\x0102` {
 		t.Errorf("bytea stored %s", s)
 	}
 	create("by_hand", "json")
-	if _, err := store.EnqueueOne(ctx, pool, tbl, store.EnqueueRow{WorkID: "j", Kind: "k", Payload: text}); err == nil {
+	if _, err := enqueue.One(ctx, pool, tbl, enqueue.Row{WorkID: "j", Kind: "k", Payload: text}); err == nil {
 		t.Fatalf("the first insert after the table changed type went through with the kept layout")
 	}
-	if ok, err := store.EnqueueOne(ctx, pool, tbl, store.EnqueueRow{WorkID: "j", Kind: "k", Payload: text}); err != nil || !ok {
+	if ok, err := enqueue.One(ctx, pool, tbl, enqueue.Row{WorkID: "j", Kind: "k", Payload: text}); err != nil || !ok {
 		t.Fatalf("json, again: %v, %v", ok, err)
 	}
 	if s := stored(tbl, "j"); s != text {
 		t.Errorf("json stored %q, want %q", s, text)
 	}
-	if l, err := store.EnqueueLayoutOf(ctx, pool, tbl); err != nil || l.PayloadType != "json" {
+	if l, err := enqueue.LayoutOf(ctx, pool, tbl); err != nil || l.PayloadType != "json" {
 		t.Errorf("layout after the change: %+v, %v", l, err)
 	}
 
 	byHand := create("by_hand_text", "text")
-	if l, err := store.EnqueueLayoutOf(ctx, pool, byHand); err != nil || l.PayloadType != "jsonb" {
+	if l, err := enqueue.LayoutOf(ctx, pool, byHand); err != nil || l.PayloadType != "jsonb" {
 		t.Errorf("text column: %+v, %v; want it written as jsonb", l, err)
 	}
-	if ins, err := store.EnqueueRows(ctx, pool, byHand, []store.EnqueueRow{{WorkID: "t", Kind: "k", Payload: text}}); err != nil || !ins["t"] {
+	if ins, err := enqueue.Rows(ctx, pool, byHand, []enqueue.Row{{WorkID: "t", Kind: "k", Payload: text}}); err != nil || !ins["t"] {
 		t.Fatalf("text column: %v, %v", ins, err)
 	}
 	if s := stored(byHand, "t"); s != `{"a": 2, "z": 1}` {
 		t.Errorf("text column stored %q, want jsonb's text", s)
 	}
+}
+
+func TestMain(m *testing.M) { testenv.Main(m) }
+
+func connect(t *testing.T, url string) *pgx.Conn {
+	t.Helper()
+	conn, err := pgx.Connect(context.Background(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close(context.Background()) })
+	return conn
 }
