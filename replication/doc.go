@@ -29,4 +29,13 @@
 // The PostgreSQL documentation of the protocol: "Streaming Replication
 // Protocol" and "Logical Streaming Replication Protocol" (pgoutput's message
 // formats).
+//
+// # The relay's own
+//
+// The repository's layout puts this package at the top level
+// (replication/, sinks/), so it can be imported; it is not a public API.
+// Its exported names serve the relay's other packages and change with
+// them in any release, and its signatures use internal packages
+// (internal/wire), which nothing outside this module can name. The public
+// packages are outbox and inbox (docs/layout.md).
 package replication

@@ -2,6 +2,15 @@
 // message asynchronously under a stable ID and learn, per message, whether the
 // broker stored it. It knows nothing of PostgreSQL; implementations live in
 // subpackages (sinks/jetstream).
+//
+// # The relay's own
+//
+// The repository's layout puts this package and its subpackages at the top level
+// (replication/, sinks/), so it can be imported; it is not a public API.
+// Its exported names serve the relay's other packages and change with
+// them in any release, and its signatures use internal packages
+// (internal/wire), which nothing outside this module can name. The public
+// packages are outbox and inbox (docs/layout.md).
 package sinks
 
 import (

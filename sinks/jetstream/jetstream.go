@@ -2,6 +2,8 @@
 // Nats-Msg-Id set to the work ID, so JetStream stores a repeat inside its
 // duplicate window once, and a classification of every failure into
 // "rejected" (the broker will never take this message) or "outage" (retry).
+//
+// Like package sinks, it is the relay's own, not a public API: see there.
 package jetstream
 
 import (
