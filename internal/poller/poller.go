@@ -561,7 +561,7 @@ func (p *Poller) acked(c store.Claimed, ack sinks.Ack) store.Completion {
 // with on its last allowed attempt: whether that publish landed is unknown.
 func (p *Poller) failReclaimed(ctx context.Context, c store.Claimed) {
 	p.m.Failures.WithLabelValues("uncertain", "lease_expired").Inc()
-	p.fail(ctx, c, fmt.Sprintf("uncertain: lease expired after %d attempts (max attempts reached)", c.Attempts-1))
+	p.fail(ctx, c, store.ClassUncertain.Notef("lease expired after %d attempts (max attempts reached)", c.Attempts-1))
 }
 
 // expiring asks a claimed row's deadline again just before its publish
@@ -588,7 +588,7 @@ func (p *Poller) releaseExpiring(ctx context.Context, rows []store.Claimed) {
 	if len(rows) == 0 {
 		return
 	}
-	if err := p.release(ctx, rows, "held: within --deadline-margin of its deadline at publish; expired by the sweep at its deadline"); err != nil {
+	if err := p.release(ctx, rows, store.ClassHeld.Note("within --deadline-margin of its deadline at publish; expired by the sweep at its deadline")); err != nil {
 		p.log.Warn().Err(err).Int("claims", len(rows)).
 			Msg("could not give back rows too close to their deadline to publish; their leases expire and the claim leaves them to the sweep")
 	}
@@ -693,7 +693,7 @@ func (p *Poller) giveBack(ctx context.Context, blocker store.Claimed, rest []sto
 	if len(rest) == 0 {
 		return
 	}
-	why := "held: waiting for " + blocker.WorkID + " (an earlier row of aggregate " + store.AggregateKey{Type: blocker.AggregateType, ID: blocker.AggregateID}.String() + ")"
+	why := store.ClassHeld.Note("waiting for " + blocker.WorkID + " (an earlier row of aggregate " + store.AggregateKey{Type: blocker.AggregateType, ID: blocker.AggregateID}.String() + ")")
 	if err := p.release(ctx, rest, why); err != nil {
 		p.log.Warn().Err(err).Int("claims", len(rest)).Str("behind", blocker.WorkID).
 			Msg("could not give back the rest of an aggregate's run; their leases will expire and the rows be reclaimed in order")
@@ -815,14 +815,14 @@ func (p *Poller) retryOrFail(ctx context.Context, c store.Claimed, err error) {
 	var class, reason, text string
 	if re, ok := wire.IsRejected(err); ok {
 		class, reason = "rejected", re.Reason
-		text = fmt.Sprintf("rejected: %s: %v", re.Reason, re.Err)
+		text = store.ClassRejected.Notef("%s: %v", re.Reason, re.Err)
 		p.m.Published.WithLabelValues("poller", "rejected").Inc()
 	} else {
 		class, reason = "uncertain", "outage"
 		if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, sinks.ErrAckTimeout) {
 			reason = "timeout"
 		}
-		text = fmt.Sprintf("uncertain: %v", err)
+		text = store.ClassUncertain.Notef("%v", err)
 		p.m.Published.WithLabelValues("poller", "error").Inc()
 	}
 	p.m.Failures.WithLabelValues(class, reason).Inc()

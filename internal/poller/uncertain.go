@@ -3,7 +3,6 @@ package poller
 import (
 	"context"
 	"fmt"
-	"strings"
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/internal/store"
@@ -50,7 +49,7 @@ func (p *Poller) streamPosition(ctx context.Context) (uint64, bool) {
 // in last_error only, and are looked up by time.
 func (p *Poller) lookupFrom(c store.Claimed) (from sinks.From, ok bool) {
 	if c.HasLookupSeq {
-		if strings.HasPrefix(c.LastError, "rejected") && !c.Reclaimed {
+		if store.ClassRejected.Of(c.LastError) && !c.Reclaimed {
 			return sinks.From{}, false
 		}
 		return sinks.From{AfterSeq: c.LookupSeq, BySeq: true}, true
@@ -72,7 +71,7 @@ func (p *Poller) lookupFrom(c store.Claimed) (from sinks.From, ok bool) {
 // most the backoff's cap after it was rescheduled, which was at most a
 // lease after the attempt.
 func (p *Poller) uncertainSince(c store.Claimed) (time.Time, bool) {
-	if strings.HasPrefix(c.LastError, store.LostNotePrefix) {
+	if store.ClassLost.Of(c.LastError) {
 		// Handed back because the broker lost it (G19): the session start
 		// that found the loss replays the slot from its confirmed position,
 		// which can lie before the row, and the CDC path publishes what it
@@ -81,7 +80,7 @@ func (p *Poller) uncertainSince(c store.Claimed) (time.Time, bool) {
 		// check runs before that session's first publish).
 		return c.AvailableAt.Add(-LookupSkew), true
 	}
-	if !strings.HasPrefix(c.LastError, "uncertain") {
+	if !store.ClassUncertain.Of(c.LastError) {
 		return time.Time{}, false
 	}
 	if t, ok := store.RedrivenUncertainSince(c.LastError); ok {

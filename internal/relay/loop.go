@@ -793,7 +793,7 @@ func (l *loop) reject(it *item, re *wire.RejectedError) {
 	l.r.metrics.Failures.WithLabelValues("rejected", re.Reason).Inc()
 	l.r.metrics.Handoffs.WithLabelValues("rejected").Inc()
 	it.settle.Outcome = store.Rejected
-	it.settle.Error = "rejected: " + re.Reason + ": " + re.Err.Error()
+	it.settle.Error = store.ClassRejected.Note(re.Reason + ": " + re.Err.Error())
 	it.settle.RetryMs = l.r.cfg.RejectRetry.Milliseconds()
 	l.handOff(it)
 	l.refused(it)

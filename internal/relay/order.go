@@ -66,7 +66,7 @@ func (l *loop) admit(ctx context.Context, it *item) turn {
 	o := l.order
 	if blocker, held := o.heldBy(it.agg); held && !l.caughtUp(ctx, it.agg) {
 		it.settle.Outcome = store.Held
-		it.settle.Error = "held: waiting for " + blocker + " (an earlier row of aggregate " + it.agg.String() + ")"
+		it.settle.Error = store.ClassHeld.Note("waiting for " + blocker + " (an earlier row of aggregate " + it.agg.String() + ")")
 		l.r.metrics.Handoffs.WithLabelValues("held").Inc()
 		l.handOff(it)
 		return heldBack
@@ -97,7 +97,7 @@ func (l *loop) refused(it *item) {
 	for _, w := range l.order.finished(it) {
 		w.msg = nil
 		w.settle.Outcome = store.Held
-		w.settle.Error = "held: waiting for " + it.workID + " (an earlier row of aggregate " + w.agg.String() + ")"
+		w.settle.Error = store.ClassHeld.Note("waiting for " + it.workID + " (an earlier row of aggregate " + w.agg.String() + ")")
 		l.r.metrics.Handoffs.WithLabelValues("held").Inc()
 		l.handOff(w)
 	}

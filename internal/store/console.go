@@ -19,7 +19,7 @@ import (
 // "uncertain: ...", "expired: ...", and "duplicate: ..." on a published
 // row, see DuplicateNote), as the console's filter offers them;
 // ErrorClassNone selects rows without a last_error.
-var ErrorClasses = []string{"rejected", "uncertain", "expired", "duplicate"}
+var ErrorClasses = []string{string(ClassRejected), string(ClassUncertain), string(ClassExpired), string(ClassDuplicate)}
 
 // ErrorClassNone filters rows whose last_error is NULL.
 const ErrorClassNone = "none"
@@ -258,7 +258,7 @@ func (s *Store) Row(ctx context.Context, workID string) (ListedRow, bool, error)
 // whose last attempt waited longer than window for a worker. It reads the
 // dead letters only (parked_idx).
 func (s *Store) RecentFailures(ctx context.Context, window time.Duration) (map[string]int64, error) {
-	rows, err := s.pool.Query(ctx, `SELECT coalesce(substring(last_error FROM '^([a-z]+: [a-z_]+)'), 'unknown'), count(*)
+	rows, err := s.pool.Query(ctx, `SELECT coalesce(`+ClassAndReasonSQL("last_error")+`, 'unknown'), count(*)
 		FROM `+s.table.String()+`
 		WHERE parked = 'failed' AND available_at >= clock_timestamp() - $1::bigint * interval '1 microsecond'
 		GROUP BY 1`, micros(window))

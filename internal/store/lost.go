@@ -17,10 +17,6 @@ type LostRange struct {
 	IDs []string
 }
 
-// LostNotePrefix begins the last_error of a row RequeueLost handed back:
-// the poller looks such a row up in the stream before it publishes it.
-const LostNotePrefix = "lost:"
-
 // RequeueLost hands back to the poller the rows recorded as published
 // into stream at a sequence past last, the stream's last sequence now
 // (G19): the broker acknowledged them and then lost them (its store came
@@ -70,7 +66,7 @@ func (s *Store) RequeueLost(ctx context.Context, stream string, last uint64, cre
 	err := s.pool.QueryRow(ctx, `WITH lost AS (
 		UPDATE `+s.table.String()+` AS o SET state = 'scheduled', available_at = clock_timestamp(), published_at = NULL,
 			lookup_seq = least(o.lookup_seq, $2::bigint),
-			last_error = format('lost: broker acknowledged seq %s in stream %s but the stream ends at %s', o.stream_seq, o.stream_name, $2::bigint)
+			last_error = `+ClassLost.SQLNote(`format('broker acknowledged seq %s in stream %s but the stream ends at %s', o.stream_seq, o.stream_name, $2::bigint)`)+`
 		WHERE o.state = 'published' AND o.stream_name = $1 AND o.stream_seq > $2::bigint
 			AND o.published_at >= $3`+recent+`
 		RETURNING o.stream_seq, o.work_id)
@@ -190,7 +186,7 @@ func (s *Store) RequeueLostRows(ctx context.Context, stream string, lost []Recor
 	err := s.pool.QueryRow(ctx, `WITH lost AS (
 		UPDATE `+s.table.String()+` AS o SET state = 'scheduled', available_at = clock_timestamp(), published_at = NULL,
 			lookup_seq = least(o.lookup_seq, $4::bigint),
-			last_error = format('lost: broker acknowledged seq %s in stream %s but holds another message there now', o.stream_seq, o.stream_name)
+			last_error = `+ClassLost.SQLNote(`format('broker acknowledged seq %s in stream %s but holds another message there now', o.stream_seq, o.stream_name)`)+`
 		FROM unnest($2::text[], $3::bigint[]) AS l(work_id, seq)
 		WHERE o.work_id = l.work_id AND o.state = 'published' AND o.stream_name = $1 AND o.stream_seq = l.seq
 		RETURNING o.stream_seq, o.work_id)
@@ -214,7 +210,7 @@ const lostPendingLimit = 1_000_000
 // path, not two, publishes each (G19).
 func (s *Store) LostPending(ctx context.Context) ([]string, error) {
 	rows, err := s.pool.Query(ctx, `SELECT work_id FROM `+s.table.String()+`
-		WHERE poll_at IS NOT NULL AND last_error LIKE '`+LostNotePrefix+`%' LIMIT `+fmt.Sprint(lostPendingLimit))
+		WHERE poll_at IS NOT NULL AND `+ClassLost.Like("last_error")+` LIMIT `+fmt.Sprint(lostPendingLimit))
 	if err != nil {
 		return nil, fmt.Errorf("read the rows handed back as lost: %w", err)
 	}

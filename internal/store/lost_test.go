@@ -199,7 +199,7 @@ func TestRecordRepublishedAgainstRequeueLost(t *testing.T) {
 				switch {
 				case state == "published" && seq > 100 && strings.HasPrefix(note, "republished: "):
 					pointed++
-				case state == "scheduled" && strings.HasPrefix(note, store.LostNotePrefix):
+				case state == "scheduled" && store.ClassLost.Of(note):
 					handedBack++
 				default:
 					bad++

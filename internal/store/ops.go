@@ -169,7 +169,7 @@ type OpRow struct {
 
 // Uncertain says the row's last attempt ended without knowing whether the
 // broker stored the message (a timeout, an outage, an expired lease).
-func (r OpRow) Uncertain() bool { return strings.HasPrefix(r.PreviousError, "uncertain") }
+func (r OpRow) Uncertain() bool { return ClassUncertain.Of(r.PreviousError) }
 
 // MayBeStored says an earlier attempt may have stored the row's message
 // without the table knowing: its last attempt was uncertain, or the poller
@@ -238,7 +238,7 @@ func (r Refusal) Why(a Action) string {
 	case StateCancelled:
 		return "cancelled: already cancelled"
 	case StateExpired:
-		return "expired: its deadline passed before it was published (terminal for cancel; redrive it with a new deadline)"
+		return StateExpired + ": its deadline passed before it was published (terminal for cancel; redrive it with a new deadline)"
 	}
 	return r.State
 }

@@ -287,11 +287,11 @@ func (s *Store) ExpireDue(ctx context.Context) ([]string, error) {
 // deadline while the statement runs is the next sweep's.
 func (s *Store) expireDueSQL() string {
 	return `UPDATE ` + s.table.String() + ` AS t SET state = 'expired', claimed_by = NULL, lease_until = NULL,
-			last_error = 'expired: deadline ' || ` + sqlTimeText("t.expires_at") + ` || ' passed; ' ||
+			last_error = ` + ClassExpired.SQLNote(`'deadline ' || `+sqlTimeText("t.expires_at")+` || ' passed; '`) + ` ||
 			CASE
 				WHEN t.state = 'running' THEN 'possibly accepted: a worker held it when its lease ran out, after ' || t.attempts || ' attempt(s)'
 				WHEN t.attempts = 0 THEN 'never attempted'
-				WHEN t.last_error LIKE 'rejected:%' THEN 'none accepted: ' || t.attempts || ' attempt(s), the last ' || t.last_error
+				WHEN ` + ClassRejected.Like("t.last_error") + ` THEN 'none accepted: ' || t.attempts || ' attempt(s), the last ' || t.last_error
 				ELSE 'possibly accepted: ' || t.attempts || ' attempt(s), the last ' || coalesce(t.last_error, 'without an error')
 			END
 		WHERE t.poll_at IS NOT NULL AND t.expires_at IS NOT NULL AND t.expires_at <= (SELECT clock_timestamp())

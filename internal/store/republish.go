@@ -103,7 +103,7 @@ func describeSince(since time.Time, ago time.Duration) string {
 // RepublishedNote is the last_error of a published row whose message the
 // broker lost and the republish command published again.
 func RepublishedNote(lostSeq uint64, stream string, seq uint64) string {
-	return fmt.Sprintf("republished: the broker lost seq %d; published again in stream %s at sequence %d", lostSeq, stream, seq)
+	return ClassRepublished.Notef("the broker lost seq %d; published again in stream %s at sequence %d", lostSeq, stream, seq)
 }
 
 // Republished is a row published again by the republish command: its work

@@ -191,7 +191,7 @@ func (s *Store) Counts(ctx context.Context) (Counts, error) {
 	if !c.PublishedEstimated {
 		c.PublishedByWatermark, c.PublishedByWatermarkAtLeast = exactCovered, false
 	}
-	rows, err := s.pool.Query(ctx, `SELECT coalesce(substring(last_error FROM '^([a-z]+: [a-z_]+)'), 'unknown'), count(*)
+	rows, err := s.pool.Query(ctx, `SELECT coalesce(`+ClassAndReasonSQL("last_error")+`, 'unknown'), count(*)
 		FROM `+tbl+` WHERE parked = 'failed' GROUP BY 1 ORDER BY 2 DESC`)
 	if err != nil {
 		return c, fmt.Errorf("failures in %s: %w", s.table.Qualified(), err)

@@ -404,7 +404,7 @@ func buildSettleSQL(t Table, policy Policy) string {
 // its publish as a duplicate: the message the row now points at is the one
 // the stream already held under its work ID, whose content may be another.
 func DuplicateNote(stream string, seq uint64) string {
-	return fmt.Sprintf("duplicate: duplicate of stream sequence %d in stream %s: the broker already held a message with this work ID "+
+	return ClassDuplicate.Notef("duplicate of stream sequence %d in stream %s: the broker already held a message with this work ID "+
 		"inside its duplicate window and stored nothing new; harmless when it is this row's own earlier publish (a retry or a restart), "+
 		"but if the work ID was reused for other content, this row's content was never delivered", seq, stream)
 }

@@ -14,13 +14,13 @@ import (
 // the message up in the stream before publishing it again (G18), and the
 // earliest time that attempt can have happened (its row's available_at,
 // see OpRow.SinceLastAttempt).
-const redrivenUncertainPrefix = "uncertain: redriven; last attempt at or after "
+var redrivenUncertainPrefix = ClassUncertain.Note("redriven; last attempt at or after ")
 
 // redrivenUncertainSQL is the last_error a redrive sets: NULL (attempts
 // start over), except on an uncertain row, where the attempt's evidence
 // stays for the lookup (RedrivenUncertainSince reads it back).
 func redrivenUncertainSQL(prevError, lastTry string) string {
-	return `CASE WHEN ` + prevError + ` LIKE 'uncertain%' AND isfinite(` + lastTry + `)
+	return `CASE WHEN ` + ClassUncertain.Like(prevError) + ` AND isfinite(` + lastTry + `)
 		THEN '` + redrivenUncertainPrefix + `' || ` + sqlTimeText(lastTry) + ` || ' (' || left(` + prevError + `, 200) || ')'
 		END`
 }
@@ -44,7 +44,7 @@ func RedrivenUncertainSince(lastError string) (since time.Time, ok bool) {
 // FoundNote is the last_error of a row settled as published because its
 // message was found in the stream after an uncertain attempt.
 func FoundNote(stream string, seq uint64) string {
-	return fmt.Sprintf("found: uncertain attempt found stored in stream %s at sequence %d (not published again)", stream, seq)
+	return ClassFound.Notef("uncertain attempt found stored in stream %s at sequence %d (not published again)", stream, seq)
 }
 
 // Found is a redriven row whose message the stream already holds.
