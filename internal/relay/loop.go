@@ -41,12 +41,6 @@ type item struct {
 	batchHead bool
 }
 
-type settleResult struct {
-	batch   []*item
-	settled []bool
-	err     error
-}
-
 // The loop's invariants, asserted after every step that changes them when
 // checkInvariants is set (every test of this package):
 //
@@ -94,13 +88,9 @@ type loop struct {
 	inflightBytes  int
 	waitingForRoom *item // a row waiting for in-flight capacity
 
-	pending      []*item   // acked or handed off, waiting for the settler
-	pendingSince time.Time // when the oldest of pending arrived
-	retry        []*item   // settled too early (not visible yet)
-	settling     bool
-	settleTimer  *time.Timer // SettleDelay of the oldest pending row
-	settleArmed  bool
-	retryTimer   *time.Timer // the next retry's retryAt
+	// settle takes the rows acked, handed off or rejected into the
+	// table's settle statements (settle.go).
+	settle *settleBatcher
 
 	batch []replication.Event // the batch being handled; rest is its unhandled rest
 	rest  []replication.Event
@@ -139,26 +129,23 @@ type loop struct {
 	// per message hashes the labels each time.
 	publishedOK, publishedDup prometheus.Counter
 
-	queue      chan *item // to the collector, in publish order
-	results    chan []*item
-	settleReq  chan []*item
-	settleResp chan settleResult
-	wg         sync.WaitGroup
+	queue   chan *item // to the collector, in publish order
+	results chan []*item
+	wg      sync.WaitGroup
 }
 
 // newLoop starts a session's loop; held is the table's held aggregates
 // when ordering is on, nil otherwise.
 func newLoop(r *Relay, confirmed replication.LSN, held map[store.AggregateKey]string, budget *replication.Budget) *loop {
 	l := &loop{
-		r:          r,
-		cp:         checkpoint.New(confirmed),
-		started:    confirmed,
-		budget:     budget,
-		queue:      make(chan *item, r.cfg.MaxInFlight+1),
-		results:    make(chan []*item, 64),
-		settleReq:  make(chan []*item),
-		settleResp: make(chan settleResult, 1),
-		refresh:    make(chan heldRefresh),
+		r:       r,
+		cp:      checkpoint.New(confirmed),
+		started: confirmed,
+		budget:  budget,
+		queue:   make(chan *item, r.cfg.MaxInFlight+1),
+		results: make(chan []*item, 64),
+		settle:  newSettleBatcher(r),
+		refresh: make(chan heldRefresh),
 	}
 	l.publishedOK = r.metrics.Published.WithLabelValues("cdc", "ok")
 	l.publishedDup = r.metrics.Published.WithLabelValues("cdc", "duplicate")
@@ -186,11 +173,7 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Eve
 		defer l.gated.stopWaiting()
 	}
 	defer close(l.queue)
-	defer close(l.settleReq)
-	l.retryTimer = time.NewTimer(time.Hour)
-	l.retryTimer.Stop()
-	l.settleTimer = time.NewTimer(time.Hour)
-	l.settleTimer.Stop()
+	defer l.settle.close()
 	l.stop = stop
 	shutdown := ctx.Done()
 	// passed: a clean stop keeps streaming until the slot's restart
@@ -224,8 +207,8 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Eve
 		if err := l.takeEvents(sessCtx, confirms); err != nil {
 			return err
 		}
-		l.settleDue()
-		if l.stopping && l.inflight == 0 && !l.settling && len(l.pending) == 0 && len(l.retry) == 0 {
+		l.settle.due(l.stopping)
+		if l.stopping && l.inflight == 0 && l.settle.idle() {
 			return l.finish(sessCtx, confirms, streamDone)
 		}
 		var err error
@@ -238,13 +221,12 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Eve
 			err = l.letThroughGated(sessCtx, confirms)
 		case its := <-l.results:
 			err = l.handleResults(sessCtx, its)
-		case res := <-l.settleResp:
+		case res := <-l.settle.results():
 			err = l.handleSettled(res, confirms)
-		case <-l.retryTimer.C:
-			l.dueRetries()
-			l.armRetry()
-		case <-l.settleTimer.C:
-			l.settleArmed = false
+		case <-l.settle.retryC():
+			l.settle.retryFired()
+		case <-l.settle.timerC():
+			l.settle.timerFired()
 		case res := <-l.refresh:
 			l.refreshed(res)
 		case err := <-streamDone:
@@ -298,7 +280,7 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Eve
 				l.beginStop()
 			}
 		case <-l.drainDeadline:
-			l.r.log.Warn().Int("in_flight", l.inflight).Int("unsettled", len(l.pending)+len(l.retry)).
+			l.r.log.Warn().Int("in_flight", l.inflight).Int("unsettled", l.settle.unsettled()).
 				Msg("drain timeout: leaving the rest to the next start (the broker drops the repeats)")
 			return l.finish(sessCtx, confirms, streamDone)
 		}
@@ -339,7 +321,10 @@ func (l *loop) pastStop(lsn replication.LSN) bool {
 func (l *loop) startHelpers(sessCtx context.Context) {
 	l.wg.Add(2)
 	go l.collect(sessCtx)
-	go l.settler(sessCtx)
+	go func() {
+		defer l.wg.Done()
+		l.settle.run(sessCtx)
+	}()
 	if l.gated != nil {
 		l.wg.Add(1)
 		go func() {
@@ -422,7 +407,7 @@ func (l *loop) takeEvents(ctx context.Context, confirms chan replication.LSN) er
 // marks slower than the broker acks, reading WAL waits, instead of the
 // queue (and memory) growing with the backlog (G15).
 func (l *loop) mayRead() bool {
-	return l.waitingForRoom == nil && !l.stopping && len(l.pending)+len(l.retry) < l.r.cfg.MaxUnsettled &&
+	return l.waitingForRoom == nil && !l.stopping && l.settle.unsettled() < l.r.cfg.MaxUnsettled &&
 		(l.order == nil || l.order.parked < l.r.cfg.MaxInFlight) && (l.atomic == nil || l.atomic.waiting == nil)
 }
 
@@ -457,50 +442,6 @@ func (l *loop) received(ctx context.Context, batch []replication.Event, confirms
 	replication.ReleaseBatch(batch)
 	return l.letThroughGated(ctx, confirms)
 }
-
-// settleDue sends the next settle once a batch is full or its oldest row
-// has waited SettleDelay: at one row per transaction this groups a few
-// marks per statement instead of one statement per ack. The delay holds
-// back the mark and the confirmation, never the publish. It is checked at
-// every step of the loop, and a trickle of transactions brings a step (a
-// group of acks, a batch from the stream) every millisecond or two: the
-// timer is a backstop, set settleBackstop delays out, that wakes the loop
-// only when no step came. Set for the delay itself, it fired between the
-// groups, one wake-up of the process more per settle.
-func (l *loop) settleDue() {
-	if len(l.pending) > 0 && l.pendingSince.IsZero() {
-		l.pendingSince = time.Now()
-	}
-	if l.settling || len(l.pending) == 0 {
-		return
-	}
-	if !l.stopping && len(l.pending) < l.r.cfg.SettleBatch {
-		if wait := l.r.cfg.SettleDelay - time.Since(l.pendingSince); wait > 0 {
-			if !l.settleArmed {
-				l.settleTimer.Reset(wait + (settleBackstop-1)*l.r.cfg.SettleDelay)
-				l.settleArmed = true
-			}
-			return
-		}
-	}
-	l.pendingSince = time.Time{}
-	if l.settleArmed {
-		// Set for rows this settle takes: left running, it would wake
-		// the loop for nothing.
-		l.settleTimer.Stop()
-		l.settleArmed = false
-	}
-	n := min(len(l.pending), l.r.cfg.SettleBatch)
-	batch := make([]*item, n)
-	copy(batch, l.pending)
-	l.pending = append(l.pending[:0], l.pending[n:]...)
-	l.settling = true
-	l.settleReq <- batch
-}
-
-// settleBackstop: a partial settle batch waits at most this many
-// SettleDelays when no step of the loop comes before.
-const settleBackstop = 2
 
 // handleResults takes a group of acks from the collector.
 func (l *loop) handleResults(ctx context.Context, its []*item) error {
@@ -804,7 +745,7 @@ func (l *loop) reject(it *item, re *wire.RejectedError) {
 func (l *loop) handOff(it *item) {
 	l.free(it)
 	l.order.handedOff(it)
-	l.pending = append(l.pending, it)
+	l.settle.add(it)
 }
 
 // free gives the row's bytes back to the budget once the loop holds its
@@ -902,7 +843,7 @@ func (l *loop) handleResult(ctx context.Context, it *item) error {
 	// and its future are garbage from here.
 	it.msg, it.fut = nil, nil
 	l.free(it)
-	l.pending = append(l.pending, it)
+	l.settle.add(it)
 	if next := l.acked(it); next != nil {
 		// Its turn: the predecessor is stored. It was counted against the
 		// WAL reading (parked), not against in-flight room.
@@ -911,87 +852,26 @@ func (l *loop) handleResult(ctx context.Context, it *item) error {
 	return nil
 }
 
-func (l *loop) settler(ctx context.Context) {
-	defer l.wg.Done()
-	for batch := range l.settleReq {
-		items := make([]store.Settle, len(batch))
-		for i, it := range batch {
-			items[i] = it.settle
-		}
-		settled, err := l.r.store.SettleRows(ctx, items)
-		select {
-		case l.settleResp <- settleResult{batch: batch, settled: settled, err: err}:
-		case <-ctx.Done():
-			return
-		}
-	}
-}
-
-// handleSettled takes the settler's answer for a batch: settled rows count
-// off their transactions, rows not visible yet are retried.
+// handleSettled takes a settle statement's answer: the rows it settled
+// count off their transactions (and their aggregates), which may move the
+// confirmation; the batcher tries the others again.
 func (l *loop) handleSettled(res settleResult, confirms chan replication.LSN) error {
-	l.settling = false
-	if res.err != nil {
-		return res.err
+	settled, err := l.settle.take(res)
+	if err != nil {
+		return err
 	}
 	now := time.Now()
 	heldOver := false
-	defer func() {
-		if heldOver && l.r.cfg.HandedOver != nil {
-			l.r.cfg.HandedOver()
-		}
-	}()
-	for i, it := range res.batch {
-		if res.settled[i] {
-			l.cp.Settle(it.txn)
-			l.order.settled(it, now)
-			heldOver = heldOver || it.settle.Outcome == store.Held
-			continue
-		}
-		// Streamed before visible: the commit is flushed but the backend
-		// has not left the proc array yet (a synchronous standby can hold
-		// it there); or the row is not in the table while a partition of
-		// it is detached (store.goneForAReason). Never confirm on a silent
-		// zero: try again.
-		it.tries++
-		l.r.metrics.SettleRetries.Inc()
-		if it.tries == 50 || it.tries%500 == 0 {
-			l.r.log.Warn().Str("work_id", it.workID).Uint32("xid", it.settle.Xid).Int("tries", it.tries).
-				Msg("row streamed but not settled yet: its transaction is not visible yet (a commit waiting for a synchronous standby?), or it is not in the table while a partition is detached (outbox-relay status names it; prune or the relay's partition keeper attaches it back); holding the checkpoint")
-		}
-		it.retryAt = now.Add(min(time.Millisecond<<min(it.tries, 10), time.Second))
-		l.retry = append(l.retry, it)
+	for _, it := range settled {
+		l.cp.Settle(it.txn)
+		l.order.settled(it, now)
+		heldOver = heldOver || it.settle.Outcome == store.Held
 	}
 	l.advance(confirms)
-	l.armRetry()
+	if heldOver && l.r.cfg.HandedOver != nil {
+		l.r.cfg.HandedOver()
+	}
 	return nil
-}
-
-func (l *loop) armRetry() {
-	if len(l.retry) == 0 {
-		return
-	}
-	next := l.retry[0].retryAt
-	for _, it := range l.retry[1:] {
-		if it.retryAt.Before(next) {
-			next = it.retryAt
-		}
-	}
-	l.retryTimer.Reset(time.Until(next))
-}
-
-func (l *loop) dueRetries() {
-	now := time.Now()
-	keep := l.retry[:0]
-	for _, it := range l.retry {
-		if !it.retryAt.After(now) {
-			l.pending = append(l.pending, it)
-		} else {
-			keep = append(keep, it)
-		}
-	}
-	clear(l.retry[len(keep):])
-	l.retry = keep
 }
 
 func (l *loop) advance(confirms chan replication.LSN) {
