@@ -578,7 +578,9 @@ func TestConsole(t *testing.T) {
 		"no database": {map[string]any{}, "secret.databaseURL"},
 		"both PDB bounds": {merge(base(), "podDisruptionBudget.minAvailable", 1, "podDisruptionBudget.maxUnavailable", 1),
 			"not both"},
-		"bad ordering": {merge(base(), "relay.ordering", "strict"), "none or aggregate"},
+		"bad ordering":               {merge(base(), "relay.ordering", "strict"), "none or aggregate"},
+		"bad message format":         {merge(base(), "relay.messageFormat", "avro"), "outbox, cloudevents or cloudevents-structured"},
+		"message format in extraEnv": {merge(base(), "relay.extraEnv", map[string]any{"MESSAGE_FORMAT": "cloudevents"}), "set relay.messageFormat instead"},
 	} {
 		if _, err := renderErr(t, tc.values); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: err %v, want one saying %q", name, err, tc.want)
@@ -705,6 +707,17 @@ func TestEnvironmentNamesFlags(t *testing.T) {
 	}
 	if e, _ := c.env("OUTBOX_RELAY_NATS_CREDS"); e.Value == "" {
 		t.Error("secret.natsCredsFile: no OUTBOX_RELAY_NATS_CREDS")
+	}
+	if e, _ := c.env("OUTBOX_RELAY_MESSAGE_FORMAT"); e.Value != "outbox" {
+		t.Errorf("OUTBOX_RELAY_MESSAGE_FORMAT %q, want the default outbox", e.Value)
+	}
+	ce := render(t, merge(base(), "relay.messageFormat", "cloudevents-structured", "relay.cloudeventsSource", "/shop/orders"))
+	_, cc := relayContainer(t, ce)
+	if f, _ := cc.env("OUTBOX_RELAY_MESSAGE_FORMAT"); f.Value != "cloudevents-structured" {
+		t.Errorf("relay.messageFormat: OUTBOX_RELAY_MESSAGE_FORMAT %q", f.Value)
+	}
+	if s, _ := cc.env("OUTBOX_RELAY_CLOUDEVENTS_SOURCE"); s.Value != "/shop/orders" {
+		t.Errorf("relay.cloudeventsSource: OUTBOX_RELAY_CLOUDEVENTS_SOURCE %q", s.Value)
 	}
 	if seen < 20 {
 		t.Errorf("checked only %d variables", seen)

@@ -103,7 +103,7 @@ rather than in a crash loop.
 {{- end }}
 {{- /* What the chart sets itself: an extraEnv or env entry of the same name
 would shadow it (for the Secret's, with a plain value in the Deployment). */}}
-{{- $own := dict "DATABASE_URL" "secret.databaseURL (the Secret's database-url key)" "NATS_USER" "secret.natsUser" "NATS_PASSWORD" "secret.natsPassword" "NATS_TOKEN" "secret.natsToken" "NATS_CREDS" "secret.natsCreds with secret.natsCredsFile" "CONSOLE_TOKEN" "secret.consoleToken (the Secret's console-token key)" "NATS_URL" "relay.natsURL" "TABLE" "relay.table" "SLOT" "relay.slot" "PUBLICATION" "relay.publication" "STREAM" "relay.stream" "SUBJECT_PREFIX" "relay.subjectPrefix" "ON_PUBLISH" "relay.onPublish" "ORDERING" "relay.ordering" "LOG_FORMAT" "relay.logFormat" "LOG_LEVEL" "relay.logLevel" "HTTP_ADDR" "relay.httpPort" "DRAIN_TIMEOUT" "relay.drainTimeout" "CONSOLE" "console.enabled" "CONSOLE_READ_ONLY" "console.readOnly" }}
+{{- $own := dict "DATABASE_URL" "secret.databaseURL (the Secret's database-url key)" "NATS_USER" "secret.natsUser" "NATS_PASSWORD" "secret.natsPassword" "NATS_TOKEN" "secret.natsToken" "NATS_CREDS" "secret.natsCreds with secret.natsCredsFile" "CONSOLE_TOKEN" "secret.consoleToken (the Secret's console-token key)" "NATS_URL" "relay.natsURL" "TABLE" "relay.table" "SLOT" "relay.slot" "PUBLICATION" "relay.publication" "STREAM" "relay.stream" "SUBJECT_PREFIX" "relay.subjectPrefix" "ON_PUBLISH" "relay.onPublish" "ORDERING" "relay.ordering" "MESSAGE_FORMAT" "relay.messageFormat" "CLOUDEVENTS_SOURCE" "relay.cloudeventsSource" "LOG_FORMAT" "relay.logFormat" "LOG_LEVEL" "relay.logLevel" "HTTP_ADDR" "relay.httpPort" "DRAIN_TIMEOUT" "relay.drainTimeout" "CONSOLE" "console.enabled" "CONSOLE_READ_ONLY" "console.readOnly" }}
 {{- range $k, $v := .Values.relay.extraEnv }}
 {{- $flag := upper $k | replace "-" "_" | trimPrefix "OUTBOX_RELAY_" }}
 {{- if hasKey $own $flag }}
@@ -121,5 +121,8 @@ would shadow it (for the Secret's, with a plain value in the Deployment). */}}
 {{- end }}
 {{- if not (has .Values.relay.ordering (list "none" "aggregate")) }}
 {{- fail (printf "relay.ordering %q: must be none or aggregate" .Values.relay.ordering) }}
+{{- end }}
+{{- if not (has .Values.relay.messageFormat (list "outbox" "cloudevents" "cloudevents-structured")) }}
+{{- fail (printf "relay.messageFormat %q: must be outbox, cloudevents or cloudevents-structured" .Values.relay.messageFormat) }}
 {{- end }}
 {{- end }}
