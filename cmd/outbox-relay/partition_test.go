@@ -3,13 +3,11 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
@@ -47,41 +45,9 @@ func startRun(t *testing.T, args ...string) (stop func()) {
 // streamIDs counts the messages of stream by Nats-Msg-Id.
 func streamIDs(t *testing.T, js jetstream.JetStream, stream string) map[string]int {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	st, err := js.Stream(ctx, stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	info, err := st.Info(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
 	ids := map[string]int{}
-	if info.State.Msgs == 0 {
-		return ids
-	}
-	cons, err := st.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for got := uint64(0); got < info.State.Msgs; {
-		batch, err := cons.Fetch(500, jetstream.FetchMaxWait(2*time.Second))
-		if err != nil {
-			t.Fatal(err)
-		}
-		n := 0
-		for m := range batch.Messages() {
-			ids[m.Headers().Get(jetstream.MsgIDHeader)]++
-			n++
-		}
-		if batch.Error() != nil && !errors.Is(batch.Error(), nats.ErrTimeout) {
-			t.Fatal(batch.Error())
-		}
-		if n == 0 {
-			t.Fatalf("read %d of %d messages, then nothing", got, info.State.Msgs)
-		}
-		got += uint64(n)
+	for _, m := range streamMessages(t, js, stream) {
+		ids[m.Headers().Get(jetstream.MsgIDHeader)]++
 	}
 	return ids
 }
