@@ -157,6 +157,7 @@ func newLoop(r *Relay, confirmed replication.LSN, held map[store.AggregateKey]st
 	}
 	if r.store.Policy() == store.PolicyNone {
 		l.cover = &coverage{}
+		l.cover.oweEarlier()
 	}
 	if r.cfg.AtomicTransactions {
 		l.atomic = newAtomicState(r)

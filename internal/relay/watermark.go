@@ -33,6 +33,25 @@ type coverage struct {
 	owed   bool
 	ids    map[uint64]struct{}
 	lossy  bool
+	// earlier: rows acked before this session may be uncovered (oweEarlier).
+	earlier bool
+}
+
+// oweEarlier owes one recorded watermark for rows acked before this
+// session. A session that ends between the slot's confirmation of its last
+// rows and the watermark that would cover them (an immediate restart of
+// PostgreSQL, a cut connection, a kill) leaves them uncovered, and no later
+// session streams them again: only the next row acked would move the
+// watermark past them, so an outbox gone idle would show them as in flight,
+// and hand them over again after a slot loss, for as long as it stays idle
+// (seen in chaos: 2,982 rows for 3 minutes). Any candidate recorded in this
+// session covers them: their transactions ended before it was taken, and
+// committed before the position the slot had confirmed at this session's
+// start. It costs one statement per session.
+func (c *coverage) oweEarlier() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.earlier = true
 }
 
 // maxOwedIDs bounds the set of owed ids (a recorder that cannot record
@@ -66,7 +85,7 @@ func (c *coverage) add(xids []uint64) {
 func (c *coverage) owes() bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.owed
+	return c.owed || c.earlier
 }
 
 // recorded takes a watermark just recorded with snapshot snap: every owed
@@ -79,6 +98,7 @@ func (c *coverage) recorded(snap string) (owed bool, err error) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.earlier = false
 	if !c.owed {
 		return false, nil
 	}
