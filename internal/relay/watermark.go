@@ -159,6 +159,9 @@ func (l *loop) recordWatermarks(ctx context.Context) {
 	defer t.Stop()
 	var cand store.WatermarkCandidate
 	var lastWarn time.Time
+	// lastRec: when a watermark was last recorded, or the session began;
+	// a recorder that owes one for longer than stuckAfter says so.
+	lastRec, lastStuck := time.Now(), time.Time{}
 	// poll: a candidate that a tick's statement took, or could not record
 	// yet, is recorded as soon as the stream has confirmed past it,
 	// instead of at the next tick: still at most one write per tick, and a
@@ -196,9 +199,15 @@ func (l *loop) recordWatermarks(ctx context.Context) {
 			}
 		case rec:
 			l.noteRecorded(cand)
-			cand = next
+			cand, lastRec = next, time.Now()
 		case cand.Snapshot == "":
 			cand = next
+		}
+		if err == nil && !rec && time.Since(lastRec) > stuckAfter && time.Since(lastStuck) > stuckAfter {
+			lastStuck = time.Now()
+			r.log.Warn().Str("candidate_lsn", cand.LSN.String()).Str("confirmed_lsn", store.LSN(r.stats.Confirmed.Load()).String()).
+				Dur("since_recorded", time.Since(lastRec)).
+				Msg("the watermark has recorded nothing for a while although acked rows wait for it: the slot has not confirmed past the candidate (compare candidate_lsn with confirmed_lsn), or the slot record refuses it (a backfill pending); published rows show as in flight until it records")
 		}
 		if cand.Snapshot != "" {
 			l.stream.ConfirmThrough(replication.LSN(cand.LSN))
@@ -214,6 +223,10 @@ func (l *loop) recordWatermarks(ctx context.Context) {
 		}
 	}
 }
+
+// stuckAfter is how long the recorder owes a watermark without recording
+// one before it says so (and again at most this often).
+const stuckAfter = time.Minute
 
 // watermarkPoll paces the recorder's look at the stream's confirmed
 // position while a fresh candidate waits for it.
