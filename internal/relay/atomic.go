@@ -139,7 +139,7 @@ func (a *atomicState) sendReuse(ctx context.Context, l *loop, b []*item) error {
 
 // takeWaiting sends the batch waiting for room once there is room.
 func (a *atomicState) takeWaiting(ctx context.Context, l *loop) error {
-	if a.waiting == nil || l.stopping || !a.hasRoom(l, len(a.waiting), a.waitingBytes) {
+	if a.waiting == nil || l.stop.draining() || !a.hasRoom(l, len(a.waiting), a.waitingBytes) {
 		return nil
 	}
 	b := a.waiting

@@ -73,11 +73,6 @@ type loop struct {
 	// watermark.go); nil under the other policies.
 	cover *coverage
 	xids  []uint64 // handleResults' buffer of acked ids for cover
-	// A clean stop under --on-publish none: its watermark candidate, and
-	// whether every transaction committing before the candidate's
-	// position was handed over before the stop stopped reading.
-	stopCand    store.WatermarkCandidate
-	stopReached bool
 
 	cur           *checkpoint.Txn
 	curCommitTime time.Time
@@ -109,16 +104,12 @@ type loop struct {
 	newSlot bool
 	started replication.LSN
 
-	atomic   *atomicState // nil without --atomic-transactions
-	order    *orderState  // nil without --ordering aggregate
-	gated    *gateState   // nil without --standby-slot
-	refresh  chan heldRefresh
-	stopping bool
-	// stop is closed when the stream is to stop reading WAL; stopBegan is
-	// when the shutdown began, and drainDeadline ends the drain.
-	stop          chan struct{}
-	stopBegan     time.Time
-	drainDeadline <-chan time.Time
+	atomic  *atomicState // nil without --atomic-transactions
+	order   *orderState  // nil without --ordering aggregate
+	gated   *gateState   // nil without --standby-slot
+	refresh chan heldRefresh
+	// stop is the clean stop's state machine (stop.go).
+	stop cleanStop
 
 	stream *replication.Stream
 	// keeper writes running-transactions records so the slot's
@@ -175,41 +166,14 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Eve
 	}
 	defer close(l.queue)
 	defer l.settle.close()
-	l.stop = stop
+	l.stop.readWAL, l.stop.events = stop, make(chan stopEvent, stopEvents)
 	shutdown := ctx.Done()
-	// passed: a clean stop keeps streaming until the slot's restart
-	// position is past the WAL written before it (restart.go), for at most
-	// 1/stopPassShare of the drain timeout; then, under --on-publish none,
-	// until every transaction before its watermark candidate is handed
-	// over (watermark.go), until 3/4 of it; the drain gets the rest.
-	var passed chan struct{}
-	var candTaken chan stopCandidate
-	var reachBy <-chan time.Time
-	afterPass := func() {
-		if l.cover == nil || !l.cover.owes() && l.inflight == 0 && l.cp.Open() == 0 {
-			// Nothing acked is owed, and nothing more will be.
-			l.beginStop()
-			return
-		}
-		left := l.r.cfg.DrainTimeout*(stopReachShare-1)/stopReachShare - time.Since(l.stopBegan)
-		reachBy = time.After(left)
-		candTaken = make(chan stopCandidate, 1)
-		l.wg.Add(1)
-		go func() {
-			defer l.wg.Done()
-			cctx, cancel := context.WithTimeout(sessCtx, left)
-			defer cancel()
-			c, err := l.takeStopCandidate(cctx)
-			candTaken <- stopCandidate{cand: c, err: err}
-		}()
-	}
-
 	for {
 		if err := l.takeEvents(sessCtx, confirms); err != nil {
 			return err
 		}
-		l.settle.due(l.stopping)
-		if l.stopping && l.inflight == 0 && l.settle.idle() {
+		l.settle.due(l.stop.draining())
+		if l.stop.draining() && l.inflight == 0 && l.settle.idle() {
 			return l.finish(sessCtx, confirms, streamDone)
 		}
 		var err error
@@ -224,10 +188,8 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Eve
 			err = l.handleResults(sessCtx, its)
 		case res := <-l.settle.results():
 			err = l.handleSettled(res, confirms)
-		case <-l.settle.retryC():
-			l.settle.retryFired()
-		case <-l.settle.timerC():
-			l.settle.timerFired()
+		case <-l.settle.wake():
+			l.settle.woke()
 		case res := <-l.refresh:
 			l.refreshed(res)
 		case err := <-streamDone:
@@ -237,83 +199,16 @@ func (l *loop) run(ctx, sessCtx context.Context, events <-chan []replication.Eve
 			return err
 		case <-shutdown:
 			shutdown = nil
-			l.stopBegan = time.Now()
-			if l.keeper == nil {
-				afterPass()
-				break
+			l.beginStop(sessCtx)
+		case ev := <-l.stop.events:
+			if l.step(sessCtx, ev) {
+				return l.finish(sessCtx, confirms, streamDone)
 			}
-			passed = make(chan struct{})
-			l.wg.Add(1)
-			go func() {
-				defer l.wg.Done()
-				defer close(passed)
-				pctx, cancel := context.WithTimeout(sessCtx, l.r.cfg.DrainTimeout/stopPassShare)
-				defer cancel()
-				l.keeper.pass(pctx, l.stream)
-			}()
-		case <-passed:
-			passed = nil
-			afterPass()
-		case res := <-candTaken:
-			candTaken = nil
-			if res.err != nil {
-				l.r.log.Warn().Err(res.err).Msg("stopping: could not take the watermark's candidate; the rows acked since the last recorded watermark count as in flight, and would be handed over again after a slot loss")
-				l.beginStop()
-				break
-			}
-			l.stopCand = res.cand
-			if l.pastStop(l.curCommitLSN) && l.cur == nil {
-				// A transaction committed after the candidate was
-				// taken came through meanwhile: nothing more should.
-				l.reachedStop()
-				break
-			}
-			// One still coming through past it ends at its commit: the
-			// next Begin or the stream's position is past the candidate
-			// too. Stopping within it would leave it open, and the
-			// stop's watermark is recorded only with none open.
-			l.stream.StopAt(replication.LSN(res.cand.LSN))
-		case <-reachBy:
-			reachBy, candTaken = nil, nil
-			if !l.stopping {
-				l.r.log.Warn().Str("lsn", l.stopCand.LSN.String()).
-					Msg("stopping: the stream did not reach the watermark's candidate in time (a backlog, a large transaction or a lagging standby); the rows acked since the last recorded watermark count as in flight, and would be handed over again after a slot loss")
-				l.beginStop()
-			}
-		case <-l.drainDeadline:
-			l.r.log.Warn().Int("in_flight", l.inflight).Int("unsettled", l.settle.unsettled()).
-				Msg("drain timeout: leaving the rest to the next start (the broker drops the repeats)")
-			return l.finish(sessCtx, confirms, streamDone)
 		}
 		if err != nil {
 			return err
 		}
 	}
-}
-
-// beginStop stops reading WAL and starts the drain.
-func (l *loop) beginStop() {
-	if l.stopping {
-		return
-	}
-	l.stopping = true
-	close(l.stop)
-	l.drainDeadline = time.After(l.r.cfg.DrainTimeout - time.Since(l.stopBegan))
-	l.r.log.Info().Int("in_flight", l.inflight).Msg("shutting down: draining in-flight messages")
-}
-
-// reachedStop is called at the first event past the stop's watermark
-// candidate: every transaction committing before it has gone through the
-// loop. The event and the rest are left to the next session.
-func (l *loop) reachedStop() {
-	l.stopReached = true
-	l.beginStop()
-}
-
-// pastStop reports whether a transaction committing at lsn, or the stream's
-// position lsn, is at or past the stop's watermark candidate.
-func (l *loop) pastStop(lsn replication.LSN) bool {
-	return l.stopCand.Snapshot != "" && store.LSN(lsn) >= l.stopCand.LSN
 }
 
 // startHelpers starts the goroutines of the session: the collector of
@@ -366,7 +261,7 @@ func (l *loop) startHelpers(sessCtx context.Context) {
 // batch being handled (or what the gate lets through). The next batch is
 // read only once this one is done.
 func (l *loop) takeEvents(ctx context.Context, confirms chan replication.LSN) error {
-	if l.waitingForRoom != nil && !l.stopping && l.hasRoom(l.waitingForRoom.size) {
+	if l.waitingForRoom != nil && !l.stop.draining() && l.hasRoom(l.waitingForRoom.size) {
 		b := l.waitingForRoom
 		l.waitingForRoom = nil
 		if err := l.publish(ctx, b); err != nil {
@@ -408,7 +303,7 @@ func (l *loop) takeEvents(ctx context.Context, confirms chan replication.LSN) er
 // marks slower than the broker acks, reading WAL waits, instead of the
 // queue (and memory) growing with the backlog (G15).
 func (l *loop) mayRead() bool {
-	return l.waitingForRoom == nil && !l.stopping && l.settle.unsettled() < l.r.cfg.MaxUnsettled &&
+	return l.waitingForRoom == nil && !l.stop.draining() && l.settle.unsettled() < l.r.cfg.MaxUnsettled &&
 		(l.order == nil || l.order.parked < l.r.cfg.MaxInFlight) && (l.atomic == nil || l.atomic.waiting == nil)
 }
 
@@ -475,9 +370,9 @@ func (l *loop) handleResults(ctx context.Context, its []*item) error {
 // the candidate's position (watermark.go), and the candidate is recorded.
 func (l *loop) finish(ctx context.Context, confirms chan replication.LSN, streamDone <-chan error) error {
 	final := l.cp.Confirmed()
-	reached := l.stopReached && l.cp.Open() == 0
+	reached := l.stop.reached && l.cp.Open() == 0
 	if reached && !l.pastStop(final) {
-		final = replication.LSN(l.stopCand.LSN)
+		final = replication.LSN(l.stop.cand.LSN)
 	}
 	record := reached && l.cover.owes()
 	l.pos.confirmed(final, l.cp)
@@ -496,7 +391,7 @@ func (l *loop) finish(ctx context.Context, confirms chan replication.LSN, stream
 	switch {
 	case record:
 		l.recordAtStop(ctx, max(time.Second, l.r.cfg.DrainTimeout/stopReachShare))
-	case l.cover != nil && l.cover.owes() && l.stopReached:
+	case l.cover != nil && l.cover.owes() && l.stop.reached:
 		// Reached, but a transaction was left open or unsettled (the
 		// drain timed out, or one past the candidate came through first).
 		l.r.log.Warn().Msg("stopped; no watermark recorded at the stop (a transaction before its candidate was not settled in time): the rows acked since the last recorded watermark count as in flight, and would be handed over again after a slot loss")
@@ -558,7 +453,8 @@ func (l *loop) handleEvent(ctx context.Context, ev replication.Event, confirms c
 	return nil
 }
 
-// handleRow takes a ready row, and the bytes it holds in the budget.
+// handleRow takes a ready row, and the bytes it holds in the budget, and
+// does what admit decided.
 func (l *loop) handleRow(ctx context.Context, row *replication.Row, held int) error {
 	// A row inserted in another state belongs to the poller.
 	if row.State != store.StateReady {
@@ -571,67 +467,20 @@ func (l *loop) handleRow(ctx context.Context, row *replication.Row, held int) er
 	if l.order != nil && row.Aggregate != nil {
 		it.ordered, it.agg = true, store.AggregateKey{Type: row.Aggregate.Type, ID: row.Aggregate.ID}
 	}
-	if _, ok := l.pollerOwns[row.WorkID]; ok {
-		it.settle.Outcome = store.Delayed
-		l.r.metrics.Handoffs.WithLabelValues("lost").Inc()
+	switch a, why := l.admit(ctx, it, row); a {
+	case toPoller:
+		l.r.metrics.Handoffs.WithLabelValues(why).Inc()
 		l.handOff(it)
-		return nil
-	}
-	// A deadline is decided on the database clock (measured, not
-	// assumed; the poller decides in SQL): near or past it, the row is not
-	// this path's to publish (G13). Counted as a
-	// hand-off only: the poller's sweep counts the row in expired_total
-	// when it ends expired, and a row is counted there once.
-	if !row.ExpiresAt.IsZero() && !row.ExpiresAt.After(l.r.deadlineNow().Add(l.r.cfg.DeadlineMargin)) {
-		it.settle.Outcome = store.Delayed
-		l.r.metrics.Handoffs.WithLabelValues("deadline").Inc()
-		l.handOff(it)
-		return nil
-	}
-	// Decided from the commit time in the WAL, never the relay's clock, so
-	// a replay decides the same way.
-	if row.AvailableAt.After(l.curCommitTime) {
-		it.settle.Outcome = store.Delayed
-		l.r.metrics.Handoffs.WithLabelValues("delayed").Inc()
-		l.handOff(it)
-		return nil
-	}
-	turn := l.admit(ctx, it)
-	if turn == heldBack {
-		return nil
-	}
-	var aggSeq int64
-	var aggType, aggID string
-	if row.Aggregate != nil {
-		aggType, aggID, aggSeq = row.Aggregate.Type, row.Aggregate.ID, row.Aggregate.Seq
-	}
-	if l.curHeaders == nil {
-		l.curHeaders = cdcSharedHeaders(l.curCommitLSN, l.curCommitTime)
-	}
-	msg, err := l.r.cfg.Format.Build(wire.Row{
-		WorkID: row.WorkID, Kind: row.Kind, Subject: row.Subject, Payload: row.Payload, Headers: row.Headers,
-		AggregateType: aggType, AggregateID: aggID, AggregateSeq: aggSeq, ExpiresAt: row.ExpiresAt,
-		CreatedAt: row.CreatedAt, Binary: row.Binary,
-	}, l.curHeaders)
-	if err != nil {
-		re, _ := wire.IsRejected(err)
-		l.reject(it, re)
-		return nil
-	}
-	it.msg = msg
-	it.size = msg.Size()
-	if turn == waitTurn {
+	case parked:
 		l.order.park(it)
-		return nil
-	}
-	if l.atomic != nil {
+	case batched:
 		return l.atomic.add(ctx, l, it)
-	}
-	if !l.hasRoom(it.size) {
+	case waits:
 		l.waitingForRoom = it
-		return nil
+	case send:
+		return l.publish(ctx, it)
 	}
-	return l.publish(ctx, it)
+	return nil
 }
 
 func (l *loop) publish(ctx context.Context, it *item) error {

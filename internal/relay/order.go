@@ -37,7 +37,7 @@ import (
 // waits.
 
 // The CDC loop calls the rules at three points, and nowhere else decides
-// anything about order: admit, when a ready row arrives (publish it, park
+// anything about order: orderTurn, when a ready row arrives (from admit) (publish it, park
 // it behind its aggregate's row in flight, or hand it to the poller as
 // held); acked, when the broker stored a row (the next row of its
 // aggregate, if one waits); refused, when a row goes to the poller
@@ -45,21 +45,21 @@ import (
 // held set's bookkeeping: handedOff and settled. Without --ordering
 // aggregate the loop's orderState is nil and every call does nothing.
 
-// turn is admit's answer for a row.
+// turn is orderTurn's answer for a row.
 type turn int
 
 const (
 	sendNow  turn = iota // publish it (as room allows)
 	waitTurn             // park it: its aggregate's row in flight is not acked yet
-	heldBack             // handed to the poller: its aggregate is held
+	heldBack             // to the poller (settle set): its aggregate is held
 )
 
-// admit decides a new ready row's turn. A row of a held aggregate goes to
+// orderTurn decides a new ready row's turn. A row of a held aggregate goes to
 // the poller (unless the poller has caught up with the aggregate); one
 // whose aggregate has a row in flight waits for that row's ack: publishing
 // now could store it first if the broker refuses that one. A row sent now
 // becomes its aggregate's row in flight.
-func (l *loop) admit(ctx context.Context, it *item) turn {
+func (l *loop) orderTurn(ctx context.Context, it *item) turn {
 	if !it.ordered {
 		return sendNow
 	}
@@ -67,8 +67,6 @@ func (l *loop) admit(ctx context.Context, it *item) turn {
 	if blocker, held := o.heldBy(it.agg); held && !l.caughtUp(ctx, it.agg) {
 		it.settle.Outcome = store.Held
 		it.settle.Error = store.ClassHeld.Note("waiting for " + blocker + " (an earlier row of aggregate " + it.agg.String() + ")")
-		l.r.metrics.Handoffs.WithLabelValues("held").Inc()
-		l.handOff(it)
 		return heldBack
 	}
 	if o.busy(it.agg) {
@@ -82,7 +80,7 @@ func (l *loop) admit(ctx context.Context, it *item) turn {
 // now its aggregate's row in flight; nil if none waits (or the session is
 // stopping: the rest goes to the next session).
 func (l *loop) acked(it *item) *item {
-	if !it.ordered || l.stopping {
+	if !it.ordered || l.stop.draining() {
 		return nil
 	}
 	return l.order.next(it)

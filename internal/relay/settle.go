@@ -34,9 +34,11 @@ type settleBatcher struct {
 	retry        []*item   // settled too early (not visible yet), each due at its retryAt
 	settling     bool      // a statement is out
 
-	timer      *time.Timer // the oldest pending row's delay
-	armed      bool
-	retryTimer *time.Timer // the next retry's retryAt
+	// timer wakes the loop at timerAt (zero: stopped), the earlier of the
+	// oldest pending row's backstop and the next retry's retryAt; the loop
+	// calls woke.
+	timer   *time.Timer
+	timerAt time.Time
 
 	req  chan []*item
 	resp chan settleResult
@@ -56,11 +58,10 @@ func newSettleBatcher(r *Relay) *settleBatcher {
 	b := &settleBatcher{
 		store: r.store, size: r.cfg.SettleBatch, delay: r.cfg.SettleDelay,
 		retries: r.metrics.SettleRetries, log: r.log,
-		timer: time.NewTimer(time.Hour), retryTimer: time.NewTimer(time.Hour),
-		req: make(chan []*item), resp: make(chan settleResult, 1),
+		timer: time.NewTimer(time.Hour),
+		req:   make(chan []*item), resp: make(chan settleResult, 1),
 	}
 	b.timer.Stop()
-	b.retryTimer.Stop()
 	return b
 }
 
@@ -89,20 +90,16 @@ func (b *settleBatcher) due(stopping bool) {
 	}
 	if !stopping && len(b.pending) < b.size {
 		if wait := b.delay - time.Since(b.pendingSince); wait > 0 {
-			if !b.armed {
-				b.timer.Reset(wait + (settleBackstop-1)*b.delay)
-				b.armed = true
-			}
+			b.wakeBy(b.pendingSince.Add(settleBackstop * b.delay))
 			return
 		}
 	}
 	b.pendingSince = time.Time{}
-	if b.armed {
-		// Set for rows this statement takes: left running, it would wake
-		// the loop for nothing.
-		b.timer.Stop()
-		b.armed = false
-	}
+	// Set for rows this statement takes: left running, it would wake the
+	// loop for nothing.
+	b.timer.Stop()
+	b.timerAt = time.Time{}
+	b.armRetry()
 	n := min(len(b.pending), b.size)
 	batch := make([]*item, n)
 	copy(batch, b.pending)
@@ -114,16 +111,22 @@ func (b *settleBatcher) due(stopping bool) {
 // results delivers the statements' answers, for take.
 func (b *settleBatcher) results() <-chan settleResult { return b.resp }
 
-// timerC fires when a partial batch has waited its backstop; the loop calls
-// timerFired, and due at its next step.
-func (b *settleBatcher) timerC() <-chan time.Time { return b.timer.C }
-func (b *settleBatcher) timerFired()              { b.armed = false }
+// wake fires when a partial batch has waited its backstop or a row is due
+// to be tried again; the loop calls woke, and due at its next step.
+func (b *settleBatcher) wake() <-chan time.Time { return b.timer.C }
 
-// retryC fires when a row is due to be tried again; the loop calls
-// retryFired.
-func (b *settleBatcher) retryC() <-chan time.Time { return b.retryTimer.C }
+// wakeBy sets the timer for t unless it is set for earlier.
+func (b *settleBatcher) wakeBy(t time.Time) {
+	if b.timerAt.IsZero() || t.Before(b.timerAt) {
+		b.timer.Reset(time.Until(t))
+		b.timerAt = t
+	}
+}
 
-func (b *settleBatcher) retryFired() {
+// woke queues the rows due to be tried again, and sets the timer for the
+// next; due sets it for a partial batch's backstop.
+func (b *settleBatcher) woke() {
+	b.timerAt = time.Time{}
 	now := time.Now()
 	keep := b.retry[:0]
 	for _, it := range b.retry {
@@ -179,7 +182,7 @@ func (b *settleBatcher) armRetry() {
 			next = it.retryAt
 		}
 	}
-	b.retryTimer.Reset(time.Until(next))
+	b.wakeBy(next)
 }
 
 // run is the background statement: it settles each batch it is sent and

@@ -319,7 +319,7 @@ func (l *loop) takeStopCandidate(ctx context.Context) (store.WatermarkCandidate,
 // status update's confirmation past it, within wait.
 func (l *loop) recordAtStop(ctx context.Context, wait time.Duration) {
 	r := l.r
-	c := l.stopCand
+	c := l.stop.cand
 	ctx, cancel := context.WithTimeout(ctx, wait)
 	defer cancel()
 	for {
