@@ -206,7 +206,7 @@ func TestWatermarkCoversWhatTheLastSessionAcked(t *testing.T) {
 		err := h.pool.QueryRow(ctx, `SELECT confirmed_flush_lsn >= $1::pg_lsn, coalesce(active_pid, 0) FROM pg_replication_slots WHERE slot_name = $2`,
 			end, h.opts.Slot).Scan(&past, &pid)
 		var c string
-		h.pool.QueryRow(ctx, `SELECT confirmed_flush_lsn::text FROM pg_replication_slots`).Scan(&c)
+		h.pool.QueryRow(ctx, `SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1`, h.opts.Slot).Scan(&c)
 		return err == nil && past && h.streamCount() == uint64(len(ids)), fmt.Errorf("confirmed %s past %s: %v; stream holds %d (%v)", c, end, past, h.streamCount(), err)
 	})
 	if n := h.countState("published"); n != 0 {
