@@ -10,7 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/table"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -27,12 +27,12 @@ func newDB(t testing.TB, tbl table.Table) (*pgxpool.Pool, *queryCounter) {
 // newDBURL is newDB that also returns the database's URL.
 func newDBURL(t testing.TB, tbl table.Table) (*pgxpool.Pool, *queryCounter, string) {
 	t.Helper()
-	return newDBWith(t, tbl, store.MigrateOptions{})
+	return newDBWith(t, tbl, schema.MigrateOptions{})
 }
 
 // newDBWith is newDBURL with migrate's options (--payload-type,
 // --partition-interval).
-func newDBWith(t testing.TB, tbl table.Table, opts store.MigrateOptions) (*pgxpool.Pool, *queryCounter, string) {
+func newDBWith(t testing.TB, tbl table.Table, opts schema.MigrateOptions) (*pgxpool.Pool, *queryCounter, string) {
 	t.Helper()
 	if tbl == (table.Table{}) {
 		tbl = table.Table{Schema: "public", Name: "outbox"}
@@ -45,7 +45,7 @@ func newDBWith(t testing.TB, tbl table.Table, opts store.MigrateOptions) (*pgxpo
 		t.Fatalf("connect: %v", err)
 	}
 	defer conn.Close(context.Background())
-	if _, err := store.MigrateWith(ctx, conn, tbl, opts); err != nil {
+	if _, err := schema.MigrateWith(ctx, conn, tbl, opts); err != nil {
 		t.Fatalf("migrate %+v: %v", opts, err)
 	}
 	cfg, err := pgxpool.ParseConfig(url)
@@ -102,7 +102,7 @@ func exampleDatabase() string {
 		panic(err)
 	}
 	defer conn.Close(ctx)
-	if _, err := store.Migrate(ctx, conn, table.Table{Schema: "public", Name: "outbox"}); err != nil {
+	if _, err := schema.Migrate(ctx, conn, table.Table{Schema: "public", Name: "outbox"}); err != nil {
 		panic(err)
 	}
 	if _, err := conn.Exec(ctx, `CREATE TABLE orders (id bigint PRIMARY KEY, total numeric NOT NULL)`); err != nil {

@@ -13,7 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/table"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/outbox"
@@ -121,8 +121,8 @@ func TestGiveBackSeqOnlyByTheTaker(t *testing.T) {
 	owner, _, url := newDBURL(t, tbl)
 	ctx := context.Background()
 	suffix := fmt.Sprintf("_%d_%d", os.Getpid(), time.Now().UnixNano()%1e9)
-	roles := store.Roles{Relay: "gb_relay" + suffix, Producer: "gb_producer" + suffix, Operator: "gb_operator" + suffix}
-	grants, err := store.Grants(tbl, roles)
+	roles := schema.Roles{Relay: "gb_relay" + suffix, Producer: "gb_producer" + suffix, Operator: "gb_operator" + suffix}
+	grants, err := schema.Grants(tbl, roles)
 	if err != nil {
 		t.Fatal(err)
 	}

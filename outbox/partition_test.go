@@ -12,7 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/table"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/outbox"
@@ -30,7 +30,7 @@ func newPartitionedDB(t *testing.T) (*pgxpool.Pool, string) {
 		t.Fatal(err)
 	}
 	defer conn.Close(ctx)
-	if _, err := store.MigrateWith(ctx, conn, table.Table{Schema: "public", Name: "outbox"}, store.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
+	if _, err := schema.MigrateWith(ctx, conn, table.Table{Schema: "public", Name: "outbox"}, schema.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
 		t.Fatalf("migrate --partition-interval 1h: %v", err)
 	}
 	start := time.Now().UTC().Add(-3 * time.Hour).Truncate(time.Hour)

@@ -15,7 +15,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/table"
 	"github.com/outbox-relay/outbox-relay/outbox"
 )
@@ -113,7 +113,7 @@ func TestPayloadTypes(t *testing.T) {
 }
 
 func testPayloadType(t *testing.T, c payloadCase, part time.Duration) {
-	pool, qc, _ := newDBWith(t, table.Table{}, store.MigrateOptions{PayloadType: c.ptype, PartitionInterval: part})
+	pool, qc, _ := newDBWith(t, table.Table{}, schema.MigrateOptions{PayloadType: c.ptype, PartitionInterval: part})
 	ctx := context.Background()
 	p, err := outbox.New()
 	if err != nil {
@@ -232,7 +232,7 @@ func TestPayloadTypeDecidesWhatIsValid(t *testing.T) {
 	for _, ptype := range []string{"jsonb", "json", "bytea"} {
 		t.Run(ptype, func(t *testing.T) {
 			t.Parallel()
-			pool, qc, _ := newDBWith(t, table.Table{}, store.MigrateOptions{PayloadType: ptype})
+			pool, qc, _ := newDBWith(t, table.Table{}, schema.MigrateOptions{PayloadType: ptype})
 			ctx := context.Background()
 			msgs := []outbox.Message{
 				{WorkID: "bad-json", Kind: "k", Payload: []byte(`{"a":`)},

@@ -2,7 +2,7 @@
 // into the binary. The files are text/template sources: identifiers that come
 // from configuration (the outbox table's schema and name) are substituted
 // already quoted, so a table named "Order Events" or a schema with a dash
-// works and cannot inject SQL. They are applied by internal/store.Migrate.
+// works and cannot inject SQL. They are applied by internal/schema.Migrate.
 package sql
 
 import "embed"

@@ -11,6 +11,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/inbox"
 	"github.com/outbox-relay/outbox-relay/internal/app"
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/termsafe"
 	"github.com/outbox-relay/outbox-relay/replication"
@@ -20,7 +21,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	var c common
 	var inboxTable string
 	var printGrants bool
-	var roles store.Roles
+	var roles schema.Roles
 	fs := newFlagSet("migrate", "Creates or upgrades the outbox table and its indexes (versioned, idempotent, safe to run concurrently and beside producers: indexes are built concurrently, and no lock their INSERTs queue behind is waited for longer than --lock-timeout) and the insert-only publication. Run it as the table's owner: any other role, a superuser included, is refused (docs/security.md, \"migrate runs as the table's owner\").\n"+
 		"With --inbox, creates a consumer's inbox tables (package inbox) instead, usually in the consumer's own database.", stderr)
 	var recordSettings bool
@@ -29,7 +30,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	c.register(fs, flagDatabaseURL, flagTable, flagPublication, flagOnPublish)
 	fs.BoolVar(&recordSettings, "record-settings", false, "record --ordering and --on-publish as the table's settings, which every `run` of it must use (stop every instance first: docs/upgrading.md, \"Changing --ordering or --on-publish\"); without it, migrate prints the recorded ones")
 	fs.StringVar(&ordering, "ordering", app.OrderingNone, "with --record-settings: the table's --ordering, none or aggregate")
-	fs.DurationVar(&lockTimeout, "lock-timeout", store.DefaultLockTimeout, "longest wait for a lock that producers' INSERTs queue behind (PostgreSQL lock_timeout); past it migrate gives up, names the session holding the table, and a rerun resumes (docs/upgrading.md, \"Migrating a large table\")")
+	fs.DurationVar(&lockTimeout, "lock-timeout", schema.DefaultLockTimeout, "longest wait for a lock that producers' INSERTs queue behind (PostgreSQL lock_timeout); past it migrate gives up, names the session holding the table, and a rerun resumes (docs/upgrading.md, \"Migrating a large table\")")
 	var partitionInterval, payloadType string
 	fs.StringVar(&payloadType, "payload-type", "", "create a NEW table whose payload column is jsonb (the default: PostgreSQL normalises key order and spacing), json (the producer's JSON text, published byte for byte) or bytea (any bytes, e.g. Protobuf or Avro, published byte for byte); on an existing table it must name the column's type (docs/message-formats.md, \"Payload types\")")
 	fs.StringVar(&partitionInterval, "partition-interval", "", "create a NEW table partitioned by created_at in ranges of this interval (1h, 1d, Nd, or a Go duration of at least 5m in whole minutes); prune then drops whole partitions. Refused on an existing plain table (docs/partitions.md, \"Converting a plain table to a partitioned one\")")
@@ -52,7 +53,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		if err != nil {
 			return err
 		}
-		sql, err := store.Grants(t, roles)
+		sql, err := schema.Grants(t, roles)
 		if err != nil {
 			return err
 		}
@@ -67,13 +68,13 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return err
 	}
 	if payloadType != "" {
-		if err := store.ValidatePayloadType(payloadType); err != nil {
+		if err := schema.ValidatePayloadType(payloadType); err != nil {
 			return err
 		}
 	}
 	var interval time.Duration
 	if partitionInterval != "" {
-		if interval, err = store.ParsePartitionInterval(partitionInterval); err != nil {
+		if interval, err = schema.ParsePartitionInterval(partitionInterval); err != nil {
 			return err
 		}
 	}
@@ -85,7 +86,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return err
 	}
 	defer conn.Close(context.Background())
-	applied, err := store.MigrateWith(ctx, conn, t, store.MigrateOptions{
+	applied, err := schema.MigrateWith(ctx, conn, t, schema.MigrateOptions{
 		LockTimeout:       lockTimeout,
 		Progress:          func(msg string) { fmt.Fprintf(stdout, "%s: %s\n", t.Qualified(), msg) },
 		PartitionInterval: interval,
@@ -103,7 +104,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if len(applied) == 0 {
 		fmt.Fprintf(stdout, "%s is up to date\n", t.Qualified())
 	}
-	layout, err := store.ReadLayout(ctx, conn, t)
+	layout, err := schema.ReadLayout(ctx, conn, t)
 	if err != nil {
 		return err
 	}
@@ -113,7 +114,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 			return err
 		}
 		fmt.Fprintf(stdout, "%s is partitioned by created_at every %s, %d intervals created ahead%s\n",
-			t.Qualified(), layout.PartitionInterval, store.PartitionsAhead(layout.PartitionInterval), made.Describe())
+			t.Qualified(), layout.PartitionInterval, schema.PartitionsAhead(layout.PartitionInterval), made.Describe())
 	}
 	pub, err := replication.EnsurePublication(ctx, conn, c.publication, t.Schema, t.Name)
 	if err != nil {

@@ -6,6 +6,7 @@ import (
 	"io"
 	"time"
 
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 )
 
@@ -25,7 +26,7 @@ and names the partitions it kept and why. Run it there as the table's owner.
 	batch := fs.Int("batch", 1000, "rows per DELETE statement (each its own transaction)")
 	includeCancelled := fs.Bool("include-cancelled", false, "also delete cancelled rows, by when they were cancelled (redriven_at, else created_at), and expired rows, by their deadline")
 	dryRun := fs.Bool("dry-run", false, "count what would be deleted, delete nothing")
-	lockTimeout := fs.Duration("lock-timeout", store.DefaultLockTimeout, "partitioned table: longest wait for the table's lock to detach a partition (producers' INSERTs queue behind the wait); a partition not detached in time is kept for the next prune")
+	lockTimeout := fs.Duration("lock-timeout", schema.DefaultLockTimeout, "partitioned table: longest wait for the table's lock to detach a partition (producers' INSERTs queue behind the wait); a partition not detached in time is kept for the next prune")
 	if err := parse(fs, args); err != nil {
 		return err
 	}

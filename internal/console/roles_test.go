@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outbox-relay/outbox-relay/internal/console"
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 )
 
@@ -31,8 +32,8 @@ func TestHistoryAsRelayRole(t *testing.T) {
 	}
 	suffix := strings.ToLower(strings.ReplaceAll(t.Name(), "/", "_")) + "_" + time.Now().Format("150405.000")
 	suffix = strings.ReplaceAll(suffix, ".", "")
-	roles := store.Roles{Relay: "relay_" + suffix, Producer: "producer_" + suffix, Operator: "operator_" + suffix}
-	grants, err := store.Grants(f.Table, roles)
+	roles := schema.Roles{Relay: "relay_" + suffix, Producer: "producer_" + suffix, Operator: "operator_" + suffix}
+	grants, err := schema.Grants(f.Table, roles)
 	if err != nil {
 		t.Fatal(err)
 	}

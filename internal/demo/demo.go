@@ -27,6 +27,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/app"
 	"github.com/outbox-relay/outbox-relay/internal/devenv"
 	"github.com/outbox-relay/outbox-relay/internal/relay"
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/wire"
 	"github.com/outbox-relay/outbox-relay/outbox"
@@ -98,7 +99,7 @@ func Run(ctx context.Context, o Options, stdout io.Writer, log zerolog.Logger) e
 		return err
 	}
 	defer conn.Close(context.Background())
-	if _, err := store.Migrate(ctx, conn, d.o.Table); err != nil {
+	if _, err := schema.Migrate(ctx, conn, d.o.Table); err != nil {
 		return fmt.Errorf("migrate %s: %w", d.o.Table.Qualified(), err)
 	}
 	d.printf("migrated %s\n", d.o.Table.Qualified())

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outbox-relay/outbox-relay/internal/enqueue"
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -41,13 +42,13 @@ func TestEnqueueLayoutOf(t *testing.T) {
 	if l, err := enqueue.LayoutOf(ctx, pool, missing); err != nil || l != (enqueue.Layout{PayloadType: "jsonb"}) {
 		t.Errorf("missing table: %+v, %v", l, err)
 	}
-	for _, ptype := range store.PayloadTypes {
+	for _, ptype := range schema.PayloadTypes {
 		for _, part := range []time.Duration{0, time.Hour} {
 			tbl, err := store.ParseTable(fmt.Sprintf(`Sales-Ops.Out "%s" %v`, ptype, part > 0))
 			if err != nil {
 				t.Fatal(err)
 			}
-			if _, err := store.MigrateWith(ctx, conn, tbl, store.MigrateOptions{PayloadType: ptype, PartitionInterval: part}); err != nil {
+			if _, err := schema.MigrateWith(ctx, conn, tbl, schema.MigrateOptions{PayloadType: ptype, PartitionInterval: part}); err != nil {
 				t.Fatalf("migrate %s: %v", tbl.Qualified(), err)
 			}
 			want := enqueue.Layout{Partitioned: part > 0, PayloadType: ptype}
@@ -56,7 +57,7 @@ func TestEnqueueLayoutOf(t *testing.T) {
 			}
 		}
 	}
-	if _, err := store.MigrateWith(ctx, conn, missing, store.MigrateOptions{PayloadType: "bytea"}); err != nil {
+	if _, err := schema.MigrateWith(ctx, conn, missing, schema.MigrateOptions{PayloadType: "bytea"}); err != nil {
 		t.Fatal(err)
 	}
 	if l, err := enqueue.LayoutOf(ctx, pool, missing); err != nil || l != (enqueue.Layout{PayloadType: "bytea"}) {
@@ -76,7 +77,7 @@ func TestEnqueueBytesNeverThroughText(t *testing.T) {
 			t.Parallel()
 			url := testenv.Shared(t).PG.CreateDatabase(t)
 			tbl := store.Table{Schema: "public", Name: "outbox"}
-			if _, err := store.MigrateWith(context.Background(), connect(t, url), tbl, store.MigrateOptions{PayloadType: "bytea", PartitionInterval: part}); err != nil {
+			if _, err := schema.MigrateWith(context.Background(), connect(t, url), tbl, schema.MigrateOptions{PayloadType: "bytea", PartitionInterval: part}); err != nil {
 				t.Fatal(err)
 			}
 			pool := newPool(t, url)

@@ -17,6 +17,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
 	"github.com/outbox-relay/outbox-relay/internal/poller"
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/internal/wire"
@@ -60,7 +61,7 @@ func newFixtureOn(t testing.TB, dbURL string) *fixture {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := store.Migrate(ctx, conn.Conn(), table); err != nil {
+	if _, err := schema.Migrate(ctx, conn.Conn(), table); err != nil {
 		t.Fatal(err)
 	}
 	conn.Release()

@@ -19,6 +19,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/app"
 	"github.com/outbox-relay/outbox-relay/internal/relay"
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -79,7 +80,7 @@ func newHarness(t testing.TB, s setup) *harness {
 		t.Fatalf("connect: %v", err)
 	}
 	defer conn.Close(ctx)
-	if _, err := store.Migrate(ctx, conn, h.opts.Table); err != nil {
+	if _, err := schema.Migrate(ctx, conn, h.opts.Table); err != nil {
 		t.Fatalf("migrate: %v", err)
 	}
 	h.pool, err = pgxpool.New(ctx, s.dbURL)

@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -27,7 +28,7 @@ func TestPartitionedTableStreams(t *testing.T) {
 	}
 	defer conn.Close(ctx)
 	tbl := store.Table{Schema: "public", Name: "outbox"}
-	if _, err := store.MigrateWith(ctx, conn, tbl, store.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
+	if _, err := schema.MigrateWith(ctx, conn, tbl, schema.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
 		t.Fatalf("migrate --partition-interval 1h: %v", err)
 	}
 	// The furthest partition ahead is gone: the relay's keeper (started by
@@ -105,7 +106,7 @@ func TestPruneRacingSettle(t *testing.T) {
 	}
 	defer conn.Close(ctx)
 	tbl := store.Table{Schema: "public", Name: "outbox"}
-	if _, err := store.MigrateWith(ctx, conn, tbl, store.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
+	if _, err := schema.MigrateWith(ctx, conn, tbl, schema.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
 		t.Fatal(err)
 	}
 	base := time.Now().UTC().Truncate(time.Hour).Add(-5 * time.Hour)

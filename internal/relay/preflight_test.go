@@ -10,6 +10,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/internal/app"
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -113,7 +114,7 @@ func TestPreflightErrors(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer conn.Close(context.Background())
-		if _, err := store.Migrate(context.Background(), conn, other); err != nil {
+		if _, err := schema.Migrate(context.Background(), conn, other); err != nil {
 			t.Fatal(err)
 		}
 		b := h.opts

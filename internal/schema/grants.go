@@ -1,4 +1,4 @@
-package store
+package schema
 
 import (
 	"bytes"
@@ -24,12 +24,12 @@ type grantsData struct {
 func (d grantsData) Relay() string       { return pgx.Identifier{d.r.Relay}.Sanitize() }
 func (d grantsData) Producer() string    { return pgx.Identifier{d.r.Producer}.Sanitize() }
 func (d grantsData) Operator() string    { return pgx.Identifier{d.r.Operator}.Sanitize() }
-func (d grantsData) RelayLit() string    { return literal(d.r.Relay) }
-func (d grantsData) ProducerLit() string { return literal(d.r.Producer) }
-func (d grantsData) OperatorLit() string { return literal(d.r.Operator) }
+func (d grantsData) RelayLit() string    { return Literal(d.r.Relay) }
+func (d grantsData) ProducerLit() string { return Literal(d.r.Producer) }
+func (d grantsData) OperatorLit() string { return Literal(d.r.Operator) }
 
-// literal quotes s as an SQL string literal (standard_conforming_strings).
-func literal(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
+// Literal quotes s as an SQL string literal (standard_conforming_strings).
+func Literal(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
 
 // Grants renders sql/roles.sql for table t: CREATE ROLE (when missing) and
 // the grants each role needs, every identifier quoted.

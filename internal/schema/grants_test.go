@@ -1,9 +1,10 @@
-package store_test
+package schema_test
 
 import (
 	"context"
 	"testing"
 
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -27,10 +28,10 @@ func TestGrantsGiveReplicationTheServersWay(t *testing.T) {
 			}
 		}
 		tbl := store.Table{Schema: "public", Name: "outbox"}
-		if _, err := store.Migrate(ctx, conn, tbl); err != nil {
+		if _, err := schema.Migrate(ctx, conn, tbl); err != nil {
 			t.Fatal(err)
 		}
-		script, err := store.Grants(tbl, store.Roles{Relay: "g_relay", Producer: "g_producer", Operator: "g_operator"})
+		script, err := schema.Grants(tbl, schema.Roles{Relay: "g_relay", Producer: "g_producer", Operator: "g_operator"})
 		if err != nil {
 			t.Fatal(err)
 		}

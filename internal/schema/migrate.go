@@ -1,4 +1,10 @@
-package store
+// Package schema makes and reads the outbox table's schema: the migrations
+// (rendered from sql/migrations with every identifier quoted, applied under
+// an advisory lock, CONCURRENTLY where the table is live), the layout a
+// table has (partitioned, payload type), who owns it, and the grants of the
+// roles (sql/roles.sql). The store and the migrate command use it; the
+// statements on the rows are internal/store's.
+package schema
 
 import (
 	"bytes"
@@ -274,10 +280,10 @@ type templateData struct {
 }
 
 func (d templateData) Table() string                     { return d.t.String() }
-func (d templateData) SchemaLit() string                 { return literal(d.t.Schema) }
-func (d templateData) NameLit() string                   { return literal(d.t.Name) }
-func (d templateData) CompanionLit(suffix string) string { return literal(d.t.Derived(suffix, true)) }
-func (d templateData) QualifiedLit() string              { return literal(d.t.Qualified()) }
+func (d templateData) SchemaLit() string                 { return Literal(d.t.Schema) }
+func (d templateData) NameLit() string                   { return Literal(d.t.Name) }
+func (d templateData) CompanionLit(suffix string) string { return Literal(d.t.Derived(suffix, true)) }
+func (d templateData) QualifiedLit() string              { return Literal(d.t.Qualified()) }
 func (d templateData) Partitioned() bool                 { return d.layout.Partitioned() }
 func (d templateData) IntervalSeconds() int64            { return int64(d.layout.PartitionInterval / time.Second) }
 func (d templateData) PayloadType() string               { return d.layout.payloadType() }

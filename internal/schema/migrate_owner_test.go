@@ -1,9 +1,8 @@
-package store_test
+package schema_test
 
 import (
 	"context"
 	"errors"
-	"net/url"
 	"strings"
 	"testing"
 	"time"
@@ -11,41 +10,16 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
-
-// ownerRole creates a LOGIN role that may create tables in the database of
-// dbURL (CREATE on it and on schema public, as PostgreSQL 15 no longer
-// grants by default), and returns a connection as it. Roles are
-// cluster-wide: each is dropped when the test ends.
-func ownerRole(t *testing.T, super *pgx.Conn, dbURL, role string) *pgx.Conn {
-	t.Helper()
-	ctx := context.Background()
-	id := pgx.Identifier{role}.Sanitize()
-	var db string
-	if err := super.QueryRow(ctx, `SELECT current_database()`).Scan(&db); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := super.Exec(ctx, `CREATE ROLE `+id+` LOGIN; GRANT CREATE ON DATABASE `+pgx.Identifier{db}.Sanitize()+` TO `+id+`; GRANT CREATE ON SCHEMA public TO `+id); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_, _ = super.Exec(context.Background(), `DROP OWNED BY `+id+`; DROP ROLE IF EXISTS `+id)
-	})
-	u, err := url.Parse(dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	u.User = url.User(role)
-	return connect(t, u.String())
-}
 
 // createBareTable creates tbl as 0001 does, without its index, on conn: a
 // table made by hand (or by an earlier tool) that migrate then adopts.
 func createBareTable(t *testing.T, conn *pgx.Conn, tbl store.Table) {
 	t.Helper()
-	all, err := store.Migrations(tbl)
+	all, err := schema.Migrations(tbl)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -130,18 +104,18 @@ func TestMigrateBySuperuserOfAnotherOwnersTable(t *testing.T) {
 	dbURL := testenv.Shared(t).PG.CreateDatabase(t)
 	super := connect(t, dbURL)
 	const role = "mig_owner_super_case"
-	owner := ownerRole(t, super, dbURL, role)
+	owner := testenv.OwnerRole(t, super, dbURL, role)
 	tbl := store.Table{Schema: "public", Name: "outbox"}
 	createBareTable(t, owner, tbl)
 
-	_, err := store.Migrate(ctx, super, tbl)
+	_, err := schema.Migrate(ctx, super, tbl)
 	if err == nil {
 		t.Errorf("a superuser's migrate of a table %s owns succeeded; want it refused", role)
 	} else {
 		if msg := err.Error(); !strings.Contains(msg, `Run migrate as "`+role+`"`) {
 			t.Errorf("refusal %q: want it to name the owner %q and say to run migrate as it", msg, role)
 		}
-		if _, err := store.Migrate(ctx, owner, tbl); err != nil {
+		if _, err := schema.Migrate(ctx, owner, tbl); err != nil {
 			t.Fatalf("migrate as the owner: %v", err)
 		}
 	}
@@ -177,8 +151,8 @@ func TestMigrateGivesSuperuserFunctionsToTheOwner(t *testing.T) {
 
 func giveSuperusersCompanions(t *testing.T, super *pgx.Conn, dbURL, role string, tbl store.Table, interval time.Duration) {
 	ctx := context.Background()
-	owner := ownerRole(t, super, dbURL, role)
-	if _, err := store.MigrateWith(ctx, super, tbl, store.MigrateOptions{PartitionInterval: interval}); err != nil {
+	owner := testenv.OwnerRole(t, super, dbURL, role)
+	if _, err := schema.MigrateWith(ctx, super, tbl, schema.MigrateOptions{PartitionInterval: interval}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := super.Exec(ctx, `ALTER TABLE `+tbl.String()+` OWNER TO `+role); err != nil {
@@ -191,7 +165,7 @@ func giveSuperusersCompanions(t *testing.T, super *pgx.Conn, dbURL, role string,
 	}
 
 	var progress []string
-	_, err := store.MigrateWith(ctx, super, tbl, store.MigrateOptions{Progress: func(m string) { progress = append(progress, m) }})
+	_, err := schema.MigrateWith(ctx, super, tbl, schema.MigrateOptions{Progress: func(m string) { progress = append(progress, m) }})
 	t.Logf("superuser's migrate: %v; progress %q", err, progress)
 	if got := foreignOwned(t, super, tbl); len(got) > 0 {
 		t.Errorf("after a superuser's migrate, companions not owned by the table's owner %s: %v", role, got)
@@ -199,7 +173,7 @@ func giveSuperusersCompanions(t *testing.T, super *pgx.Conn, dbURL, role string,
 	if err == nil || !strings.Contains(err.Error(), `Run migrate as "`+role+`"`) {
 		t.Errorf("superuser's migrate of %s's table: %v, want it to say to run migrate as the owner", role, err)
 	}
-	if applied, err := store.Migrate(ctx, owner, tbl); err != nil || len(applied) != 0 {
+	if applied, err := schema.Migrate(ctx, owner, tbl); err != nil || len(applied) != 0 {
 		t.Errorf("the owner's migrate: applied %d, %v; want up to date", len(applied), err)
 	}
 	err = escalate(t, owner, tbl, role)
@@ -231,19 +205,19 @@ func TestMigrateTwoOwnersOneDatabase(t *testing.T) {
 	ctx := context.Background()
 	dbURL := testenv.Shared(t).PG.CreateDatabase(t)
 	super := connect(t, dbURL)
-	a := ownerRole(t, super, dbURL, "mig_owner_a")
-	b := ownerRole(t, super, dbURL, "mig_owner_b")
-	c := ownerRole(t, super, dbURL, "mig_owner_c")
+	a := testenv.OwnerRole(t, super, dbURL, "mig_owner_a")
+	b := testenv.OwnerRole(t, super, dbURL, "mig_owner_b")
+	c := testenv.OwnerRole(t, super, dbURL, "mig_owner_c")
 	ta := store.Table{Schema: "public", Name: "outbox_a"}
 	tb := store.Table{Schema: "public", Name: "outbox_b"}
-	all, err := store.Migrations(ta)
+	all, err := schema.Migrations(ta)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := store.Migrate(ctx, a, ta); err != nil {
+	if _, err := schema.Migrate(ctx, a, ta); err != nil {
 		t.Fatalf("first owner: %v", err)
 	}
-	applied, err := store.Migrate(ctx, b, tb)
+	applied, err := schema.Migrate(ctx, b, tb)
 	if err != nil {
 		t.Fatalf("second owner of the same database and schema: %v", err)
 	}
@@ -254,7 +228,7 @@ func TestMigrateTwoOwnersOneDatabase(t *testing.T) {
 	if _, err := super.Exec(ctx, `CREATE SCHEMA b_own AUTHORIZATION mig_owner_b`); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := store.Migrate(ctx, b, store.Table{Schema: "b_own", Name: "outbox"}); err != nil {
+	if _, err := schema.Migrate(ctx, b, store.Table{Schema: "b_own", Name: "outbox"}); err != nil {
 		t.Errorf("second owner in its own schema: %v", err)
 	}
 	var seen []string
@@ -268,11 +242,11 @@ func TestMigrateTwoOwnersOneDatabase(t *testing.T) {
 	if _, err := b.Exec(ctx, `INSERT INTO outbox_relay_migrations (target, version, name) VALUES ($1, 99, 'forged')`, ta.Qualified()); err == nil {
 		t.Errorf("the second owner recorded a migration of %s, which it does not own", ta.Qualified())
 	}
-	if applied, err := store.Migrate(ctx, a, ta); err != nil || len(applied) != 0 {
+	if applied, err := schema.Migrate(ctx, a, ta); err != nil || len(applied) != 0 {
 		t.Errorf("first owner again: applied %d, %v; want up to date", len(applied), err)
 	}
 
-	_, err = store.Migrate(ctx, c, ta)
+	_, err = schema.Migrate(ctx, c, ta)
 	if err == nil || !strings.Contains(err.Error(), `Run migrate as "mig_owner_a"`) {
 		t.Errorf("migrate by a role that does not own the table: %v, want a refusal naming the owner mig_owner_a", err)
 	}

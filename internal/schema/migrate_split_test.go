@@ -1,4 +1,4 @@
-package store
+package schema
 
 import (
 	"fmt"
@@ -141,7 +141,7 @@ func migrationsDoNotBlockProducers(t *testing.T, l Layout) {
 				t.Errorf("%s: %q: on a partitioned table only the outbox table's own index builds lose CONCURRENTLY", where, short)
 			}
 			if sub := indexOn.FindStringSubmatch(head); sub != nil && !created[sub[1]] && !m.NoTransaction {
-				t.Errorf("%s: %q builds an index on %s, an existing table, inside the migration's transaction, which blocks every INSERT while it builds: put %q on the migration's first line and write CREATE INDEX CONCURRENTLY IF NOT EXISTS (internal/store/migrate.go)",
+				t.Errorf("%s: %q builds an index on %s, an existing table, inside the migration's transaction, which blocks every INSERT while it builds: put %q on the migration's first line and write CREATE INDEX CONCURRENTLY IF NOT EXISTS (internal/schema/migrate.go)",
 					where, short, sub[1], noTransactionMarker)
 			}
 			if sub := alter.FindStringSubmatch(head); sub != nil && !created[sub[1]] {

@@ -1,4 +1,4 @@
-package store_test
+package schema_test
 
 import (
 	"context"
@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -114,7 +115,7 @@ func TestMigratePopulatedTableBesideProducers(t *testing.T) {
 	conn := connect(t, url)
 	ctx := context.Background()
 	tbl := store.Table{Schema: "public", Name: "outbox"}
-	all, err := store.Migrations(tbl)
+	all, err := schema.Migrations(tbl)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -151,7 +152,7 @@ func TestMigratePopulatedTableBesideProducers(t *testing.T) {
 	before := prod.count.Load()
 	var steps []string
 	start := time.Now()
-	applied, err := store.MigrateWith(ctx, conn, tbl, store.MigrateOptions{
+	applied, err := schema.MigrateWith(ctx, conn, tbl, schema.MigrateOptions{
 		LockTimeout: lockTimeout,
 		Progress:    func(m string) { steps = append(steps, time.Since(start).Round(time.Millisecond).String()+" "+m) },
 	})
@@ -250,19 +251,19 @@ func TestMigrateGivesUpOnALockAndResumes(t *testing.T) {
 	conn := connect(t, url)
 	ctx := context.Background()
 	tbl := store.Table{Schema: "public", Name: "outbox"}
-	all, err := store.Migrations(tbl)
+	all, err := schema.Migrations(tbl)
 	if err != nil {
 		t.Fatal(err)
 	}
 	// Everything before 0010, whose ADD COLUMN needs the table's ACCESS
 	// EXCLUSIVE lock.
-	var first []store.Migration
+	var first []schema.Migration
 	for _, m := range all {
 		if m.Version < 10 {
 			first = append(first, m)
 		}
 	}
-	if _, err := store.MigrateOnly(ctx, conn, tbl, store.MigrateOptions{}, first); err != nil {
+	if _, err := schema.MigrateOnly(ctx, conn, tbl, schema.MigrateOptions{}, first); err != nil {
 		t.Fatal(err)
 	}
 	pool, err := pgxpool.New(ctx, url)
@@ -298,7 +299,7 @@ func TestMigrateGivesUpOnALockAndResumes(t *testing.T) {
 	time.Sleep(200 * time.Millisecond)
 	prod.reset()
 	start := time.Now()
-	applied, err := store.MigrateWith(ctx, conn, tbl, store.MigrateOptions{LockTimeout: lockTimeout})
+	applied, err := schema.MigrateWith(ctx, conn, tbl, schema.MigrateOptions{LockTimeout: lockTimeout})
 	took := time.Since(start)
 	time.Sleep(200 * time.Millisecond)
 	prod.halt()
@@ -340,7 +341,7 @@ func TestMigrateGivesUpOnALockAndResumes(t *testing.T) {
 	}
 
 	<-released
-	applied, err = store.MigrateWith(ctx, conn, tbl, store.MigrateOptions{LockTimeout: lockTimeout})
+	applied, err = schema.MigrateWith(ctx, conn, tbl, schema.MigrateOptions{LockTimeout: lockTimeout})
 	if err != nil {
 		t.Fatalf("migrate after the holder ended: %v", err)
 	}
@@ -364,13 +365,13 @@ func TestMigrateRetriesIndexAndValidation(t *testing.T) {
 	if _, err := conn.Exec(ctx, `INSERT INTO outbox (work_id, kind, payload) VALUES ('a', 'k', '{}'), ('b', 'k', '{}'), ('bad-1', 'bad', '{}')`); err != nil {
 		t.Fatal(err)
 	}
-	index, err := store.NewMigration(9001, "test_unique_kind", `-- outbox-relay: no-transaction
+	index, err := schema.NewMigration(9001, "test_unique_kind", `-- outbox-relay: no-transaction
 CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS outbox_test_kind_idx ON "public"."outbox" (kind);
 `)
 	if err != nil {
 		t.Fatal(err)
 	}
-	check, err := store.NewMigration(9002, "test_kind_check", `-- outbox-relay: no-transaction
+	check, err := schema.NewMigration(9002, "test_kind_check", `-- outbox-relay: no-transaction
 ALTER TABLE "public"."outbox" DROP CONSTRAINT IF EXISTS outbox_test_kind_check,
     ADD CONSTRAINT outbox_test_kind_check CHECK (kind <> 'bad') NOT VALID;
 ALTER TABLE "public"."outbox" VALIDATE CONSTRAINT outbox_test_kind_check;
@@ -396,9 +397,9 @@ ALTER TABLE "public"."outbox" VALIDATE CONSTRAINT outbox_test_kind_check;
 		return true, valid
 	}
 	var steps []string
-	opts := store.MigrateOptions{Progress: func(m string) { steps = append(steps, m) }}
+	opts := schema.MigrateOptions{Progress: func(m string) { steps = append(steps, m) }}
 
-	_, err = store.MigrateOnly(ctx, conn, tbl, opts, []store.Migration{index})
+	_, err = schema.MigrateOnly(ctx, conn, tbl, opts, []schema.Migration{index})
 	if err == nil || !strings.Contains(err.Error(), "apply 9001_test_unique_kind (statement 1 of 1") || !strings.Contains(err.Error(), "23505") {
 		t.Fatalf("unique index over duplicates: %v; want the build's unique violation", err)
 	}
@@ -409,7 +410,7 @@ ALTER TABLE "public"."outbox" VALIDATE CONSTRAINT outbox_test_kind_check;
 		t.Fatal(err)
 	}
 	steps = nil
-	if _, err := store.MigrateOnly(ctx, conn, tbl, opts, []store.Migration{index}); err != nil {
+	if _, err := schema.MigrateOnly(ctx, conn, tbl, opts, []schema.Migration{index}); err != nil {
 		t.Fatalf("retry: %v", err)
 	}
 	if exists, valid := indexValid(); !exists || !valid || !recorded(9001) {
@@ -419,7 +420,7 @@ ALTER TABLE "public"."outbox" VALIDATE CONSTRAINT outbox_test_kind_check;
 		t.Errorf("retry steps %q; want the invalid index dropped, then built", steps)
 	}
 
-	_, err = store.MigrateOnly(ctx, conn, tbl, opts, []store.Migration{check})
+	_, err = schema.MigrateOnly(ctx, conn, tbl, opts, []schema.Migration{check})
 	for _, want := range []string{"validate constraint outbox_test_kind_check", `work_id ["bad-1"]`, "stays NOT VALID", "run migrate again", "23514"} {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("validation over a bad row: %v\nwant it to say %q", err, want)
@@ -438,7 +439,7 @@ ALTER TABLE "public"."outbox" VALIDATE CONSTRAINT outbox_test_kind_check;
 	if _, err := conn.Exec(ctx, `UPDATE outbox SET kind = 'fixed' WHERE work_id = 'bad-1'`); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := store.MigrateOnly(ctx, conn, tbl, opts, []store.Migration{check}); err != nil {
+	if _, err := schema.MigrateOnly(ctx, conn, tbl, opts, []schema.Migration{check}); err != nil {
 		t.Fatalf("retry after fixing the row: %v", err)
 	}
 	if err := conn.QueryRow(ctx, `SELECT convalidated FROM pg_constraint WHERE conname = 'outbox_test_kind_check'`).Scan(&validated); err != nil || !validated || !recorded(9002) {

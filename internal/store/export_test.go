@@ -39,17 +39,5 @@ func PlanText(t *testing.T, rows pgx.Rows, err error) string {
 	return strings.Join(lines, "\n")
 }
 
-// MigrateOnly applies migs (some of Migrations, or ones made with
-// NewMigration) the way MigrateWith applies them all.
-func MigrateOnly(ctx context.Context, conn *pgx.Conn, t Table, opts MigrateOptions, migs []Migration) ([]Migration, error) {
-	return applyMigrations(ctx, conn, t, opts, migs)
-}
-
-// NewMigration reads a rendered migration as Migrations reads the embedded
-// ones.
-func NewMigration(version int, name, sql string) (Migration, error) {
-	return newMigration(version, name, sql, Table{}, Layout{})
-}
-
 // ParseLSN is parseLSN, for the watermark's position.
 var ParseLSN = parseLSN

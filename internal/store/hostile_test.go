@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/internal/wire"
@@ -29,7 +30,7 @@ func TestTableChecksMatchTheRelay(t *testing.T) {
 	conn := connect(t, url)
 	ctx := context.Background()
 	tbl := store.Table{Schema: "public", Name: "outbox"}
-	if _, err := store.Migrate(ctx, conn, tbl); err != nil {
+	if _, err := schema.Migrate(ctx, conn, tbl); err != nil {
 		t.Fatal(err)
 	}
 	seed := rand.Uint64()

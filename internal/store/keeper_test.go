@@ -14,6 +14,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/enqueue"
 	"github.com/outbox-relay/outbox-relay/internal/store"
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
 
 // While the DEFAULT partition holds rows (here 200,000), making the
@@ -221,7 +222,7 @@ func TestPruneAsNonOwnerNamesOwner(t *testing.T) {
 	if err := super.QueryRow(ctx, `SELECT current_user`).Scan(&owner); err != nil {
 		t.Fatal(err)
 	}
-	ownerRole(t, super, url, "prune_not_owner")
+	testenv.OwnerRole(t, super, url, "prune_not_owner")
 	exec(t, pool, `GRANT SELECT, DELETE ON ALL TABLES IN SCHEMA public TO prune_not_owner`)
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {

@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/wire"
 )
 
@@ -602,7 +603,7 @@ type PruneRequest struct {
 	// DryRun counts what would be deleted.
 	DryRun bool
 	// LockTimeout bounds the wait for the table's lock to detach a
-	// partition (a partitioned table; 0: DefaultLockTimeout).
+	// partition (a partitioned table; 0: schema.DefaultLockTimeout).
 	LockTimeout time.Duration
 }
 
@@ -662,7 +663,7 @@ func (s *Store) Prune(ctx context.Context, r PruneRequest) (PruneResult, error) 
 	if layout.Partitioned() {
 		res.Partitioned = true
 		if r.LockTimeout <= 0 {
-			r.LockTimeout = DefaultLockTimeout
+			r.LockTimeout = schema.DefaultLockTimeout
 		}
 		res, err := s.prunePartitions(ctx, r, res, r.LockTimeout)
 		return res, s.ownerHint(ctx, "prune", err)
@@ -907,7 +908,7 @@ func (s *Store) ownerHint(ctx context.Context, what string, err error) error {
 	if err == nil || !errors.As(err, &pgErr) || pgErr.Code != sqlstateInsufficientPrivilege {
 		return err
 	}
-	o, oerr := ReadOwnership(ctx, s.pool, s.table)
+	o, oerr := schema.ReadOwnership(ctx, s.pool, s.table)
 	if oerr != nil || !o.Exists || o.Owner == o.User {
 		return err
 	}

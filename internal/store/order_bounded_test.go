@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -60,7 +61,7 @@ func TestBlockedAggregatesBounded(t *testing.T) {
 	t.Run("partitioned", func(t *testing.T) {
 		url := pg.CreateDatabase(t)
 		conn := connect(t, url)
-		if _, err := store.MigrateWith(ctx, conn, testenv.OutboxTable, store.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
+		if _, err := schema.MigrateWith(ctx, conn, testenv.OutboxTable, schema.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
 			t.Fatal(err)
 		}
 		var parts int

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 )
 
 // A table partitioned by created_at (migrate --partition-interval, DESIGN.md
@@ -113,8 +114,8 @@ func guardName(t Table) string {
 }
 
 // Layout reads how the store's table is laid out.
-func (s *Store) Layout(ctx context.Context) (Layout, error) {
-	l, err := ReadLayout(ctx, s.pool, s.table)
+func (s *Store) Layout(ctx context.Context) (schema.Layout, error) {
+	l, err := schema.ReadLayout(ctx, s.pool, s.table)
 	return l.Layout, err
 }
 
@@ -212,7 +213,7 @@ func (s *Store) Partitions(ctx context.Context) ([]Partition, error) {
 	if len(names) == 0 {
 		return out, nil
 	}
-	l, err := ReadLayout(ctx, s.pool, s.table)
+	l, err := schema.ReadLayout(ctx, s.pool, s.table)
 	if err != nil {
 		return nil, err
 	}
@@ -517,7 +518,7 @@ func (s *Store) restorePartition(ctx context.Context, p Partition, cutoff time.T
 			return err
 		}
 		_, err := tx.Exec(ctx, `ALTER TABLE `+s.table.String()+` ATTACH PARTITION `+ident+
-			` FOR VALUES FROM (`+literal(p.Start.UTC().Format(time.RFC3339Nano))+`) TO (`+literal(p.End.UTC().Format(time.RFC3339Nano))+`)`)
+			` FOR VALUES FROM (`+schema.Literal(p.Start.UTC().Format(time.RFC3339Nano))+`) TO (`+schema.Literal(p.End.UTC().Format(time.RFC3339Nano))+`)`)
 		return err
 	})
 	if isLockTimeout(err) {

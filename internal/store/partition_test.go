@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outbox-relay/outbox-relay/internal/enqueue"
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -59,14 +60,14 @@ func TestMigratePartitioned(t *testing.T) {
 	conn := connect(t, url)
 	tbl := store.Table{Schema: "public", Name: "outbox"}
 	before := time.Now().UTC().Truncate(time.Hour)
-	if _, err := store.MigrateWith(ctx, conn, tbl, store.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
+	if _, err := schema.MigrateWith(ctx, conn, tbl, schema.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
 		t.Fatalf("migrate --partition-interval 1h: %v", err)
 	}
 	var kind string
 	if err := conn.QueryRow(ctx, `SELECT relkind::text FROM pg_class WHERE oid = 'outbox'::regclass`).Scan(&kind); err != nil || kind != "p" {
 		t.Fatalf("relkind %q (%v), want p", kind, err)
 	}
-	ahead := store.PartitionsAhead(time.Hour)
+	ahead := schema.PartitionsAhead(time.Hour)
 	if ahead < 25 {
 		t.Fatalf("PartitionsAhead(1h) = %d: a relay stopped for a day would leave producers without a partition", ahead)
 	}
@@ -112,33 +113,33 @@ func TestMigratePartitioned(t *testing.T) {
 		t.Errorf("a row with available_at infinity was accepted")
 	}
 
-	if migs, err := store.Migrate(ctx, conn, tbl); err != nil || len(migs) != 0 {
+	if migs, err := schema.Migrate(ctx, conn, tbl); err != nil || len(migs) != 0 {
 		t.Errorf("migrate again: applied %d, %v; want nothing", len(migs), err)
 	}
-	if _, err := store.MigrateWith(ctx, conn, tbl, store.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
+	if _, err := schema.MigrateWith(ctx, conn, tbl, schema.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
 		t.Errorf("migrate again with the same interval: %v", err)
 	}
-	if _, err := store.MigrateWith(ctx, conn, tbl, store.MigrateOptions{PartitionInterval: 24 * time.Hour}); err == nil || !strings.Contains(err.Error(), "partitioned by 1h0m0s") {
+	if _, err := schema.MigrateWith(ctx, conn, tbl, schema.MigrateOptions{PartitionInterval: 24 * time.Hour}); err == nil || !strings.Contains(err.Error(), "partitioned by 1h0m0s") {
 		t.Errorf("migrate with another interval: %v, want refused", err)
 	}
-	l, err := store.ReadLayout(ctx, conn, tbl)
+	l, err := schema.ReadLayout(ctx, conn, tbl)
 	if err != nil || !l.Exists || l.PartitionInterval != time.Hour {
 		t.Errorf("layout %+v, %v; want partitioned by 1h", l, err)
 	}
 
 	plain := store.Table{Schema: "public", Name: "plain"}
-	if _, err := store.Migrate(ctx, conn, plain); err != nil {
+	if _, err := schema.Migrate(ctx, conn, plain); err != nil {
 		t.Fatal(err)
 	}
-	_, err = store.MigrateWith(ctx, conn, plain, store.MigrateOptions{PartitionInterval: time.Hour})
-	if !errors.Is(err, store.ErrConvertPlain) || !strings.Contains(err.Error(), "docs/partitions.md") {
+	_, err = schema.MigrateWith(ctx, conn, plain, schema.MigrateOptions{PartitionInterval: time.Hour})
+	if !errors.Is(err, schema.ErrConvertPlain) || !strings.Contains(err.Error(), "docs/partitions.md") {
 		t.Errorf("--partition-interval on a plain table: %v, want ErrConvertPlain naming the procedure", err)
 	}
 
 	// The grants script gives the relay the partition maker and producers
 	// the repeat check; run as the owner it succeeds.
-	roles := store.Roles{Relay: "part_relay", Producer: "part_producer", Operator: "part_operator"}
-	script, err := store.Grants(tbl, roles)
+	roles := schema.Roles{Relay: "part_relay", Producer: "part_producer", Operator: "part_operator"}
+	script, err := schema.Grants(tbl, roles)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -169,7 +170,7 @@ func TestMigratePartitioned(t *testing.T) {
 	}
 	// The relay reads the layout and makes partitions with its grants alone.
 	relayConn := asRole(roles.Relay)
-	if l, err := store.ReadLayout(ctx, relayConn, tbl); err != nil || l.PartitionInterval != time.Hour {
+	if l, err := schema.ReadLayout(ctx, relayConn, tbl); err != nil || l.PartitionInterval != time.Hour {
 		t.Errorf("relay reads the layout: %+v, %v", l, err)
 	}
 	if _, err := store.AddPartitions(ctx, relayConn, tbl, time.Second); err != nil {
@@ -185,15 +186,15 @@ func TestMigratePartitioned(t *testing.T) {
 func TestShortPartitionInterval(t *testing.T) {
 	ctx := context.Background()
 	conn := connect(t, testenv.Shared(t).PG.CreateDatabase(t))
-	if got := store.PartitionsAhead(5 * time.Minute); got != 25 {
+	if got := schema.PartitionsAhead(5 * time.Minute); got != 25 {
 		t.Fatalf("PartitionsAhead(5m) = %d, want 25 (24 intervals and one more)", got)
 	}
-	if _, err := store.ParsePartitionInterval("4m"); err == nil || !strings.Contains(err.Error(), "at least 5m0s") {
+	if _, err := schema.ParsePartitionInterval("4m"); err == nil || !strings.Contains(err.Error(), "at least 5m0s") {
 		t.Errorf("--partition-interval 4m: %v, want refused", err)
 	}
 	tbl := store.Table{Schema: "public", Name: "short"}
 	before := time.Now().UTC().Truncate(5 * time.Minute)
-	if _, err := store.MigrateWith(ctx, conn, tbl, store.MigrateOptions{PartitionInterval: 5 * time.Minute}); err != nil {
+	if _, err := schema.MigrateWith(ctx, conn, tbl, schema.MigrateOptions{PartitionInterval: 5 * time.Minute}); err != nil {
 		t.Fatalf("migrate --partition-interval 5m: %v", err)
 	}
 	parts := partitions(t, conn, "short")
@@ -211,7 +212,7 @@ func TestShortPartitionInterval(t *testing.T) {
 
 	// A table from before 0015: restore 0014's CHECK and forget 0015.
 	old := store.Table{Schema: "public", Name: "hourly"}
-	if _, err := store.MigrateWith(ctx, conn, old, store.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
+	if _, err := schema.MigrateWith(ctx, conn, old, schema.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
 		t.Fatal(err)
 	}
 	for _, q := range []string{
@@ -226,7 +227,7 @@ func TestShortPartitionInterval(t *testing.T) {
 	if _, err := conn.Exec(ctx, `UPDATE hourly_partitioning SET interval_seconds = 300`); err == nil {
 		t.Fatal("the old CHECK took an interval of 300 s: the test does not restore it")
 	}
-	if migs, err := store.Migrate(ctx, conn, old); err != nil || len(migs) != 1 || migs[0].Version != 15 {
+	if migs, err := schema.Migrate(ctx, conn, old); err != nil || len(migs) != 1 || migs[0].Version != 15 {
 		t.Fatalf("migrate the old table: %v, %v; want 0015 alone", migs, err)
 	}
 	if _, err := conn.Exec(ctx, `UPDATE hourly_partitioning SET interval_seconds = 300`); err != nil {
@@ -247,7 +248,7 @@ func TestPartitionsCreatedAhead(t *testing.T) {
 	url := testenv.Shared(t).PG.CreateDatabase(t)
 	conn := connect(t, url)
 	tbl := store.Table{Schema: "public", Name: "outbox"}
-	if _, err := store.MigrateWith(ctx, conn, tbl, store.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
+	if _, err := schema.MigrateWith(ctx, conn, tbl, schema.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
 		t.Fatal(err)
 	}
 	pool, err := pgxpool.New(ctx, url)
@@ -364,7 +365,7 @@ func newHourlyTable(t *testing.T) (store.Table, *pgxpool.Pool, string) {
 	t.Helper()
 	url := testenv.Shared(t).PG.CreateDatabase(t)
 	tbl := store.Table{Schema: "public", Name: "outbox"}
-	if _, err := store.MigrateWith(context.Background(), connect(t, url), tbl, store.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
+	if _, err := schema.MigrateWith(context.Background(), connect(t, url), tbl, schema.MigrateOptions{PartitionInterval: time.Hour}); err != nil {
 		t.Fatal(err)
 	}
 	pool, err := pgxpool.New(context.Background(), url)

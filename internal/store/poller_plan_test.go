@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -26,7 +27,7 @@ func TestPollerPlansWithoutStatistics(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := store.Migrate(ctx, conn, tbl); err != nil {
+	if _, err := schema.Migrate(ctx, conn, tbl); err != nil {
 		t.Fatal(err)
 	}
 	conn.Close(ctx)

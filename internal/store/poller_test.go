@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -19,7 +20,7 @@ func newPollerStore(t *testing.T, policy store.Policy) (*store.Store, *pgxpool.P
 	url := testenv.Shared(t).PG.CreateDatabase(t)
 	conn := connect(t, url)
 	tbl := store.Table{Schema: "public", Name: "outbox"}
-	if _, err := store.Migrate(ctx, conn, tbl); err != nil {
+	if _, err := schema.Migrate(ctx, conn, tbl); err != nil {
 		t.Fatal(err)
 	}
 	pool, err := pgxpool.New(ctx, url)

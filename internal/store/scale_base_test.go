@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -91,7 +92,7 @@ func loadScaleBase(pg *testenv.Postgres, name string) error {
 	}
 	// A template must have no connection when it is copied.
 	defer conn.Close(ctx)
-	if _, err := store.Migrate(ctx, conn, testenv.OutboxTable); err != nil {
+	if _, err := schema.Migrate(ctx, conn, testenv.OutboxTable); err != nil {
 		return fmt.Errorf("migrate: %w", err)
 	}
 	// The migrations' indexes (other than the primary key) are built after

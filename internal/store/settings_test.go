@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -24,7 +25,7 @@ func TestSettingsRecordAndRefuse(t *testing.T) {
 	url := testenv.Shared(t).PG.CreateDatabase(t)
 	ctx := context.Background()
 	tbl := store.Table{Schema: "public", Name: "outbox"}
-	if _, err := store.Migrate(ctx, connect(t, url), tbl); err != nil {
+	if _, err := schema.Migrate(ctx, connect(t, url), tbl); err != nil {
 		t.Fatal(err)
 	}
 	pool, err := pgxpool.New(ctx, url)

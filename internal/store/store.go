@@ -1,7 +1,10 @@
-// Package store holds every SQL statement that touches the outbox table. Each
-// is a named method whose guard lives in its WHERE clause; nothing else in the
+// Package store holds every SQL statement the relay and the operator
+// commands run on the outbox table's rows and its companions. Each is a
+// named method whose guard lives in its WHERE clause; nothing else in the
 // relay builds SQL against the table. Identifiers come from Table (quoted),
-// values are always parameters.
+// values are always parameters. The table's schema (its migrations, layout,
+// ownership and grants) is internal/schema's; the producer's statements are
+// internal/enqueue's.
 package store
 
 import (

@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -45,7 +46,7 @@ func TestMigrateConcurrentAndQuoted(t *testing.T) {
 				return
 			}
 			defer conn.Close(context.Background())
-			migs, err := store.Migrate(context.Background(), conn, tbl)
+			migs, err := schema.Migrate(context.Background(), conn, tbl)
 			applied[i], errs[i] = len(migs), err
 		}()
 	}
@@ -57,7 +58,7 @@ func TestMigrateConcurrentAndQuoted(t *testing.T) {
 		}
 		total += applied[i]
 	}
-	all, _ := store.Migrations(tbl)
+	all, _ := schema.Migrations(tbl)
 	if total != len(all) {
 		t.Errorf("migrations applied %d times in all, want each once (%d)", total, len(all))
 	}
@@ -70,7 +71,7 @@ func TestMigrateConcurrentAndQuoted(t *testing.T) {
 	if cols < len(store.RequiredColumns) {
 		t.Errorf("table has %d columns, want at least %d", cols, len(store.RequiredColumns))
 	}
-	if migs, err := store.Migrate(context.Background(), conn, tbl); err != nil || len(migs) != 0 {
+	if migs, err := schema.Migrate(context.Background(), conn, tbl); err != nil || len(migs) != 0 {
 		t.Errorf("second migrate applied %d, err %v; want 0, nil", len(migs), err)
 	}
 }
@@ -79,7 +80,7 @@ func TestTableConstraints(t *testing.T) {
 	url := testenv.Shared(t).PG.CreateDatabase(t)
 	conn := connect(t, url)
 	ctx := context.Background()
-	if _, err := store.Migrate(ctx, conn, store.Table{Schema: "public", Name: "outbox"}); err != nil {
+	if _, err := schema.Migrate(ctx, conn, store.Table{Schema: "public", Name: "outbox"}); err != nil {
 		t.Fatal(err)
 	}
 	bad := map[string]string{
@@ -116,7 +117,7 @@ func TestSettleUsesPrimaryKey(t *testing.T) {
 	conn := connect(t, url)
 	ctx := context.Background()
 	tbl := store.Table{Schema: "public", Name: "outbox"}
-	if _, err := store.Migrate(ctx, conn, tbl); err != nil {
+	if _, err := schema.Migrate(ctx, conn, tbl); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := conn.Exec(ctx, `INSERT INTO outbox (work_id, kind, payload, state, published_at, stream_seq)

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/table"
 	outboxsql "github.com/outbox-relay/outbox-relay/sql"
 )
@@ -57,7 +58,7 @@ var longestSuffix = func() string {
 // code derives, so a new suffix cannot slip past it.
 func TestDerivedNamesFit(t *testing.T) {
 	const name = "tbl"
-	migs, err := Migrations(Table{Schema: "s", Name: name})
+	migs, err := schema.Migrations(Table{Schema: "s", Name: name})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/outbox-relay/outbox-relay/internal/devenv"
+	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 )
 
@@ -122,7 +123,7 @@ func (p *Postgres) CreateOutboxDatabase(t testing.TB) string {
 		t.Fatalf("testenv: migrate %s: connect: %v", url, err)
 	}
 	defer conn.Close(context.Background())
-	if _, err := store.Migrate(ctx, conn, OutboxTable); err != nil {
+	if _, err := schema.Migrate(ctx, conn, OutboxTable); err != nil {
 		t.Fatalf("testenv: migrate %s: %v", url, err)
 	}
 	return url
