@@ -90,6 +90,7 @@ func set(ids ...[]string) map[string]bool {
 // by a producer writing throughout the restart, are streamed. Each row is
 // delivered once and by exactly one path.
 func TestBackfillWhenSlotCreated(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	h := newHarness(t, sharedSetup(t))
 	h.start()
 	streamed := h.insertRows("streamed", 20, 5)

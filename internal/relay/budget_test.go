@@ -25,6 +25,7 @@ import (
 // the session holds thousands of rows at once: a stream channel of 16
 // batches of 128, 4 x --max-in-flight in the gate, 256 in flight.
 func TestBufferedBytesBoundLargeTransaction(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	const budget = 256 << 10
 	cases := []struct {
 		name    string

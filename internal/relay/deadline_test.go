@@ -48,6 +48,7 @@ func scrape(t *testing.T, base, name string) float64 {
 // counts each expired row once (the CDC path's hand-off of a row at its
 // deadline was counted, then the sweep's expiry of the same row).
 func TestDeadlineEdgesOnBothPaths(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	h := newHarness(t, sharedSetup(t))
 	h.opts.MaxAttempts = 1
 	h.opts.HTTPAddr = "127.0.0.1:0"

@@ -133,6 +133,7 @@ func TestBusyReleasedAggregateReturnsToTheCDCPath(t *testing.T) {
 }
 
 func busyReleasedAggregate(t *testing.T, gap time.Duration) {
+	t.Parallel() // a database, stream and slot of its own
 	s := sharedSetup(t)
 	h := newHarness(t, s)
 	h.opts.Ordering = app.OrderingAggregate

@@ -149,6 +149,7 @@ func (h *harness) waitCommittedAfter(t time.Time, n int, what string) {
 // The producer must be writing across the fault: rows committed before the
 // kill, while the broker was down, and after it came back.
 func TestBrokerKilledMidStream(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	env := testenv.Shared(t)
 	n, err := testenv.StartNATS(testenv.NATSOptions{})
 	if err != nil {

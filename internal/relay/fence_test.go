@@ -27,6 +27,7 @@ import (
 // publishing that WAL: stored once. Without the fence B publishes it and
 // the stream holds it twice.
 func TestSessionDroppedByTheServerDoesNotPublishWhatItReadsLate(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	a, b, proxy := fencePair(t)
 
 	b.start()

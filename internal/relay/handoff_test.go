@@ -12,6 +12,7 @@ import (
 // Delayed delivery: a ready row whose available_at is 3 seconds after its
 // commit goes to the poller and is not in the stream before it is due.
 func TestDelayedRowWaitsForItsTime(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	h := newHarness(t, sharedSetup(t))
 	h.start()
 	h.exec(`INSERT INTO outbox (work_id, kind, payload, available_at) VALUES ('later', 'x', '{}', clock_timestamp() + interval '3 seconds')`)
@@ -53,6 +54,7 @@ func TestDelayedRowWaitsForItsTime(t *testing.T) {
 // normal rows. The normal rows arrive in order, the bad ones end failed with
 // a clear reason, and the slot advances past them.
 func TestPoisonRowsDoNotBlock(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	h := newHarness(t, sharedSetup(t))
 	h.opts.MaxAttempts = 2
 	h.start()

@@ -59,7 +59,7 @@ func newHarness(t testing.TB, s setup) *harness {
 		DatabaseURL:      s.dbURL,
 		NATSURL:          s.natsURL,
 		Table:            store.Table{Schema: "public", Name: "outbox"},
-		Slot:             "outbox_relay",
+		Slot:             slotFor(t),
 		Publication:      "outbox_relay",
 		Stream:           s.stream,
 		SubjectPrefix:    s.subjectPrefix,
@@ -330,15 +330,25 @@ func (h *harness) assertExactlyOnce(ids []string) {
 	}
 }
 
-// parallel lets a test run beside the package's other parallel tests: a
-// slot of its own (slots are the cluster's, and the harness's default name
-// is shared) for every harness given, then t.Parallel.
+// slotFor is a test's slot name: slots are the cluster's, and every test
+// has a database of its own on the shared server, so each test (and
+// subtest) has a slot of its own too, and may run beside the others
+// (parallel). The harnesses of one test share it, as instances of one
+// relay do.
+func slotFor(t testing.TB) string {
+	sum := sha256.Sum256([]byte(t.Name()))
+	return "outbox_relay_" + hex.EncodeToString(sum[:6])
+}
+
+// parallel lets a test run beside the package's other parallel tests:
+// every harness has its test's slot (slotFor) unless one was named, then
+// t.Parallel.
 func parallel(t *testing.T, hs ...*harness) {
 	t.Helper()
-	sum := sha256.Sum256([]byte(t.Name()))
-	slot := "outbox_relay_" + hex.EncodeToString(sum[:6])
 	for _, h := range hs {
-		h.opts.Slot = slot
+		if h.opts.Slot == "" {
+			h.opts.Slot = slotFor(t)
+		}
 	}
 	t.Parallel()
 }

@@ -20,6 +20,7 @@ import (
 // flow, and every published row points at a stored message that is exactly
 // its own.
 func TestHostileRowsNeverDriveTheBrokerOrCollapse(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	for _, path := range []string{"ready", "scheduled"} {
 		t.Run(path, func(t *testing.T) {
 			h := newHarness(t, sharedSetup(t))

@@ -55,6 +55,7 @@ func (h *harness) waitRelayBackendsGone() {
 // watermark covers them all, and the table's statistics count 50,000
 // inserts and not one update or delete.
 func TestNoneWritesNothingPerPublishedRow(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	h := newHarness(t, sharedSetup(t))
 	h.opts.Policy = store.PolicyNone
 	h.opts.MaxInFlight = 1024
@@ -145,6 +146,7 @@ func TestNoneSlotLossHandsOverOnlyUncovered(t *testing.T) {
 // position to pass the candidate's: all along the drain, the rows counted
 // as published are never more than the stream holds.
 func TestWatermarkNeverCoversUnpublishedRows(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	h := newHarness(t, sharedSetup(t))
 	h.opts.Policy = store.PolicyNone
 	h.start()

@@ -118,6 +118,7 @@ func TestOrderingHoldsAnAggregateBehindItsRefusedRow(t *testing.T) {
 }
 
 func testOrderingHoldsAnAggregate(t *testing.T, policy store.Policy) {
+	t.Parallel() // a database, stream and slot of its own
 	s := sharedSetup(t)
 	h := newHarness(t, s)
 	h.opts.Policy = policy
@@ -214,6 +215,7 @@ func TestDeadlines(t *testing.T) {
 }
 
 func testDeadlines(t *testing.T, policy store.Policy) {
+	t.Parallel() // a database, stream and slot of its own
 	env := testenv.Shared(t)
 	n, err := testenv.StartNATS(testenv.NATSOptions{})
 	if err != nil {

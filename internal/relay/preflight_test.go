@@ -122,7 +122,7 @@ func TestPreflightErrors(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
 		err = app.Run(ctx, b, zerolog.Nop())
-		if err == nil || !strings.Contains(err.Error(), "slot outbox_relay exists but was not created for table public.other_outbox") || !strings.Contains(err.Error(), "--slot") {
+		if err == nil || !strings.Contains(err.Error(), "slot "+h.opts.Slot+" exists but was not created for table public.other_outbox") || !strings.Contains(err.Error(), "--slot") {
 			t.Fatalf("err = %v, want one saying the slot belongs to another table", err)
 		}
 		// The first relay is unharmed.

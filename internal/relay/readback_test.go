@@ -28,6 +28,7 @@ import (
 // window). Here the slot is put at that position by hand: a copy of it
 // taken before the rows, advanced to the second transaction's commit LSN.
 func TestReadBackFindsTheTransactionAtTheConfirmedPosition(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	h := newHarness(t, sharedSetup(t))
 	h.opts.DuplicateWindow = time.Second
 	ctx := context.Background()
@@ -61,6 +62,7 @@ func TestReadBackFindsTheTransactionAtTheConfirmedPosition(t *testing.T) {
 // across a cut NATS connection, and the replay after it stored 119 rows
 // twice: chaos seed 1796245287009604072).
 func TestReadBackThatFailsHoldsTheReplay(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	h := newHarness(t, sharedSetup(t))
 	h.opts.DuplicateWindow = time.Second
 	var failing atomic.Bool

@@ -52,6 +52,7 @@ func storedSequences(t *testing.T, h *harness, agg string) []string {
 //     published: refused unless the operator says --out-of-order, and then
 //     published after them.
 func TestOutOfSequencePublication(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	s := sharedSetup(t)
 	h := newHarness(t, s)
 	h.opts.Ordering = app.OrderingAggregate

@@ -20,6 +20,7 @@ import (
 // check failed and how to fix it, keeps running (no crash loop) and checks
 // again at each attempt, and streams again once the check passes.
 func TestSessionStartChecksAgain(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	for _, c := range []struct {
 		name   string
 		change func(h *harness)

@@ -29,6 +29,7 @@ import (
 // instance, migrate --record-settings, start them with the new flags) works,
 // and afterwards the old flags are the ones refused.
 func TestInstancesMustShareSettings(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	s := sharedSetup(t)
 	h := newHarness(t, s)
 	h.opts.Ordering = app.OrderingAggregate

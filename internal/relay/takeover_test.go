@@ -59,6 +59,7 @@ func TestWaitingInstanceTakesOverFromCrashedRelay(t *testing.T) {
 // TestWaitingInstanceTakesOverFromKilledRelay is the same with A a relay process
 // killed with SIGKILL.
 func TestWaitingInstanceTakesOverFromKilledRelay(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	bin, err := testenv.RelayBinary(false)
 	if err != nil {
 		t.Fatalf("build outbox-relay: %v", err)
@@ -86,7 +87,7 @@ func TestWaitingInstanceTakesOverFromKilledRelay(t *testing.T) {
 			}
 			defer f.Close()
 			cmd = exec.Command(bin, "run", "--database-url", s.dbURL, "--nats-url", s.natsURL,
-				"--stream", s.stream, "--subject-prefix", s.subjectPrefix,
+				"--stream", s.stream, "--subject-prefix", s.subjectPrefix, "--slot", slotFor(t),
 				"--application-name", "takeover-proc-a", "--worker-id", "takeover-proc-a",
 				"--status-interval", "200ms", "--ack-timeout", "2s")
 			cmd.Env = testenv.RelayEnv()

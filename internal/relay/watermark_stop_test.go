@@ -62,6 +62,7 @@ func TestNoneCleanStopCoversEveryAckedRow(t *testing.T) {
 // the watermark covers it within a few seconds, although no row is acked
 // any more.
 func TestNoneQuietOutboxCoversLastAcked(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	env := testenv.Shared(t)
 	pg, err := testenv.StartPostgres(testenv.PostgresOptions{Conf: map[string]string{
 		"synchronous_standby_names": "ghost",
