@@ -78,9 +78,13 @@ test: setup pg-versions js-deps
 	@$(MAKE) --no-print-directory test-steps
 
 ## test-go, test-go-proof: one module's vet and go test -race, with its time.
+## -parallel 3: the relay package's tests that run in parallel (each on a
+## database, stream and slot of its own) mostly wait on timeouts and
+## servers; three at a time instead of GOMAXPROCS (two here).
+TEST_PARALLEL ?= 3
 test-go:
 	@start=$$(date +%s); \
-	if $(GO) vet ./... && $(GO) test -race -count=1 -timeout 15m ./...; then \
+	if $(GO) vet ./... && $(GO) test -race -count=1 -parallel $(TEST_PARALLEL) -timeout 15m ./...; then \
 		echo "--- test-go: ok in $$(($$(date +%s) - start))s"; \
 	else \
 		echo "--- test-go: FAILED after $$(($$(date +%s) - start))s"; exit 1; \
@@ -165,7 +169,7 @@ test-pg-version-%: setup pg-versions
 	echo "=== PostgreSQL $$v: $(PG_VERSION_PKGS) and testenv's standby tests"; \
 	start=$$(date +%s); \
 	if env -u OUTBOX_RELAY_TEST_PG_BIN OUTBOX_RELAY_TEST_PG_VERSION=$$v \
-			$(GO) test -race -count=1 -timeout 15m -skip '$(PG_VERSION_SKIP)' $(PG_VERSION_PKGS) && \
+			$(GO) test -race -count=1 -parallel $(TEST_PARALLEL) -timeout 15m -skip '$(PG_VERSION_SKIP)' $(PG_VERSION_PKGS) && \
 		env -u OUTBOX_RELAY_TEST_PG_BIN OUTBOX_RELAY_TEST_PG_VERSION=$$v \
 			$(GO) test -race -count=1 -timeout 5m -run '^(TestStandby|TestSharedPostgresVersion)/^(pg'$$v')?$$' ./internal/testenv/; then \
 		echo "--- PostgreSQL $$v: ok in $$(($$(date +%s) - start))s"; \
