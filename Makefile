@@ -57,7 +57,7 @@ setup:
 	fi
 
 ## test: install what the tests need (setup, and pg-versions: some tests of
-## the first run already need PostgreSQL 17), then eight steps, two at a
+## the first run already need PostgreSQL 17), then eight steps, three at a
 ## time (test-steps): vet and every test with the race detector of the
 ## product's own module (test-go: unit and integration tests beside each
 ## package, on the highest PostgreSQL in /usr/lib/postgresql, Debian's 15 in
@@ -73,7 +73,10 @@ setup:
 ## machine, 1,120 s, most of it one test binary waiting on its servers (the
 ## relay package alone is 360 s of tests run one after another). Run as one
 ## pool of eight steps, two at a time, the two modules start together and
-## the lanes fill the slot the shorter one frees.
+## the lanes fill the slot the shorter one frees: 844-898 s. With the
+## relay's long tests in parallel (TEST_PARALLEL) 762 s, the eight steps'
+## own times adding up to 1,444 s while the machine's CPU was 55% busy on
+## average (vmstat, 7 December): so three at a time (TEST_JOBS).
 test: setup pg-versions js-deps
 	@$(MAKE) --no-print-directory test-steps
 
@@ -98,12 +101,13 @@ test-go-proof:
 		echo "--- test-go-proof: FAILED after $$(($$(date +%s) - start))s"; exit 1; \
 	fi
 
-## test-steps: make test's steps, two at a time (make -j2 -k: the next
-## starts when one ends, in the order listed, and every step runs even when
-## one fails). Each step's output is printed whole when it ends
+## test-steps: make test's steps, TEST_JOBS at a time (make -j -k: the
+## next starts when one ends, in the order listed, and every step runs even
+## when one fails). Each step's output is printed whole when it ends
 ## (--output-sync), with its time.
+TEST_JOBS ?= 3
 test-steps: setup pg-versions
-	@$(MAKE) --no-print-directory -j2 -k --output-sync=target test-go test-go-proof $(LANE_STEPS)
+	@$(MAKE) --no-print-directory -j$(TEST_JOBS) -k --output-sync=target test-go test-go-proof $(LANE_STEPS)
 
 ## test-lanes: the steps of make test after the two modules' go test, two
 ## at a time, as make test runs them. Two, not more: each step is one

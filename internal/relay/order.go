@@ -37,9 +37,9 @@ import (
 // waits.
 
 // The CDC loop calls the rules at three points, and nowhere else decides
-// anything about order: orderTurn, when a ready row arrives (from admit) (publish it, park
-// it behind its aggregate's row in flight, or hand it to the poller as
-// held); acked, when the broker stored a row (the next row of its
+// anything about order: orderTurn, from admit, when a ready row arrives
+// (publish it, park it behind its aggregate's row in flight, or hand it to
+// the poller as held); acked, when the broker stored a row (the next row of its
 // aggregate, if one waits); refused, when a row goes to the poller
 // (the rows that waited behind it follow it there). Two notes keep the
 // held set's bookkeeping: handedOff and settled. Without --ordering

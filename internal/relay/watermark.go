@@ -276,7 +276,7 @@ func (l *loop) noteRecorded(c store.WatermarkCandidate) (owed bool) {
 // committed before L, so it was streamed and settled before L is
 // confirmed; an id added is a transaction this session streamed (a row of
 // it was acked), and the candidate is recorded only once every
-// transaction the session began is settled (finish: stopReached and no
+// transaction the session began is settled (finish: stop.reached and no
 // transaction open), so every row of it is stored or handed to the poller.
 // Most committed before L (the stop hands over none committing at or
 // after L once it knows L); those that came through while L was being
