@@ -57,6 +57,7 @@ func rowSeqs(t *testing.T, h *harness, like string) map[string]uint64 {
 // the sequence its message is stored at (the batch's answer names only
 // the last), and the split transaction is counted.
 func TestAtomicTransactionLargerThanABatch(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	h := newHarness(t, sharedSetup(t))
 	base := startAtomic(t, h)
 	h.exec(`INSERT INTO outbox (work_id, kind, payload) SELECT 'big-' || i, 'thing_happened', jsonb_build_object('n', i) FROM generate_series(0, 2499) i`)
@@ -132,6 +133,7 @@ func TestAtomicTransactionLargerThanABatch(t *testing.T) {
 // A transaction of which the stream holds some rows (published row by row
 // before) ends stored once, each row.
 func TestAtomicReplayOfStoredTransactionSettles(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	h := newHarness(t, sharedSetup(t))
 	// The read-back (G18) would find the stored rows before any batch is
 	// sent: off, to test the broker's refusal and the fallback behind it.

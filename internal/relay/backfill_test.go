@@ -189,6 +189,7 @@ func TestBackfillInterruptedHandsOverEveryReadyRow(t *testing.T) {
 // max_slot_wal_keep_size) is reported, dropped, re-created and backfilled:
 // the rows committed while it was lost are delivered.
 func TestInvalidatedSlotIsRecreated(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	env := testenv.Shared(t)
 	pg, err := testenv.StartPostgres(testenv.PostgresOptions{Conf: map[string]string{
 		"max_slot_wal_keep_size": "1MB",

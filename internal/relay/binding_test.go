@@ -154,6 +154,7 @@ func TestCDCNeverPublishesIntoAStreamThatTookTheSubjects(t *testing.T) {
 // recorded it; now the work ID is logged, and with --on-publish mark the
 // row says which message it points at.
 func TestCDCRecordsADuplicateAck(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	for _, policy := range []store.Policy{store.PolicyMark, store.PolicyDelete} {
 		t.Run(string(policy), func(t *testing.T) {
 			s := sharedSetup(t)

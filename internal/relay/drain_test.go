@@ -24,6 +24,7 @@ import (
 // counted) and no longer handed over. The stream holds every row once, in
 // sequence order.
 func TestReleasedAggregateReturnsToTheCDCPath(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	s := sharedSetup(t)
 	h := newHarness(t, s)
 	h.opts.Ordering = app.OrderingAggregate

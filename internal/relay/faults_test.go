@@ -192,6 +192,7 @@ func TestBrokerKilledMidStream(t *testing.T) {
 // the relay reconnects and resumes from the slot. The producer must be
 // writing across each restart: rows committed before it and after it.
 func TestPostgresRestartMidStream(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	env := testenv.Shared(t)
 	pg, err := testenv.StartPostgres(testenv.PostgresOptions{})
 	if err != nil {
@@ -242,6 +243,7 @@ func TestPostgresRestartMidStream(t *testing.T) {
 // becomes visible. The relay publishes it, its mark matches zero rows, and
 // the checkpoint must not pass it until the row is visible and marked.
 func TestStreamedBeforeVisible(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	env := testenv.Shared(t)
 	pg, err := testenv.StartPostgres(testenv.PostgresOptions{Conf: map[string]string{
 		"synchronous_standby_names": "ghost",
@@ -329,6 +331,7 @@ func TestStreamedBeforeVisible(t *testing.T) {
 // G10: an idle outbox in a busy database does not hold WAL: 50 MB of WAL on
 // another table, and the slot's lag returns near zero.
 func TestIdleOutboxBusyDatabase(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	env := testenv.Shared(t)
 	pg, err := testenv.StartPostgres(testenv.PostgresOptions{})
 	if err != nil {

@@ -19,6 +19,7 @@ import (
 // the stream; the copied watermark is ignored, said so at start, and this
 // cluster's own watermarks are recorded.
 func TestNoneWatermarkFromAnotherCluster(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	env := testenv.Shared(t)
 	stream, prefix := env.StreamName(t)
 	src := newHarness(t, setup{dbURL: env.PG.CreateDatabase(t), natsURL: env.NATS.URL(), stream: stream, subjectPrefix: prefix})
@@ -87,6 +88,7 @@ func TestNoneWatermarkFromAnotherCluster(t *testing.T) {
 // slot would skip to the poller (G9), saying why. Under --on-publish none
 // no skipped row is counted published, and every row reaches the stream.
 func TestSlotNotCreatedByRelayIsReplaced(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	h := newHarness(t, sharedSetup(t))
 	h.opts.Policy = store.PolicyNone
 	logs := &testenv.LogBuffer{}

@@ -106,6 +106,7 @@ func TestNoneWritesNothingPerPublishedRow(t *testing.T) {
 // poller marks each), the 2,000 stay as inserted, and nothing is stored
 // twice.
 func TestNoneSlotLossHandsOverOnlyUncovered(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	h := newHarness(t, sharedSetup(t))
 	h.opts.Policy = store.PolicyNone
 	h.start()

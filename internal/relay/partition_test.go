@@ -20,6 +20,7 @@ import (
 // confirmed past them. The poller path publishes a delayed row from a
 // partition too. The running relay makes the partitions ahead.
 func TestPartitionedTableStreams(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	s := sharedSetup(t)
 	ctx := context.Background()
 	conn, err := pgx.Connect(ctx, s.dbURL)

@@ -17,6 +17,7 @@ import (
 // row, of either state, still ends in the stream once. A publication made
 // before the filter keeps working and migrate's FilterPublication adds it.
 func TestPublicationStreamsReadyRowsOnly(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	h := newHarness(t, sharedSetup(t))
 	h.start()
 	ctx := context.Background()

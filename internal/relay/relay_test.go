@@ -86,6 +86,7 @@ func TestOrder103(t *testing.T) {
 // G2: a rolled-back insert is never published, even when the rows around it
 // are.
 func TestRollbackNeverPublished(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	h := newHarness(t, sharedSetup(t))
 	h.start()
 	ctx := context.Background()
@@ -107,6 +108,7 @@ func TestRollbackNeverPublished(t *testing.T) {
 
 // The delete policy removes each row once the broker acked it.
 func TestOnPublishDelete(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	h := newHarness(t, sharedSetup(t))
 	h.opts.Policy = "delete"
 	h.start()
@@ -122,6 +124,7 @@ func TestOnPublishDelete(t *testing.T) {
 // A graceful stop confirms the slot past everything acked, and a restart
 // publishes only what came after.
 func TestStopConfirmsAndRestartResumes(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	h := newHarness(t, sharedSetup(t))
 	h.start()
 	first := h.insertRows("a", 100, 10)

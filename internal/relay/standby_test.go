@@ -135,6 +135,7 @@ func TestStandbySlotHoldsDeliveryBack(t *testing.T) {
 // failover mode); after the restart the gated rows are delivered once the
 // standby catches up.
 func TestFastShutdownWhileGatedForStandby(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	env := testenv.Shared(t)
 	pg, err := testenv.StartPostgres(testenv.PostgresOptions{})
 	if err != nil {

@@ -21,6 +21,7 @@ import (
 // stream's 1 s duplicate window has passed: the new slot's backfill hands
 // over nothing, and nothing is stored again.
 func TestNoneCleanStopCoversEveryAckedRow(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	h := newHarness(t, sharedSetup(t))
 	h.opts.Policy = store.PolicyNone
 	h.opts.DuplicateWindow = time.Second
@@ -166,6 +167,7 @@ func TestNoneQuietOutboxCoversLastAcked(t *testing.T) {
 // and publishes nothing after it), and none it does not hold (G17's
 // safety: a covered row counts as published).
 func TestNoneCleanStopUnderLoadCoversExactlyTheStored(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	h := newHarness(t, sharedSetup(t))
 	h.opts.Policy = store.PolicyNone
 	h.start()
@@ -233,6 +235,7 @@ func TestNoneCleanStopUnderLoadCoversExactlyTheStored(t *testing.T) {
 // gone. A transaction still open at the stop (listed as running too, never
 // streamed) stays uncovered once it commits: G17's safety.
 func TestNoneCleanStopCoversARowAckedWhileInvisible(t *testing.T) {
+	t.Parallel() // a database, stream and slot of its own
 	env := testenv.Shared(t)
 	pg, err := testenv.StartPostgres(testenv.PostgresOptions{Conf: map[string]string{
 		"synchronous_standby_names": "ghost",
