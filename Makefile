@@ -76,7 +76,7 @@ setup:
 ## the lanes fill the slot the shorter one frees: 844-898 s. With the
 ## relay's long tests in parallel (TEST_PARALLEL) 762 s, the eight steps'
 ## own times adding up to 1,444 s while the machine's CPU was 55% busy on
-## average (vmstat, 7 December). Three at a time (TEST_JOBS=3) was tried
+## average (vmstat, 7 December); with forty of them in parallel, 659 s. Three at a time (TEST_JOBS=3) was tried
 ## and is not the default: on the loaded machine chaos-short stored 46 rows
 ## 105-122 ms past their deadlines, outside every fault's window (the time
 ## from the relay's last deadline check to the broker's store exceeded the

@@ -17,7 +17,6 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
 	"github.com/outbox-relay/outbox-relay/internal/poller"
-	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/internal/wire"
@@ -27,7 +26,7 @@ import (
 
 func TestMain(m *testing.M) { testenv.Main(m) }
 
-var table = store.Table{Schema: "public", Name: "outbox"}
+var table = testenv.OutboxTable
 
 type fixture struct {
 	t      testing.TB
@@ -47,34 +46,9 @@ func newFixture(t testing.TB) *fixture {
 // newFixtureOn is newFixture on the database at dbURL.
 func newFixtureOn(t testing.TB, dbURL string) *fixture {
 	t.Helper()
-	ctx := context.Background()
-	env := testenv.Shared(t)
-	f := &fixture{t: t, dbURL: dbURL}
-	f.stream, f.prefix = env.StreamName(t)
-	var err error
-	f.pool, err = pgxpool.New(ctx, f.dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(f.pool.Close)
-	conn, err := f.pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := schema.Migrate(ctx, conn.Conn(), table); err != nil {
-		t.Fatal(err)
-	}
-	conn.Release()
-	f.nc, err = nats.Connect(env.NATS.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(f.nc.Close)
-	f.js, err = jetstream.New(f.nc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, _, err := natssink.EnsureStream(ctx, f.js, natssink.StreamConfig{Name: f.stream, SubjectPrefix: f.prefix, DuplicateWindow: 2 * time.Minute}); err != nil {
+	fx := testenv.NewFixtureOn(t, dbURL, testenv.Shared(t).NATS.URL())
+	f := &fixture{t: t, dbURL: dbURL, prefix: fx.Prefix, stream: fx.Stream, pool: fx.Pool, nc: fx.NC, js: fx.JS}
+	if _, _, err := natssink.EnsureStream(context.Background(), f.js, natssink.StreamConfig{Name: f.stream, SubjectPrefix: f.prefix, DuplicateWindow: 2 * time.Minute}); err != nil {
 		t.Fatal(err)
 	}
 	return f

@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -19,7 +18,6 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/app"
 	"github.com/outbox-relay/outbox-relay/internal/relay"
-	"github.com/outbox-relay/outbox-relay/internal/schema"
 	"github.com/outbox-relay/outbox-relay/internal/store"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -53,12 +51,11 @@ type setup struct {
 // relay.
 func newHarness(t testing.TB, s setup) *harness {
 	t.Helper()
-	ctx := context.Background()
 	h := &harness{t: t, dbURL: s.dbURL, natsURL: s.natsURL}
 	h.opts = app.Options{
 		DatabaseURL:      s.dbURL,
 		NATSURL:          s.natsURL,
-		Table:            store.Table{Schema: "public", Name: "outbox"},
+		Table:            testenv.OutboxTable,
 		Slot:             slotFor(t),
 		Publication:      "outbox_relay",
 		Stream:           s.stream,
@@ -75,28 +72,8 @@ func newHarness(t testing.TB, s setup) *harness {
 		BackoffMax:       50 * time.Millisecond,
 		Lease:            5 * time.Second,
 	}
-	conn, err := pgx.Connect(ctx, s.dbURL)
-	if err != nil {
-		t.Fatalf("connect: %v", err)
-	}
-	defer conn.Close(ctx)
-	if _, err := schema.Migrate(ctx, conn, h.opts.Table); err != nil {
-		t.Fatalf("migrate: %v", err)
-	}
-	h.pool, err = pgxpool.New(ctx, s.dbURL)
-	if err != nil {
-		t.Fatalf("pool: %v", err)
-	}
-	t.Cleanup(h.pool.Close)
-	h.nc, err = nats.Connect(s.natsURL, nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
-	if err != nil {
-		t.Fatalf("nats: %v", err)
-	}
-	t.Cleanup(h.nc.Close)
-	h.js, err = jetstream.New(h.nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	fx := testenv.NewFixtureOn(t, s.dbURL, s.natsURL, nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	h.pool, h.nc, h.js = fx.Pool, fx.NC, fx.JS
 	return h
 }
 

@@ -116,6 +116,13 @@ var OutboxTable = store.Table{Schema: "public", Name: "outbox"}
 func (p *Postgres) CreateOutboxDatabase(t testing.TB) string {
 	t.Helper()
 	url := p.CreateDatabase(t)
+	migrateOutbox(t, url)
+	return url
+}
+
+// migrateOutbox migrates OutboxTable in the database at url.
+func migrateOutbox(t testing.TB, url string) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	conn, err := pgx.Connect(ctx, url)
@@ -126,7 +133,6 @@ func (p *Postgres) CreateOutboxDatabase(t testing.TB) string {
 	if _, err := schema.Migrate(ctx, conn, OutboxTable); err != nil {
 		t.Fatalf("testenv: migrate %s: %v", url, err)
 	}
-	return url
 }
 
 // dropDatabase is lenient about an unreachable server, because fault tests

@@ -20,6 +20,10 @@
 //		...
 //	}
 //
+// NewFixture adds to that the outbox table migrated, a pool, a NATS
+// connection and its JetStream context: what the delivery paths' tests
+// start from.
+//
 // Tests that stop, kill or restart a server must start their own with
 // StartPostgres or StartNATS, since doing it to the shared servers would break
 // the tests running alongside.
