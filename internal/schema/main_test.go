@@ -1,7 +1,6 @@
 package schema_test
 
 import (
-	"context"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -11,12 +10,4 @@ import (
 
 func TestMain(m *testing.M) { testenv.Main(m) }
 
-func connect(t *testing.T, url string) *pgx.Conn {
-	t.Helper()
-	conn, err := pgx.Connect(context.Background(), url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close(context.Background()) })
-	return conn
-}
+func connect(t *testing.T, url string) *pgx.Conn { return testenv.Connect(t, url) }

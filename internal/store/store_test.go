@@ -15,15 +15,7 @@ import (
 
 func TestMain(m *testing.M) { testenv.Main(m) }
 
-func connect(t *testing.T, url string) *pgx.Conn {
-	t.Helper()
-	conn, err := pgx.Connect(context.Background(), url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close(context.Background()) })
-	return conn
-}
+func connect(t *testing.T, url string) *pgx.Conn { return testenv.Connect(t, url) }
 
 // Two processes migrating at once both succeed, and the second run applies
 // nothing; an odd schema and table name are quoted everywhere.

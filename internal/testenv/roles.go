@@ -30,9 +30,15 @@ func OwnerRole(t *testing.T, super *pgx.Conn, dbURL, role string) *pgx.Conn {
 		t.Fatal(err)
 	}
 	u.User = url.User(role)
-	conn, err := pgx.Connect(ctx, u.String())
+	return Connect(t, u.String())
+}
+
+// Connect opens a connection to url, closed when the test ends.
+func Connect(t testing.TB, url string) *pgx.Conn {
+	t.Helper()
+	conn, err := pgx.Connect(context.Background(), url)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("connect: %v", err)
 	}
 	t.Cleanup(func() { conn.Close(context.Background()) })
 	return conn
